@@ -1,0 +1,257 @@
+"""Power-limit search vs. Zeus' exhaustive sweep, on trace-driven simulated GPUs.
+
+For every (workload, batch size) of each power trace and every selector, a
+:class:`~lightning_energy.optimize.power_limit.PowerLimitOptimizer` profiles a simulated GPU
+that replays the trace with per-step noise on time and power. The loop is the controller's:
+ask for a window, apply its limit, run its settle steps, read the GPU's energy counter and
+the virtual clock, run the measured steps, read them again, report time and energy per step.
+
+The chosen limit is then scored on the noiseless trace against the brute-force optimum over
+the same 25 W grid, with the selector's own cost (energy for ``max_slowdown`` and
+``target_time``): the gap is ``cost(chosen) / cost(optimum) - 1``. A row passes when the gap
+is at most the tolerance (1 %); for the constrained selectors a time more than 1 % over the
+bound is a failure (gap = inf), and times over the bound at all are counted separately as
+``strict_violations``. Steps are compared with Zeus' sweep: 10 warm-up and 40 profiled
+steps at every limit (50 per limit).
+
+After each ``cost`` run, the finished profile is also re-selected (no new steps) with
+``target_time`` selectors at 8 targets spread from the fastest to the slowest step time of
+the trace, as the carbon policy does; ``reselect_*`` totals score those choices the same way.
+
+Usage::
+
+    python benchmarks/power_limit_search.py                 # A40 and V100 traces
+    python benchmarks/power_limit_search.py --seed 0 --seed 1 --json
+    python benchmarks/power_limit_search.py --power-trace my_trace.csv --noise-std 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_energy.device.simulated import SimulatedSpec, simulated_gpus
+from lightning_energy.device.traces import PowerTrace, TraceModel
+from lightning_energy.optimize.power_limit import PowerLimitOptimizer
+from lightning_energy.optimize.selectors import Measurement, Selector, make_selector
+
+TOLERANCE = 0.01
+ZEUS_STEPS_PER_LIMIT = 50  # 10 warm-up + 40 profiled steps (Zeus' defaults)
+GRID_STEP_W = 25.0
+RESELECT_TARGETS = 8
+
+
+@dataclass(frozen=True)
+class Row:
+    """One optimizer run."""
+
+    trace: str
+    workload: str
+    batch_size: int
+    selector: str
+    seed: int
+    chosen_w: float
+    optimum_w: float
+    gap: float
+    strict_violation: bool
+    profiled_steps: int
+    exhaustive_steps: int
+    reselect_max_gap: float | None
+
+    @property
+    def passed(self) -> bool:
+        return self.gap <= TOLERANCE
+
+
+def candidates_w(lo_w: float, hi_w: float) -> list[float]:
+    """Every 25 W from the highest limit down to the lowest, as the controller's default."""
+    count = int((hi_w - lo_w) // GRID_STEP_W) + 1
+    return [hi_w - i * GRID_STEP_W for i in range(count)]
+
+
+def true_profile(model: TraceModel, limits_w: Sequence[float]) -> list[Measurement]:
+    """Noiseless time and energy per step at each limit."""
+    t0_s, share = model.step_work()
+    profile = []
+    for limit_w in limits_w:
+        duration_s, power_w = model.run(t0_s, share, limit_w, None)
+        profile.append(Measurement(limit_w, duration_s, duration_s * power_w, steps=0))
+    return profile
+
+
+def gap_of(selector: Selector, profile: Sequence[Measurement], limit_w: float, slack: float) -> float:
+    """The selector's gap of ``limit_w`` in ``profile`` (inf: breaks its time constraint)."""
+    limits = np.array([m.power_limit_w for m in profile])
+    gaps = selector.gaps(
+        limits,
+        np.array([[m.time_per_step_s for m in profile]]),
+        np.array([[m.energy_per_step_j for m in profile]]),
+        max_power_limit_w=float(limits.max()),
+        num_gpus=1,
+        time_slack=slack,
+    )
+    return float(gaps[0, int(np.flatnonzero(limits == limit_w)[0])])
+
+
+def selectors_for(profile: Sequence[Measurement]) -> list[Selector]:
+    fastest_s = min(m.time_per_step_s for m in profile)
+    return [
+        make_selector("energy"),
+        make_selector("time"),
+        make_selector("cost", eta=0.5),
+        make_selector("max_slowdown", max_slowdown=1.1),
+        make_selector("target_time", target_time_s=1.2 * fastest_s),
+    ]
+
+
+def run_search(
+    spec: SimulatedSpec, selector: Selector, seed: int, **options: Any
+) -> tuple[PowerLimitOptimizer, list[float]]:
+    """Drive an optimizer on a simulated GPU the way the controller does."""
+    (gpu,) = simulated_gpus(spec)
+    lo_w, hi_w = gpu.power_limit_constraints_w()
+    limits = candidates_w(lo_w, hi_w)
+    optimizer = PowerLimitOptimizer(limits, selector, num_gpus=1, seed=seed, **options)
+    while (window := optimizer.next_window()) is not None:
+        gpu.set_power_limit_w(window.power_limit_w)
+        gpu.run_step(window.settle_steps)
+        if window.measure_steps == 0:
+            optimizer.report(window, time_per_step_s=0.0, energy_per_step_j=0.0)
+            continue
+        start_s, start_j = gpu.clock.now(), gpu.energy_j()
+        gpu.run_step(window.measure_steps)
+        optimizer.report(
+            window,
+            time_per_step_s=(gpu.clock.now() - start_s) / window.measure_steps,
+            energy_per_step_j=(gpu.energy_j() - start_j) / window.measure_steps,
+        )
+    return optimizer, limits
+
+
+def reselect_max_gap(optimizer: PowerLimitOptimizer, truth: Sequence[Measurement]) -> float:
+    """Worst gap of re-selections with target_time selectors across the trace's range."""
+    times = [m.time_per_step_s for m in truth]
+    worst = 0.0
+    for target_s in np.linspace(min(times), max(times), RESELECT_TARGETS):
+        selector = make_selector("target_time", target_time_s=float(target_s))
+        chosen_w = optimizer.reselect(selector)
+        worst = max(worst, gap_of(selector, truth, chosen_w, TOLERANCE))
+    return worst
+
+
+def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[Row]:
+    trace = PowerTrace.load(trace_name)
+    rows = []
+    for dataset, network, batch_size in trace.workloads():
+        for seed in seeds:
+            spec = SimulatedSpec(
+                gpu=trace_name,
+                workload=f"{dataset}/{network}",
+                batch_size=batch_size,
+                noise_std=noise_std,
+                seed=seed,
+            )
+            model = spec.model()
+            assert isinstance(model, TraceModel)
+            limits = candidates_w(model.min_power_limit_w, model.max_power_limit_w)
+            truth = true_profile(model, limits)
+            for selector in selectors_for(truth):
+                optimizer, limits = run_search(spec, selector, seed)
+                chosen_w = optimizer.chosen_power_limit_w
+                assert chosen_w is not None
+                optimum = selector.select(truth, max_power_limit_w=limits[0], num_gpus=1)
+                rows.append(
+                    Row(
+                        trace=trace_name,
+                        workload=f"{dataset}/{network}",
+                        batch_size=batch_size,
+                        selector=selector.describe(),
+                        seed=seed,
+                        chosen_w=chosen_w,
+                        optimum_w=optimum.power_limit_w,
+                        gap=gap_of(selector, truth, chosen_w, TOLERANCE),
+                        strict_violation=gap_of(selector, truth, chosen_w, 0.0) == float("inf"),
+                        profiled_steps=optimizer.profiled_steps(),
+                        exhaustive_steps=ZEUS_STEPS_PER_LIMIT * len(limits),
+                        reselect_max_gap=reselect_max_gap(optimizer, truth)
+                        if selector.name == "cost"
+                        else None,
+                    )
+                )
+    return rows
+
+
+def totals(rows: Sequence[Row]) -> dict[str, Any]:
+    profiled = sum(r.profiled_steps for r in rows)
+    exhaustive = sum(r.exhaustive_steps for r in rows)
+    reselect = [r.reselect_max_gap for r in rows if r.reselect_max_gap is not None]
+    return {
+        "rows": len(rows),
+        "failures": sum(not r.passed for r in rows),
+        "strict_violations": sum(r.strict_violation for r in rows),
+        "max_cost_gap": max(r.gap for r in rows),
+        "median_cost_gap": float(np.median([r.gap for r in rows])),
+        "profiled_steps": profiled,
+        "exhaustive_steps": exhaustive,
+        "profiled_fraction": profiled / exhaustive,
+        "max_row_profiled_fraction": max(r.profiled_steps / r.exhaustive_steps for r in rows),
+        "reselect_checks": len(reselect) * RESELECT_TARGETS,
+        "reselect_max_gap": max(reselect) if reselect else None,
+        "reselect_failures": sum(g > TOLERANCE for g in reselect),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--power-trace",
+        action="append",
+        help="shipped trace name (a40, v100) or Zeus-format CSV path; repeatable "
+        "(default: a40 and v100)",
+    )
+    parser.add_argument("--noise-std", type=float, default=0.03, help="relative noise per step")
+    parser.add_argument("--seed", type=int, action="append", help="noise/optimizer seed; repeatable")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    traces = args.power_trace or ["a40", "v100"]
+    seeds = args.seed or [0]
+    started = time.perf_counter()
+    rows = [row for name in traces for row in run_trace(name, args.noise_std, seeds)]
+    summary = totals(rows)
+    summary["wall_s"] = time.perf_counter() - started
+    config = {"traces": traces, "noise_std": args.noise_std, "seeds": seeds, "tolerance": TOLERANCE}
+    if args.json:
+        out = {"config": config, "rows": [r.__dict__ for r in rows], "totals": summary}
+        json.dump(out, sys.stdout, default=str)
+        print()
+        return 0
+    header = (
+        f"{'gpu':<12} {'workload':<32} {'batch':>5} {'selector':<32} {'seed':>4} "
+        f"{'chosen':>6} {'optimum':>7} {'gap':>7} {'steps':>5} {'sweep':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        gap = "inf" if r.gap == float("inf") else f"{100 * r.gap:6.2f}%"
+        flag = "" if r.passed else "  FAIL"
+        print(
+            f"{r.trace:<12} {r.workload:<32} {r.batch_size:>5} {r.selector:<32} {r.seed:>4} "
+            f"{r.chosen_w:>6.0f} {r.optimum_w:>7.0f} {gap:>7} {r.profiled_steps:>5} "
+            f"{r.exhaustive_steps:>5}{flag}"
+        )
+    print()
+    print(f"config: {config}")
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    return 0 if summary["failures"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

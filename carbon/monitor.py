@@ -1,0 +1,352 @@
+"""CarbonMonitor: poll a provider in the background, answer instantly from memory.
+
+An APScheduler ``BackgroundScheduler`` job polls the provider every ``poll_interval_s``
+(the first poll right after :meth:`CarbonMonitor.start`, in the background) and keeps the
+latest value, the forecast and the values seen so far. :meth:`CarbonMonitor.latest` never
+touches the network: it reads memory under a lock held for microseconds.
+
+When polls fail, the last good value is served (status ``stale``) until it is
+``max_staleness_s`` old; then the fallback (status ``fallback``): a constant, or a daily
+profile learnt from the values seen so far. One WARNING is logged when an outage starts
+and one INFO when it ends, however many polls fail in between.
+
+Example:
+    >>> from carbon.providers.constant import ConstantProvider
+    >>> with CarbonMonitor(ConstantProvider(120.0), poll_interval_s=60) as monitor:
+    ...     reading = monitor.poll_now()
+    >>> reading.intensity_g_per_kwh, reading.status.value
+    (120.0, 'fresh')
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from types import TracebackType
+from typing import Literal
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from carbon.errors import CarbonConfigError
+from carbon.forecast import DailyProfileForecaster, step_of
+from carbon.providers.base import CarbonProvider
+from carbon.types import IntensityPoint, Reading, ReadingStatus
+
+__all__ = ["CarbonMonitor"]
+
+logger = logging.getLogger(__name__)
+
+
+class CarbonMonitor:
+    """Keep the grid carbon intensity of one provider up to date, off the caller's thread.
+
+    Args:
+        provider: where values come from.
+        poll_interval_s: seconds between polls (> 0; small values such as 0.05 are fine).
+        max_staleness_s: how long the last good value is served during an outage
+            (>= ``poll_interval_s``), measured on ``clock``.
+        fallback: after that, ``"constant"`` serves ``fallback_g_per_kwh``; ``"daily"``
+            serves a daily profile learnt from the values seen so far (the constant while
+            none were seen).
+        fallback_g_per_kwh: the constant fallback (>= 0).
+        forecast_horizon_s: how far ahead to fetch the forecast at each poll; 0 disables.
+        history_window_s: how much of the values seen is kept (by their time).
+        seed_history_s: at the first successful poll, also fetch this much history from
+            the provider (feeds the daily fallback and forecasters); 0 disables.
+        clock: seconds since the epoch; the wall clock by default, a simulated job's
+            virtual clock in replays. Ages and the daily fallback use it; the polling
+            cadence is wall-clock time.
+
+    Raises:
+        CarbonConfigError: on out-of-range arguments.
+    """
+
+    def __init__(
+        self,
+        provider: CarbonProvider,
+        poll_interval_s: float = 900.0,
+        max_staleness_s: float = 7200.0,
+        fallback: Literal["constant", "daily"] = "constant",
+        fallback_g_per_kwh: float = 400.0,
+        forecast_horizon_s: float = 48 * 3600.0,
+        history_window_s: float = 7 * 86400.0,
+        seed_history_s: float = 24 * 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        problems = []
+        if not poll_interval_s > 0:
+            problems.append(f"poll_interval_s must be > 0; got {poll_interval_s!r}")
+        if not max_staleness_s >= poll_interval_s:
+            problems.append(
+                f"max_staleness_s must be >= poll_interval_s ({poll_interval_s!r}); "
+                f"got {max_staleness_s!r}"
+            )
+        if fallback not in ("constant", "daily"):
+            problems.append(f"fallback must be 'constant' or 'daily'; got {fallback!r}")
+        if not fallback_g_per_kwh >= 0:
+            problems.append(f"fallback_g_per_kwh must be >= 0; got {fallback_g_per_kwh!r}")
+        if forecast_horizon_s < 0 or history_window_s <= 0 or seed_history_s < 0:
+            problems.append(
+                "forecast_horizon_s and seed_history_s must be >= 0 and history_window_s > 0"
+            )
+        if problems:
+            raise CarbonConfigError("; ".join(problems))
+        self.provider = provider
+        self.poll_interval_s = float(poll_interval_s)
+        self.max_staleness_s = float(max_staleness_s)
+        self.fallback = fallback
+        self.fallback_g_per_kwh = float(fallback_g_per_kwh)
+        self.forecast_horizon_s = float(forecast_horizon_s)
+        self.history_window_s = float(history_window_s)
+        self.seed_history_s = float(seed_history_s)
+        self._clock = clock
+        self._lifecycle_lock = threading.Lock()
+        self._poll_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._scheduler: BackgroundScheduler | None = None
+        self._last_good: IntensityPoint | None = None
+        self._last_good_at: float | None = None
+        self._forecast: list[IntensityPoint] = []
+        self._history: dict[datetime, IntensityPoint] = {}
+        self._profile: DailyProfileForecaster | None = None
+        self._outage_since: float | None = None
+        self._failed_polls = 0
+        self._forecast_failing = False
+        self._seeded = seed_history_s == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"CarbonMonitor(provider={self.provider!r}, poll_interval_s={self.poll_interval_s:g}, "
+            f"running={self.running})"
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the background polling job is scheduled."""
+        return self._scheduler is not None
+
+    def start(self) -> CarbonMonitor:
+        """Start polling in the background (the first poll runs at once); idempotent.
+
+        Returns:
+            ``self``.
+        """
+        with self._lifecycle_lock:
+            if self._scheduler is not None:
+                return self
+            scheduler = BackgroundScheduler(
+                executors={
+                    "default": ThreadPoolExecutor(
+                        1, pool_kwargs={"thread_name_prefix": "carbon-monitor"}
+                    )
+                },
+                job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+                timezone=timezone.utc,
+            )
+            scheduler.add_job(
+                self._poll_job,
+                IntervalTrigger(seconds=self.poll_interval_s, timezone=timezone.utc),
+                next_run_time=datetime.now(timezone.utc),
+                id="carbon-monitor-poll",
+                name=f"poll {self.provider.name}",
+            )
+            scheduler.start()
+            self._scheduler = scheduler
+            logger.debug("carbon monitor started: %r", self)
+            return self
+
+    def stop(self) -> None:
+        """Stop polling and wait for the scheduler's threads to end; idempotent.
+
+        An in-flight poll is waited for (bounded by the provider's timeouts).
+        """
+        with self._lifecycle_lock:
+            scheduler, self._scheduler = self._scheduler, None
+            if scheduler is not None:
+                scheduler.shutdown(wait=True)
+                logger.debug("carbon monitor stopped")
+
+    def __enter__(self) -> CarbonMonitor:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- answers (memory only) -------------------------------------------------------
+
+    def latest(self) -> Reading:
+        """The intensity to use now, from memory; never waits for the network.
+
+        Returns:
+            A fresh value, the last good one while it is younger than ``max_staleness_s``
+            (stale), or the fallback.
+        """
+        now_s = self._clock()
+        with self._state_lock:
+            point, good_at = self._last_good, self._last_good_at
+            outage = self._outage_since is not None
+            age_s = None if good_at is None else max(0.0, now_s - good_at)
+            if point is not None and age_s is not None and age_s <= self.max_staleness_s:
+                status = ReadingStatus.STALE if outage else ReadingStatus.FRESH
+                return Reading(point.intensity_g_per_kwh, point.time, status, point.source, age_s)
+            profile = self._daily_profile() if self.fallback == "daily" else None
+        if profile is not None:
+            when = datetime.fromtimestamp(now_s, tz=timezone.utc)
+            value = profile.predict([when])[0]
+            return Reading(value, when, ReadingStatus.FALLBACK, "fallback:daily", age_s)
+        return Reading(
+            self.fallback_g_per_kwh, None, ReadingStatus.FALLBACK, "fallback:constant", age_s
+        )
+
+    def forecast(self) -> list[IntensityPoint]:
+        """The last forecast fetched, without the intervals already over (oldest first)."""
+        now_s = self._clock()
+        with self._state_lock:
+            points = list(self._forecast)
+        if not points:
+            return []
+        step_s = step_of(points)
+        return [p for p in points if p.time.timestamp() + step_s > now_s]
+
+    def history(self) -> list[IntensityPoint]:
+        """The values seen so far (and the seeded history), oldest first, within
+        ``history_window_s``."""
+        with self._state_lock:
+            return sorted(self._history.values(), key=lambda p: p.time)
+
+    @property
+    def in_outage(self) -> bool:
+        """Whether the last poll failed."""
+        with self._state_lock:
+            return self._outage_since is not None
+
+    # -- polling ---------------------------------------------------------------------
+
+    def poll_now(self) -> Reading:
+        """Poll the provider on the calling thread, then answer like :meth:`latest`.
+
+        For command lines and tests; a training loop reads :meth:`latest` instead.
+        """
+        self._poll()
+        return self.latest()
+
+    def _poll_job(self) -> None:
+        try:
+            self._poll()
+        except Exception:  # never let a bug kill the background job silently
+            logger.exception("carbon monitor: unexpected error while polling")
+
+    def _poll(self) -> None:
+        with self._poll_lock:
+            try:
+                point = self.provider.latest()
+            except Exception as exc:
+                self._record_failure(exc)
+                return
+            forecast = self._fetch_forecast()
+            seeded = self._fetch_seed()
+            now_s = self._clock()
+            with self._state_lock:
+                recovered_after = self._outage_since
+                failed, self._failed_polls = self._failed_polls, 0
+                self._outage_since = None
+                self._last_good, self._last_good_at = point, now_s
+                if forecast is not None:
+                    self._forecast = forecast
+                for p in [*seeded, point]:
+                    self._history[p.time] = p
+                self._trim_history(point.time.timestamp())
+                self._profile = None
+            if recovered_after is not None:
+                logger.info(
+                    "carbon intensity from %s available again after %.0f s (%d failed polls): "
+                    "%.1f gCO2eq/kWh",
+                    self.provider.name,
+                    now_s - recovered_after,
+                    failed,
+                    point.intensity_g_per_kwh,
+                )
+
+    def _record_failure(self, exc: Exception) -> None:
+        now_s = self._clock()
+        with self._state_lock:
+            starting = self._outage_since is None
+            if starting:
+                self._outage_since = now_s
+            self._failed_polls += 1
+            last = self._last_good
+        if not starting:
+            logger.debug("carbon intensity poll failed again: %s", exc)
+            return
+        if last is not None:
+            then = (
+                f"keeping the last value ({last.intensity_g_per_kwh:.1f} gCO2eq/kWh) for up "
+                f"to {self.max_staleness_s:.0f} s, then the {self.fallback} fallback"
+            )
+        else:
+            then = f"using the {self.fallback} fallback"
+        logger.warning(
+            "carbon intensity from %s unavailable (%s: %s); %s",
+            self.provider.name,
+            type(exc).__name__,
+            exc,
+            then,
+        )
+
+    def _fetch_forecast(self) -> list[IntensityPoint] | None:
+        if self.forecast_horizon_s <= 0:
+            return None
+        try:
+            points = self.provider.forecast(self.forecast_horizon_s)
+        except Exception as exc:
+            if not self._forecast_failing:
+                self._forecast_failing = True
+                logger.warning(
+                    "carbon intensity forecast from %s unavailable (%s: %s); keeping the "
+                    "previous one",
+                    self.provider.name,
+                    type(exc).__name__,
+                    exc,
+                )
+            return None
+        if self._forecast_failing:
+            self._forecast_failing = False
+            logger.info("carbon intensity forecast from %s available again", self.provider.name)
+        return points
+
+    def _fetch_seed(self) -> list[IntensityPoint]:
+        if self._seeded:
+            return []
+        self._seeded = True
+        now = datetime.fromtimestamp(self._clock(), tz=timezone.utc)
+        start = datetime.fromtimestamp(now.timestamp() - self.seed_history_s, tz=timezone.utc)
+        try:
+            return self.provider.history(start, now)
+        except Exception as exc:
+            logger.debug("no history to seed from %s: %s", self.provider.name, exc)
+            return []
+
+    def _trim_history(self, newest_s: float) -> None:
+        cutoff_s = newest_s - self.history_window_s
+        for t in [t for t in self._history if t.timestamp() < cutoff_s]:
+            del self._history[t]
+
+    def _daily_profile(self) -> DailyProfileForecaster | None:
+        """The daily profile of the history seen (cached until the next good poll);
+        call with the state lock held."""
+        if self._profile is None and self._history:
+            points = list(self._history.values())
+            self._profile = DailyProfileForecaster(source="fallback:daily").fit(points)
+        return self._profile

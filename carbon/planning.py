@@ -1,0 +1,375 @@
+"""The maths of carbon-aware pacing: the energy-time frontier and the least-carbon schedule.
+
+A training job is characterised by its operating points (e.g. one per GPU power limit):
+the time and the energy of one step at that point. Switching between two points during an
+interval ("time sharing") achieves any mix of them, so the points that matter are those on
+the lower convex hull of the (time, energy) cloud between the fastest point and the one of
+least energy; a point above that hull costs more energy than a mix of its neighbours at the
+same speed, and a point slower than the least-energy one costs more time *and* energy.
+
+In rate space the same hull is a convex, piecewise-linear power curve ``P(r)`` (power in W
+against steps per second). Over intervals ``t`` of duration ``D_t`` and carbon intensity
+``I_t`` a schedule doing ``n_t`` steps in interval ``t`` emits ``sum_t I_t * D_t *
+P(n_t / D_t)``. Minimising that subject to ``sum_t n_t = N`` is a separable convex
+problem: the marginal cost of a step in interval ``t`` on hull segment ``j`` is
+``I_t * s_j`` (``s_j`` the slope of the curve, joules per step), so filling the cheapest
+(interval, segment) pairs first is optimal (an exact greedy; the linear-programming
+formulation has the same optimum). :func:`plan_steps` implements it, with or without
+pausing allowed.
+
+Example:
+    >>> hull = frontier_from_profile([(1.0, 300.0), (1.2, 220.0), (1.1, 280.0), (2.0, 260.0)])
+    >>> [p.time_per_step_s for p in hull]
+    [1.0, 1.2]
+    >>> plan = plan_steps([500.0, 100.0], [3600.0, 3600.0], 3000, hull, allow_pause=True)
+    >>> [round(n) for n in plan.steps]
+    [0, 3000]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import numpy as np
+import numpy.typing as npt
+
+from carbon.errors import CarbonConfigError
+from carbon.types import as_utc
+
+__all__ = [
+    "OperatingPoint",
+    "Schedule",
+    "deadline_from_max_slowdown",
+    "energy_per_step_j",
+    "frontier_from_profile",
+    "plan_steps",
+]
+
+FloatArray = npt.NDArray[np.float64]
+
+_J_PER_KWH = 3.6e6
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """One way to run a training step: its time and energy (e.g. at one power limit).
+
+    Attributes:
+        time_per_step_s: seconds per step at this point (> 0).
+        energy_per_step_j: joules per step at this point (> 0).
+        label: a name for reports, e.g. ``"250 W"``.
+
+    Raises:
+        CarbonConfigError: if a value is not finite and positive.
+    """
+
+    time_per_step_s: float
+    energy_per_step_j: float
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"frontier: {name} must be a finite number > 0; got {value!r}"
+            for name, value in (
+                ("time_per_step_s", self.time_per_step_s),
+                ("energy_per_step_j", self.energy_per_step_j),
+            )
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)
+        ]
+        if problems:
+            raise CarbonConfigError(problems)
+        object.__setattr__(self, "time_per_step_s", float(self.time_per_step_s))
+        object.__setattr__(self, "energy_per_step_j", float(self.energy_per_step_j))
+
+    @property
+    def power_w(self) -> float:
+        """Average power drawn at this point."""
+        return self.energy_per_step_j / self.time_per_step_s
+
+
+def frontier_from_profile(
+    points: Iterable[OperatingPoint | tuple[float, float]],
+) -> tuple[OperatingPoint, ...]:
+    """Keep the points a time-sharing schedule may ever use: the convex Pareto frontier.
+
+    A point is dropped when another is at least as fast with no more energy (dominated),
+    or when it lies on or above the segment joining two others (a mix of those two is as
+    fast and uses less energy). What remains runs from the fastest point to the point of
+    least energy, with energy decreasing and the marginal saving of slowing down shrinking.
+
+    Args:
+        points: operating points, or ``(time_per_step_s, energy_per_step_j)`` pairs.
+
+    Returns:
+        The frontier, fastest first.
+
+    Raises:
+        CarbonConfigError: if ``points`` is empty or holds a non-positive value.
+
+    Example:
+        >>> [p.energy_per_step_j for p in frontier_from_profile([(1, 9), (2, 5), (3, 4), (4, 6)])]
+        [9.0, 5.0, 4.0]
+    """
+    pts = [p if isinstance(p, OperatingPoint) else OperatingPoint(*p) for p in points]
+    if not pts:
+        raise CarbonConfigError("frontier: at least one operating point is needed; got none")
+    pts.sort(key=lambda p: (p.time_per_step_s, p.energy_per_step_j))
+    efficient: list[OperatingPoint] = []
+    for p in pts:
+        if not efficient or p.energy_per_step_j < efficient[-1].energy_per_step_j:
+            efficient.append(p)
+    hull: list[OperatingPoint] = []
+    for p in efficient:
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) <= 0.0:
+            hull.pop()
+        hull.append(p)
+    return tuple(hull)
+
+
+def _turn(o: OperatingPoint, a: OperatingPoint, b: OperatingPoint) -> float:
+    """Positive when ``o -> a -> b`` turns left in the (time, energy) plane (``a`` below
+    the chord ``o b``), relative to the scale of the points so that rounding counts as 0."""
+    ax, ay = a.time_per_step_s - o.time_per_step_s, a.energy_per_step_j - o.energy_per_step_j
+    bx, by = b.time_per_step_s - o.time_per_step_s, b.energy_per_step_j - o.energy_per_step_j
+    cross = ax * by - ay * bx
+    return 0.0 if abs(cross) <= 1e-12 * (abs(ax * by) + abs(ay * bx)) else cross
+
+
+def energy_per_step_j(frontier: Sequence[OperatingPoint], time_per_step_s: float) -> float:
+    """Energy of a step run at ``time_per_step_s`` by time sharing between frontier points.
+
+    Args:
+        frontier: the convex frontier (:func:`frontier_from_profile`), fastest first.
+        time_per_step_s: the target; clipped to the frontier's range (a slower target is
+            met by the least-energy point, which then finishes early).
+
+    Returns:
+        Joules per step, interpolated linearly between the two neighbouring points.
+    """
+    times = [p.time_per_step_s for p in frontier]
+    energies = [p.energy_per_step_j for p in frontier]
+    return float(np.interp(time_per_step_s, times, energies))
+
+
+def deadline_from_max_slowdown(
+    start: datetime, total_steps: int, fastest_time_per_step_s: float, max_slowdown: float
+) -> datetime:
+    """The deadline a job may take when it may run ``max_slowdown`` times longer than at
+    full speed.
+
+    Args:
+        start: when the job starts (naive means UTC).
+        total_steps: the steps of the whole job.
+        fastest_time_per_step_s: seconds per step at full speed.
+        max_slowdown: the allowed factor (>= 1); 1.25 means 25 % longer than full speed.
+
+    Returns:
+        ``start + total_steps * fastest_time_per_step_s * max_slowdown``, in UTC.
+
+    Raises:
+        CarbonConfigError: on a factor below 1, negative steps or a non-positive time.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> deadline_from_max_slowdown(datetime(2023, 1, 1, tzinfo=timezone.utc), 3600, 1.0,
+        ...                            1.5).isoformat()
+        '2023-01-01T01:30:00+00:00'
+    """
+    problems = []
+    if not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
+        problems.append(f"max_slowdown: must be a number >= 1; got {max_slowdown!r}")
+    if total_steps < 0:
+        problems.append(f"total_steps: must be >= 0; got {total_steps!r}")
+    if not (math.isfinite(fastest_time_per_step_s) and fastest_time_per_step_s > 0):
+        problems.append(
+            f"fastest_time_per_step_s: must be a number > 0; got {fastest_time_per_step_s!r}"
+        )
+    if problems:
+        raise CarbonConfigError(problems)
+    duration_s = total_steps * fastest_time_per_step_s * max_slowdown
+    return as_utc(start) + timedelta(seconds=duration_s)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The least-carbon way to do the remaining steps over a sequence of intervals.
+
+    Attributes:
+        steps: steps planned in each interval.
+        energy_j: energy used in each interval (idle power while paused included).
+        emissions_g: planned grams of CO2-equivalent, ``sum(intensity * energy)``.
+        feasible: False when even full speed in every interval cannot do the work; the
+            schedule then runs at full speed everywhere.
+    """
+
+    steps: FloatArray
+    energy_j: FloatArray
+    emissions_g: float
+    feasible: bool
+
+
+@dataclass(frozen=True)
+class _PowerCurve:
+    """The convex power-versus-rate curve of a frontier, as hull vertices."""
+
+    rates: FloatArray
+    powers_w: FloatArray
+
+    @classmethod
+    def of(cls, frontier: Sequence[OperatingPoint], idle_power_w: float | None) -> _PowerCurve:
+        """Vertices by increasing rate; with ``idle_power_w`` the idle point (rate 0)
+        is added and the lower hull recomputed (idling may make slow points useless)."""
+        hull = sorted(frontier_from_profile(frontier), key=lambda p: -p.time_per_step_s)
+        vertices = [(1.0 / p.time_per_step_s, p.power_w) for p in hull]
+        if idle_power_w is not None:
+            lower: list[tuple[float, float]] = [(0.0, idle_power_w)]
+            for v in vertices:
+                while len(lower) >= 2 and _cross(lower[-2], lower[-1], v) <= 0.0:
+                    lower.pop()
+                lower.append(v)
+            vertices = lower
+        return cls(
+            np.array([v[0] for v in vertices], dtype=np.float64),
+            np.array([v[1] for v in vertices], dtype=np.float64),
+        )
+
+    @property
+    def slopes_j_per_step(self) -> FloatArray:
+        """Marginal energy of one more step per unit time, on each segment."""
+        return np.diff(self.powers_w) / np.diff(self.rates)
+
+    @property
+    def widths(self) -> FloatArray:
+        """Steps per second each segment adds."""
+        return np.diff(self.rates)
+
+
+def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def _fill(costs: FloatArray, caps: FloatArray, need: float) -> FloatArray:
+    """Allocate ``need`` units to the cheapest capacities first (ties: earliest index).
+
+    Returns the allocation, shaped like ``caps``. ``need`` must not exceed ``caps.sum()``.
+    """
+    flat_costs, flat_caps = costs.ravel(), caps.ravel()
+    order = np.lexsort((np.arange(flat_costs.size), flat_costs))
+    cum = np.cumsum(flat_caps[order])
+    alloc = np.zeros(flat_caps.size, dtype=np.float64)
+    k = int(np.searchsorted(cum, need, side="left"))
+    full = order[:k]
+    alloc[full] = flat_caps[full]
+    if k < order.size:
+        alloc[order[k]] = need - (cum[k - 1] if k > 0 else 0.0)
+    return alloc.reshape(caps.shape)
+
+
+def plan_steps(
+    intensity_g_per_kwh: Sequence[float] | FloatArray,
+    duration_s: Sequence[float] | FloatArray,
+    remaining_steps: float,
+    frontier: Sequence[OperatingPoint],
+    *,
+    allow_pause: bool,
+    idle_power_w: float = 0.0,
+) -> Schedule:
+    """Plan how many steps to do in each interval to emit the least carbon.
+
+    With pausing allowed, an interval may hold any number of steps from 0 (paused at
+    ``idle_power_w``) to full speed; idle power is counted for every non-working second up
+    to the end of the last interval, a slight overestimate when the job ends early.
+    Without pausing the job runs without a break, at least at its least-energy point,
+    until it is done; the planner then also chooses the interval in which the job ends
+    (finishing earlier costs nothing afterwards).
+
+    Args:
+        intensity_g_per_kwh: carbon intensity of each interval.
+        duration_s: length of each interval (the last one ends at the deadline).
+        remaining_steps: steps still to do (>= 0).
+        frontier: operating points (the convex frontier is taken).
+        allow_pause: whether the job may stop during an interval.
+        idle_power_w: power drawn while paused.
+
+    Returns:
+        The schedule. When the work does not fit even at full speed, every interval runs at
+        full speed and ``feasible`` is False.
+
+    Raises:
+        CarbonConfigError: on mismatched lengths or an empty frontier.
+    """
+    intensity = np.asarray(intensity_g_per_kwh, dtype=np.float64)
+    durations = np.asarray(duration_s, dtype=np.float64)
+    if intensity.shape != durations.shape or intensity.ndim != 1:
+        raise CarbonConfigError(
+            "plan: intensity_g_per_kwh and duration_s must be 1-D and of the same length; "
+            f"got shapes {intensity.shape} and {durations.shape}"
+        )
+    curve = _PowerCurve.of(frontier, idle_power_w if allow_pause else None)
+    return _plan(intensity, durations, float(remaining_steps), curve, allow_pause)
+
+
+def _plan(
+    intensity: FloatArray,
+    durations: FloatArray,
+    need: float,
+    curve: _PowerCurve,
+    allow_pause: bool,
+) -> Schedule:
+    r_max, p_max = float(curve.rates[-1]), float(curve.powers_w[-1])
+    if need > r_max * float(durations.sum()) or durations.size == 0:
+        steps = r_max * durations
+        energy = p_max * durations
+        return Schedule(steps, energy, float(intensity @ energy) / _J_PER_KWH, False)
+    if need <= 0.0:
+        zeros = np.zeros_like(durations)
+        return Schedule(zeros, zeros.copy(), 0.0, True)
+    slopes, widths = curve.slopes_j_per_step, curve.widths
+    if allow_pause:
+        base = curve.powers_w[0] * durations
+        alloc = _fill(np.outer(intensity, slopes), np.outer(durations, widths), need)
+        energy = base + alloc @ slopes
+        return Schedule(alloc.sum(axis=1), energy, float(intensity @ energy) / _J_PER_KWH, True)
+    return _plan_without_pause(intensity, durations, need, curve)
+
+
+def _plan_without_pause(
+    intensity: FloatArray, durations: FloatArray, need: float, curve: _PowerCurve
+) -> Schedule:
+    """Try each interval in which the job could end; keep the cheapest plan.
+
+    Before the last interval ``m`` the job runs at least at the least-energy rate for the
+    whole interval; in interval ``m`` it may stop early (it is done).
+    """
+    r_eff, p_eff, r_max = float(curve.rates[0]), float(curve.powers_w[0]), float(curve.rates[-1])
+    e_eff = p_eff / r_eff
+    slopes = np.concatenate([[e_eff], curve.slopes_j_per_step])
+    widths = np.concatenate([[r_eff], curve.widths])
+    before = np.concatenate([[0.0], np.cumsum(durations)])
+    first = int(np.searchsorted(r_max * before[1:], need, side="left"))
+    last = min(int(np.searchsorted(r_eff * before[1:], need, side="left")), durations.size - 1)
+    best: tuple[float, FloatArray, FloatArray] | None = None
+    for m in range(first, last + 1):
+        extra = need - r_eff * before[m]
+        if extra < 0.0:
+            break
+        costs = np.outer(intensity[: m + 1], slopes)
+        caps = np.outer(durations[: m + 1], widths)
+        caps[:m, 0] = 0.0
+        if extra > caps.sum():
+            continue
+        alloc = _fill(costs, caps, extra)
+        energy = alloc @ slopes
+        energy[:m] += p_eff * durations[:m]
+        total = float(intensity[: m + 1] @ energy) / _J_PER_KWH
+        if best is None or total < best[0]:
+            steps = alloc.sum(axis=1)
+            steps[:m] += r_eff * durations[:m]
+            best = (total, steps, energy)
+    assert best is not None, "the full-speed run always ends in a candidate interval"
+    total, steps, energy = best
+    pad = durations.size - steps.size
+    return Schedule(np.pad(steps, (0, pad)), np.pad(energy, (0, pad)), total, True)

@@ -1,0 +1,348 @@
+"""The provider interface and the HTTP plumbing the web providers share.
+
+Every provider answers with :class:`~carbon.types.IntensityPoint` lists through the same
+small interface (:class:`CarbonProvider`). The web providers derive from
+:class:`HttpProvider`, which owns one ``requests.Session``, applies (connect, read)
+timeouts, retries 5xx answers, timeouts and connection failures with exponential backoff,
+honours ``Retry-After`` on 429, and translates every failure into the
+:mod:`carbon.errors` tree.
+
+Credentials are held in :class:`Secret` objects and only ever sent in request headers:
+never in a URL (urllib3 logs URLs at DEBUG), a log record, an exception message or a
+``repr``. Redirects are not followed, so a custom token header is never replayed to
+another host.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from types import TracebackType
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from carbon.errors import (
+    AuthError,
+    BadResponseError,
+    CarbonConfigError,
+    NoDataError,
+    ProviderError,
+    ProviderUnavailableError,
+    QuotaError,
+)
+from carbon.types import IntensityPoint, as_utc
+
+__all__ = ["CarbonProvider", "HttpProvider", "Secret", "parse_time"]
+
+logger = logging.getLogger(__name__)
+
+#: Default (connect, read) timeouts in seconds.
+DEFAULT_TIMEOUT_S: tuple[float, float] = (3.05, 10.0)
+
+
+@runtime_checkable
+class CarbonProvider(Protocol):
+    """What the monitor and the CLI need from a source of carbon intensity.
+
+    Every method answers in gCO2eq/kWh with timezone-aware UTC times, oldest first.
+    """
+
+    @property
+    def name(self) -> str:
+        """Short provider name (``"electricitymaps"``, ``"watttime"``, ``"uk"``...)."""
+        ...
+
+    @property
+    def region(self) -> str:
+        """The zone/region the provider reports on."""
+        ...
+
+    def latest(self) -> IntensityPoint:
+        """The most recent value (measured or estimated)."""
+        ...
+
+    def history(self, start: datetime, end: datetime) -> list[IntensityPoint]:
+        """Past values with interval starts in ``[start, end)``."""
+        ...
+
+    def forecast(self, horizon_s: float | None = None) -> list[IntensityPoint]:
+        """Forecast values from now on, up to ``horizon_s`` seconds ahead."""
+        ...
+
+
+class Secret:
+    """A credential that does not show itself: ``repr``/``str`` print ``***``.
+
+    Args:
+        value: the secret text.
+
+    Example:
+        >>> s = Secret("hunter2")
+        >>> s, str(s), s.reveal()
+        (***, '***', 'hunter2')
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        """The secret itself, to put in a request header."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return "***"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Secret cannot be pickled")
+
+
+def parse_time(text: str) -> datetime:
+    """Parse an ISO 8601 time as sent by the APIs (``Z``, offsets, or naive meaning UTC).
+
+    Args:
+        text: e.g. ``"2024-03-05T20:00:00.000Z"``, ``"2021-04-30T22:30Z"``,
+            ``"2022-07-15T00:00:00+00:00"``.
+
+    Returns:
+        A timezone-aware UTC datetime.
+
+    Raises:
+        ValueError: if the text is not a time.
+    """
+    text = text.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    return as_utc(datetime.fromisoformat(text))
+
+
+class HttpProvider:
+    """Base of the web providers: one session, timeouts, retries, error translation.
+
+    Args:
+        base_url: the API root; each provider has a public default.
+        timeout_s: (connect, read) timeouts in seconds.
+        max_retries: retries after the first attempt for 429, 5xx, timeouts and
+            connection errors.
+        backoff_s: first backoff in seconds; doubled at each retry.
+        max_backoff_s: cap of one backoff.
+        max_retry_after_s: the longest ``Retry-After`` honoured by waiting; a longer one
+            raises :class:`~carbon.errors.QuotaError` at once (a background poll must not
+            sleep for an hour).
+        sleep: the function that waits (injected by tests).
+        session: a ``requests.Session`` to use instead of a new one (closed by
+            :meth:`close` only when created here).
+    """
+
+    name: ClassVar[str] = "http"
+    default_base_url: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        timeout_s: tuple[float, float] = DEFAULT_TIMEOUT_S,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        max_retry_after_s: float = 120.0,
+        sleep: Callable[[float], None] = time.sleep,
+        session: requests.Session | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise CarbonConfigError(f"max_retries must be >= 0; got {max_retries!r}")
+        self.base_url = (base_url or self.default_base_url).rstrip("/")
+        self.timeout_s = (float(timeout_s[0]), float(timeout_s[1]))
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_retry_after_s = max_retry_after_s
+        self._sleep = sleep
+        self._owns_session = session is None
+        self._session = session if session is not None else self._new_session()
+
+    @staticmethod
+    def _new_session() -> requests.Session:
+        session = requests.Session()
+        adapter = HTTPAdapter(max_retries=0)  # retries are ours: Retry-After, typed errors
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        return session
+
+    def close(self) -> None:
+        """Close the HTTP session (when this provider created it)."""
+        if self._owns_session:
+            self._session.close()
+
+    def __enter__(self) -> HttpProvider:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _secrets(self) -> list[Secret]:
+        """The credentials to scrub from any text that leaves this object."""
+        return []
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets():
+            value = secret.reveal()
+            if value:
+                text = text.replace(value, "***")
+        return text
+
+    def _request_json(
+        self,
+        path: str,
+        *,
+        operation: str,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        auth: tuple[str, str] | None = None,
+    ) -> Any:
+        """GET ``base_url + path`` and return the decoded JSON body.
+
+        Raises:
+            ProviderError: a subclass describing the failure (see :mod:`carbon.errors`).
+        """
+        url = f"{self.base_url}{path}"
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                response = self._session.get(
+                    url,
+                    params=params,
+                    headers=dict(headers or {}),
+                    auth=auth,
+                    timeout=self.timeout_s,
+                    allow_redirects=False,
+                )
+            except requests.Timeout as exc:
+                failure: ProviderError = ProviderUnavailableError(
+                    f"no answer from {path} within the (connect, read) timeouts {self.timeout_s} s",
+                    provider=self.name,
+                    operation=operation,
+                )
+                cause: BaseException = exc
+            except requests.RequestException as exc:
+                failure = ProviderUnavailableError(
+                    f"cannot reach {self.base_url} ({type(exc).__name__})",
+                    provider=self.name,
+                    operation=operation,
+                )
+                cause = exc
+            else:
+                logger.debug(
+                    "%s %s: GET %s -> HTTP %d", self.name, operation, path, response.status_code
+                )
+                if response.status_code == 429:
+                    retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
+                    if last or (retry_after_s or 0.0) > self.max_retry_after_s:
+                        raise QuotaError(
+                            "rate limited by the provider"
+                            + (f"; retry after {retry_after_s:g} s" if retry_after_s else ""),
+                            retry_after_s=retry_after_s,
+                            provider=self.name,
+                            operation=operation,
+                            status=429,
+                        )
+                    wait_s = retry_after_s if retry_after_s is not None else self._backoff(attempt)
+                    logger.debug("%s %s: HTTP 429, waiting %.3g s", self.name, operation, wait_s)
+                    self._sleep(wait_s)
+                    continue
+                if response.status_code >= 500:
+                    failure = ProviderUnavailableError(
+                        f"server error: {self._body_message(response)}",
+                        provider=self.name,
+                        operation=operation,
+                        status=response.status_code,
+                    )
+                    if last:
+                        raise failure
+                    self._sleep(self._backoff(attempt))
+                    continue
+                if not 200 <= response.status_code < 300:
+                    raise self._error_for(response, operation)
+                return self._decode(response, operation)
+            if last:
+                raise failure from cause
+            logger.debug("%s %s: %s; retrying", self.name, operation, failure)
+            self._sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int) -> float:
+        return float(min(self.backoff_s * 2**attempt, self.max_backoff_s))
+
+    def _decode(self, response: requests.Response, operation: str) -> Any:
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise BadResponseError(
+                "the response body is not valid JSON",
+                provider=self.name,
+                operation=operation,
+                status=response.status_code,
+            ) from exc
+
+    def _body_message(self, response: requests.Response) -> str:
+        """A short, scrubbed description of an error body."""
+        try:
+            body = response.json()
+        except ValueError:
+            text = " ".join(response.text.split())
+            return self._scrub(text[:200]) or response.reason or "no details"
+        if isinstance(body, dict):
+            parts = [str(body[k]) for k in ("error", "message", "detail") if body.get(k)]
+            if parts:
+                return self._scrub("; ".join(parts)[:300])
+        return self._scrub(str(body)[:200])
+
+    def _error_for(self, response: requests.Response, operation: str) -> ProviderError:
+        """Translate a 3xx/4xx answer; providers refine 403 and 404."""
+        status = response.status_code
+        message = self._body_message(response)
+        kwargs: dict[str, Any] = {"provider": self.name, "operation": operation, "status": status}
+        if status in (401, 403):
+            return AuthError(f"credentials rejected: {message}", **kwargs)
+        if status == 404:
+            return NoDataError(f"no data: {message}", **kwargs)
+        if 300 <= status < 400:
+            return BadResponseError(
+                "unexpected redirect (not followed, so credentials stay with this host); "
+                "check base_url",
+                **kwargs,
+            )
+        return BadResponseError(f"request refused: {message}", **kwargs)
+
+    def _bad(self, message: str, operation: str) -> BadResponseError:
+        return BadResponseError(message, provider=self.name, operation=operation)
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (as_utc(when) - datetime.now(timezone.utc)).total_seconds())

@@ -1,0 +1,61 @@
+"""``lightning-energy recover``: restore GPUs that killed jobs left changed.
+
+A job killed with SIGKILL (or by the OOM killer, or a node crash) cannot put its GPUs'
+power limits and clocks back; its lease files keep the pre-job settings. This command
+restores every GPU whose lease belongs to a process that is gone, skips GPUs still used by
+a live job, and says what it did. Run it from a Slurm epilog, a Kubernetes init container
+or by hand (see docs/permissions.md).
+
+Exit codes: 0 when nothing failed, 1 when a GPU could not be restored (its lease is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
+from lightning_energy.device.guard import recover
+from lightning_energy.device.lease import LEASE_DIR_ENV, resolve_lease_dir
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``recover`` subcommand."""
+    parser = subparsers.add_parser(
+        "recover",
+        help="restore GPU settings left changed by jobs that were killed",
+        description="Restore the pre-job power limit and clock state of every GPU whose "
+        "lease outlived its job; leases of running jobs are left alone.",
+    )
+    parser.add_argument(
+        "--lease-dir",
+        metavar="DIR",
+        default=None,
+        help=f"lease directory (default: ${LEASE_DIR_ENV}, else the per-user state directory)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="only list what would be restored")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Restore stale leases and print the outcome; returns the exit code."""
+    lease_dir = resolve_lease_dir(args.lease_dir)
+    results = recover(lease_dir, dry_run=args.dry_run)
+    if args.json:
+        print(
+            json.dumps(
+                {"lease_dir": str(lease_dir), "results": [r.to_dict() for r in results]},
+                indent=2,
+            )
+        )
+    elif not results:
+        print(f"No leases in {lease_dir}: nothing to restore.")
+    else:
+        width = max(len(r.status) for r in results)
+        for r in results:
+            owner = f" [{r.owner}]" if r.owner else ""
+            print(f"{r.status:<{width}}  {r.gpu_uuid}{owner}: {r.message}")
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILURE

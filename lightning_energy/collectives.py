@@ -1,0 +1,135 @@
+"""How ranks agree: a tiny interface over the trainer's own collectives.
+
+The controller aggregates each profiling window across ranks (energy summed over every GPU
+of the job, time the slowest rank's) and broadcasts rank 0's decisions, through whatever
+collective layer the trainer already runs: Lightning's strategy, Accelerate's utilities, or
+``torch.distributed`` directly. Nothing extra is needed across nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+__all__ = [
+    "Collective",
+    "GatherCollective",
+    "LocalCollective",
+    "TorchDistributedCollective",
+    "default_collective",
+]
+
+T = TypeVar("T")
+
+
+class Collective(Protocol):
+    """Rank identity plus the two operations the controller needs."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def sum_and_max(self, to_sum: Sequence[float], to_max: Sequence[float]) -> tuple[
+        list[float], list[float]
+    ]:
+        """Element-wise sum of ``to_sum`` and max of ``to_max`` over all ranks (one call)."""
+        ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Every rank returns rank ``src``'s ``obj``."""
+        ...
+
+
+class LocalCollective:
+    """A single process: every operation is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def sum_and_max(
+        self, to_sum: Sequence[float], to_max: Sequence[float]
+    ) -> tuple[list[float], list[float]]:
+        return list(to_sum), list(to_max)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return obj
+
+
+class GatherCollective:
+    """Collectives built from an ``all_gather`` of a float vector and an object broadcast.
+
+    Framework adapters pass their own primitives (Lightning's ``strategy.all_gather`` and
+    ``strategy.broadcast``, Accelerate's ``gather`` and ``broadcast_object_list``), so
+    ranks agree through the trainer's collectives, whatever its backend.
+
+    Args:
+        rank: this process's global rank.
+        world_size: number of processes.
+        all_gather: takes a list of floats, returns one list per rank.
+        broadcast: takes an object and a source rank, returns the source's object.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        all_gather: Callable[[list[float]], list[list[float]]],
+        broadcast: Callable[[Any, int], Any],
+    ) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._all_gather = all_gather
+        self._broadcast = broadcast
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def sum_and_max(
+        self, to_sum: Sequence[float], to_max: Sequence[float]
+    ) -> tuple[list[float], list[float]]:
+        n = len(to_sum)
+        rows = self._all_gather([*to_sum, *to_max])
+        sums = [sum(row[i] for row in rows) for i in range(n)]
+        maxes = [max(row[n + i] for row in rows) for i in range(len(to_max))]
+        return sums, maxes
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        result: T = self._broadcast(obj, src)
+        return result
+
+
+class TorchDistributedCollective(GatherCollective):
+    """Collectives over the default ``torch.distributed`` process group (any backend)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        def all_gather(values: list[float]) -> list[list[float]]:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, values)
+            return [list(row) for row in gathered]
+
+        def broadcast(obj: Any, src: int) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src)
+            return box[0]
+
+        super().__init__(dist.get_rank(), dist.get_world_size(), all_gather, broadcast)
+
+
+def default_collective() -> Collective:
+    """``torch.distributed`` when a process group is initialised, else a local one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return LocalCollective()
+    if dist.is_available() and dist.is_initialized():
+        return TorchDistributedCollective()
+    return LocalCollective()

@@ -1,0 +1,396 @@
+"""One typed configuration, from Python, a YAML file or the environment.
+
+The same schema serves every integration (Lightning callback and strategy, LightningCLI
+YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
+
+    device:
+      backend: auto            # auto | nvml | simulated
+      gpu: a40                 # simulated GPU: a40 | v100 (Zeus traces), a100 | h100, or a CSV path
+      workload: imagenet/resnet50
+      noise_std: 0.02
+    power_limit:
+      selector: cost           # energy | time | cost | max_slowdown | target_time
+      eta: 0.5
+    carbon:                    # optional; see docs/carbon.md
+      provider: trace
+      region: DE
+    strict: false
+    report: run.json
+
+``EnergyConfig.from_mapping`` validates everything when it is built and reports every
+problem at once (key, bad value, allowed values) in one :class:`ConfigError`.
+``load_config()`` reads the file named by ``LIGHTNING_ENERGY_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from lightning_energy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from carbon.config import CarbonConfig
+    from lightning_energy.device.simulated import SimulatedSpec
+    from lightning_energy.optimize.selectors import Selector
+
+__all__ = [
+    "CONFIG_ENV_VAR",
+    "DeviceConfig",
+    "EnergyConfig",
+    "PowerLimitConfig",
+    "load_config",
+]
+
+#: The environment variable naming the YAML configuration file.
+CONFIG_ENV_VAR = "LIGHTNING_ENERGY_CONFIG"
+
+_BACKENDS = ("auto", "nvml", "simulated")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Which GPUs to drive and, for the simulated backend, what they run.
+
+    Attributes:
+        backend: ``auto`` (NVML when a GPU is visible, else simulated), ``nvml`` or
+            ``simulated``.
+        gpu: simulated GPU: ``a40``/``v100`` (real Zeus traces), ``a100``/``h100``
+            (physics presets) or the path of a Zeus-format power trace CSV.
+        workload: simulated trace workload, ``dataset/network`` (None: a default one).
+        batch_size: simulated trace batch size (None: the workload's middle one).
+        steps_per_epoch: simulated steps per trace epoch.
+        noise_std: relative Gaussian noise of simulated measurements.
+        seed: seed of the simulated noise.
+        slowdowns: per-GPU slowdown factors of simulated GPUs (a straggler > 1).
+        lease_dir: where GPU leases are kept (None: the per-user state directory).
+    """
+
+    backend: str = "auto"
+    gpu: str = "a40"
+    workload: str | None = None
+    batch_size: int | None = None
+    steps_per_epoch: int = 100
+    noise_std: float = 0.0
+    seed: int = 0
+    slowdowns: tuple[float, ...] = ()
+    lease_dir: str | None = None
+
+    def simulated_spec(self) -> SimulatedSpec:
+        """The simulated-GPU specification this section describes (one GPU per rank)."""
+        from lightning_energy.device.simulated import SimulatedSpec
+
+        return SimulatedSpec(
+            gpu=self.gpu,
+            workload=self.workload,
+            batch_size=self.batch_size,
+            steps_per_epoch=self.steps_per_epoch,
+            count=max(1, len(self.slowdowns)),
+            noise_std=self.noise_std,
+            seed=self.seed,
+            slowdowns=self.slowdowns,
+        )
+
+
+@dataclass(frozen=True)
+class PowerLimitConfig:
+    """How the power limit is chosen.
+
+    Attributes:
+        enabled: optimise the power limit (False: measure and report only).
+        selector: ``energy``, ``time``, ``cost``, ``max_slowdown`` or ``target_time``.
+        eta: weight of energy in the Zeus cost (``cost`` selector), in [0, 1].
+        max_slowdown: allowed slowdown factor (``max_slowdown`` selector), >= 1.
+        target_time_s: target time per step (``target_time`` selector), > 0.
+        power_limits_w: explicit candidate limits (None: every ``step_w`` from max to min).
+        step_w: spacing of the default candidates, in watts.
+        warmup_steps: steps before the first measurement.
+        settle_steps: unmeasured steps after each power-limit change.
+    """
+
+    enabled: bool = True
+    selector: str = "cost"
+    eta: float = 0.5
+    max_slowdown: float = 1.1
+    target_time_s: float | None = None
+    power_limits_w: tuple[float, ...] | None = None
+    step_w: float = 25.0
+    warmup_steps: int = 10
+    settle_steps: int = 2
+
+    def make_selector(self) -> Selector:
+        """Build the selector this section names (already validated)."""
+        from lightning_energy.optimize.selectors import make_selector
+
+        return make_selector(
+            self.selector,
+            eta=self.eta,
+            max_slowdown=self.max_slowdown,
+            target_time_s=self.target_time_s,
+        )
+
+    def candidates_w(self, min_w: float, max_w: float) -> list[float]:
+        """Candidate power limits within [min_w, max_w], highest first."""
+        if self.power_limits_w is not None:
+            return sorted(self.power_limits_w, reverse=True)
+        limits: list[float] = []
+        limit = max_w
+        while limit >= min_w - 1e-9:
+            limits.append(limit)
+            limit -= self.step_w
+        return limits
+
+
+@dataclass(frozen=True)
+class EnergyConfig:
+    """The whole configuration of an energy-optimised training job.
+
+    Build it with :meth:`from_mapping` (validating) or :func:`load_config`.
+    """
+
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    power_limit: PowerLimitConfig = field(default_factory=PowerLimitConfig)
+    carbon: CarbonConfig | None = None
+    strict: bool = False
+    report: str | None = None
+    log_every_n_steps: int = 50
+    source: str = "python"
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "python") -> EnergyConfig:
+        """Validate ``data`` (the YAML schema) and build the configuration.
+
+        Raises:
+            ConfigError: listing every problem found.
+        """
+        problems: list[str] = []
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"the configuration must be a mapping of sections, got {type(data).__name__}",
+                source,
+            )
+        known = {"device", "power_limit", "carbon", "strict", "report", "log_every_n_steps"}
+        for key in data:
+            if key not in known:
+                problems.append(f"unknown key {key!r}; allowed keys: {', '.join(sorted(known))}")
+        device = _build(DeviceConfig, data.get("device"), "device", problems)
+        power_limit = _build(PowerLimitConfig, data.get("power_limit"), "power_limit", problems)
+        if device is not None:
+            _check_device(device, problems)
+        if power_limit is not None:
+            _check_power_limit(power_limit, problems)
+        carbon = _build_carbon(data.get("carbon"), problems)
+        strict = data.get("strict", False)
+        if not isinstance(strict, bool):
+            problems.append(f"strict: {strict!r} is not allowed; use true or false")
+        report = data.get("report")
+        if report is not None and not isinstance(report, str):
+            problems.append(f"report: {report!r} is not allowed; use a file path or null")
+        every = data.get("log_every_n_steps", 50)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            problems.append(f"log_every_n_steps: {every!r} is not allowed; use an integer >= 1")
+        if problems:
+            raise ConfigError(problems, source)
+        assert device is not None and power_limit is not None
+        return cls(
+            device=device,
+            power_limit=power_limit,
+            carbon=carbon,
+            strict=bool(strict),
+            report=report,
+            log_every_n_steps=int(every),
+            source=source,
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> EnergyConfig:
+        """Read and validate a YAML file.
+
+        Raises:
+            ConfigError: the file is missing, unreadable, not YAML, or invalid.
+        """
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the file: {exc.strerror or exc}", str(path)) from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"not valid YAML: {exc}", str(path)) from exc
+        return cls.from_mapping(data if data is not None else {}, source=str(path))
+
+    def merged(self, overrides: Mapping[str, Any]) -> EnergyConfig:
+        """A new configuration with ``overrides`` (same schema) applied section by section."""
+        base = self.to_mapping()
+        for key, value in overrides.items():
+            if isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
+        return EnergyConfig.from_mapping(base, source=self.source)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The configuration as plain data (the YAML schema); carbon secrets are never in it."""
+        out: dict[str, Any] = {
+            "device": _plain(dataclasses.asdict(self.device)),
+            "power_limit": _plain(dataclasses.asdict(self.power_limit)),
+            "strict": self.strict,
+            "report": self.report,
+            "log_every_n_steps": self.log_every_n_steps,
+        }
+        if self.carbon is not None:
+            out["carbon"] = self.carbon.to_mapping()
+        return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> EnergyConfig | None:
+    """Load the configuration file ``path``, or the one named by ``LIGHTNING_ENERGY_CONFIG``.
+
+    Returns:
+        The configuration, or None when no path is given and the variable is unset/empty.
+
+    Raises:
+        ConfigError: the file named is missing or invalid.
+    """
+    if path is None:
+        value = (env if env is not None else os.environ).get(CONFIG_ENV_VAR, "").strip()
+        if not value:
+            return None
+        path = value
+    return EnergyConfig.from_yaml(path)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _build(cls: type[Any], section: Any, name: str, problems: list[str]) -> Any:
+    """Build a section dataclass, type-checking every key; None if the section is unusable."""
+    if section is None:
+        return cls()
+    if not isinstance(section, Mapping):
+        problems.append(f"{name}: must be a mapping of keys, got {section!r}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in section.items():
+        if key not in fields:
+            problems.append(
+                f"{name}.{key}: unknown key; allowed keys: {', '.join(sorted(fields))}"
+            )
+            continue
+        default = fields[key].default
+        converted = _convert(value, default, f"{name}.{key}", problems)
+        if converted is not _INVALID:
+            values[key] = converted
+    return cls(**values)
+
+
+_INVALID = object()
+
+
+def _convert(value: Any, default: Any, key: str, problems: list[str]) -> Any:
+    """Coerce ``value`` to the type of ``default`` (None-able fields accept null)."""
+    if value is None:
+        if default is None:
+            return None
+        problems.append(f"{key}: null is not allowed; expected a value like {default!r}")
+        return _INVALID
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{key}: {value!r} is not allowed; use true or false")
+        return _INVALID
+    if isinstance(default, tuple) or (default is None and isinstance(value, list | tuple)):
+        if isinstance(value, list | tuple) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value
+        ):
+            return tuple(float(v) for v in value)
+        problems.append(f"{key}: {value!r} is not allowed; use a list of numbers")
+        return _INVALID
+    if isinstance(default, float) or (default is None and isinstance(value, int | float)):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        problems.append(f"{key}: {value!r} is not allowed; use a number")
+        return _INVALID
+    if isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        problems.append(f"{key}: {value!r} is not allowed; use an integer")
+        return _INVALID
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and default is None:
+        return value
+    problems.append(f"{key}: {value!r} is not allowed; use a string")
+    return _INVALID
+
+
+def _check_device(device: DeviceConfig, problems: list[str]) -> None:
+    if device.backend not in _BACKENDS:
+        problems.append(
+            f"device.backend: {device.backend!r} is not allowed; allowed: {', '.join(_BACKENDS)}"
+        )
+    if device.steps_per_epoch < 1:
+        problems.append(
+            f"device.steps_per_epoch: {device.steps_per_epoch} is not allowed; use an integer >= 1"
+        )
+    if not 0.0 <= device.noise_std < 1.0:
+        problems.append(f"device.noise_std: {device.noise_std} is not allowed; use 0 <= x < 1")
+    if any(s < 1.0 for s in device.slowdowns):
+        problems.append(
+            f"device.slowdowns: {list(device.slowdowns)} is not allowed; every factor must be >= 1"
+        )
+    if device.batch_size is not None and device.batch_size < 1:
+        problems.append(f"device.batch_size: {device.batch_size} is not allowed; use >= 1")
+
+
+def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
+    try:
+        section.make_selector()
+    except ConfigError as exc:
+        problems.extend(f"power_limit.{p}" for p in exc.problems)
+    if section.step_w <= 0:
+        problems.append(f"power_limit.step_w: {section.step_w} is not allowed; use a number > 0")
+    if section.power_limits_w is not None and (
+        not section.power_limits_w or any(p <= 0 for p in section.power_limits_w)
+    ):
+        problems.append(
+            f"power_limit.power_limits_w: {list(section.power_limits_w)} is not allowed; "
+            "use a non-empty list of positive watts"
+        )
+    if section.warmup_steps < 0:
+        problems.append(f"power_limit.warmup_steps: {section.warmup_steps} is not allowed; use >= 0")
+    if section.settle_steps < 0:
+        problems.append(f"power_limit.settle_steps: {section.settle_steps} is not allowed; use >= 0")
+
+
+def _build_carbon(section: Any, problems: list[str]) -> CarbonConfig | None:
+    if section is None:
+        return None
+    from carbon.config import CarbonConfig
+    from carbon.errors import CarbonConfigError
+
+    if isinstance(section, CarbonConfig):
+        return section
+    if not isinstance(section, Mapping):
+        problems.append(f"carbon: must be a mapping of keys, got {section!r}")
+        return None
+    try:
+        return CarbonConfig.from_mapping(section)
+    except CarbonConfigError as exc:
+        problems.extend(p if p.startswith("carbon.") else f"carbon.{p}" for p in exc.problems)
+        return None

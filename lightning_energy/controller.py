@@ -1,0 +1,492 @@
+"""EnergyController: the one object every framework adapter talks to.
+
+Adapters translate their framework's hooks into a handful of calls::
+
+    controller = EnergyController(config)
+    controller.setup(total_steps=...)        # opens GPUs, takes the guard's lease
+    for step in training:
+        controller.on_step_start()
+        ...                                  # the user's training step
+        controller.on_step_end()
+    controller.interrupt("validation")       # a window must not span validation
+    controller.teardown()                    # restores every GPU exactly once
+
+What happens in between: the power-limit optimizer (``optimize.power_limit``) hands out
+profiling windows (a power limit, steps to settle, steps to measure); the controller applies
+the limit through the guard, measures the window with ``measure.EnergyMeter``, aggregates it
+over ranks (energy summed over every GPU of the job, time of the slowest rank) and reports
+it back. Once the profile is complete the chosen limit stays applied. With a ``carbon:``
+section, rank 0 polls the grid in the background and the pacing policy turns intensity into
+a target time per step; the decision is broadcast at fixed step boundaries and the optimizer
+re-selects the least-energy limit meeting it, without profiling again.
+
+Every rank makes the same calls at the same steps, so collectives never mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from lightning_energy.collectives import Collective, default_collective
+from lightning_energy.config import EnergyConfig
+from lightning_energy.device.base import DeviceSet, gpu_info
+from lightning_energy.errors import CheckpointMismatchError, ConfigError
+from lightning_energy.measure import EnergyMeter
+
+__all__ = ["EnergyController", "RunSummary"]
+
+log = logging.getLogger(__name__)
+
+_WINDOW = "profile-window"
+_INTERVAL = "log-interval"
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run used and saved.
+
+    Attributes:
+        steps: training steps seen.
+        energy_j: energy used by this process's GPUs.
+        duration_s: device-clock time from setup to teardown.
+        power_limit_w: the power limit in force at the end (None: never changed).
+        pre_job_power_limit_w: the limit each GPU had before the job.
+        energy_saved_j: estimated energy saved vs. running every step after profiling at
+            the highest profiled limit (from the measured profile; 0 when unknown).
+        slowdown: time per step at the chosen limit / at the highest profiled limit.
+        observe_only: True when GPU settings could not be changed.
+    """
+
+    steps: int
+    energy_j: float
+    duration_s: float
+    power_limit_w: float | None
+    pre_job_power_limit_w: float | None
+    energy_saved_j: float
+    slowdown: float
+    observe_only: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for logs and reports."""
+        return asdict(self)
+
+
+class EnergyController:
+    """Drives power-limit optimisation (and carbon-aware pacing) from step events.
+
+    Args:
+        config: the configuration (default: all defaults, simulated GPU when none).
+        devices: the GPUs to drive (default: opened from ``config.device`` in ``setup``).
+        collective: how ranks agree (default: ``torch.distributed`` when initialised).
+        local_rank: which local GPU this process drives when opening devices.
+        install_signal_handlers: restore GPUs on SIGTERM/SIGINT too (main thread only).
+    """
+
+    def __init__(
+        self,
+        config: EnergyConfig | None = None,
+        *,
+        devices: DeviceSet | None = None,
+        collective: Collective | None = None,
+        local_rank: int = 0,
+        install_signal_handlers: bool = True,
+    ) -> None:
+        self.config = config or EnergyConfig()
+        self._selector = self.config.power_limit.make_selector()
+        self._devices = devices
+        self._owns_devices = False
+        self._collective = collective
+        self._local_rank = local_rank
+        self._install_signal_handlers = install_signal_handlers
+        self._guard: Any = None
+        self._meter: EnergyMeter | None = None
+        self._optimizers: dict[str, Any] = {}
+        self._workload = "default"
+        self._restored_states: dict[str, Any] = {}
+        self._window: Any = None
+        self._window_steps = 0
+        self._window_steps_run = 0
+        self._measuring = False
+        self._interval_steps = 0
+        self._power_limit_w: float | None = None
+        self._step = 0
+        self._energy_j = 0.0
+        self._start_s = 0.0
+        self._end_s: float | None = None
+        self._summary: RunSummary | None = None
+        self._is_setup = False
+        self._torn_down = False
+        self.metrics: dict[str, float] = {}
+        self.timeline: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def devices(self) -> DeviceSet:
+        """The GPUs driven by this process (opened on first use)."""
+        if self._devices is None:
+            self._devices = self._open_devices()
+        return self._devices
+
+    @property
+    def collective(self) -> Collective:
+        """How ranks agree (resolved on first use, once the process group exists)."""
+        if self._collective is None:
+            self._collective = default_collective()
+        return self._collective
+
+    def setup(self) -> None:
+        """Open the GPUs, take their lease and start measuring. Idempotent.
+
+        Raises:
+            ConfigError: candidate power limits outside every GPU's allowed range.
+            EnergyError: in strict mode, when the GPUs cannot be controlled.
+        """
+        if self._is_setup:
+            return
+        from lightning_energy.device.guard import GPUGuard
+
+        devices = self.devices
+        self._check_candidates()
+        self._guard = GPUGuard(
+            devices.gpus,
+            lease_dir=self.config.device.lease_dir,
+            strict=self.config.strict,
+            install_signal_handlers=self._install_signal_handlers,
+        )
+        self._guard.acquire()
+        self._meter = EnergyMeter(devices)
+        self._start_s = devices.clock()
+        self._meter.begin(_INTERVAL)
+        self._is_setup = True
+        self._torn_down = False
+        if self._guard.observe_only:
+            self._decide("observe-only", None, self._guard.observe_only_reason or "")
+
+    def _open_devices(self) -> DeviceSet:
+        from lightning_energy.device import open_devices
+
+        dev = self.config.device
+        spec = dev.simulated_spec()
+        self._owns_devices = True
+        return open_devices(
+            dev.backend,
+            simulated=replace(spec, seed=spec.seed + self._local_rank),
+            local_rank=self._local_rank,
+        )
+
+    def _check_candidates(self) -> None:
+        section = self.config.power_limit
+        if section.power_limits_w is None:
+            return
+        problems = []
+        for gpu in self.devices.gpus:
+            lo, hi = gpu.power_limit_constraints_w()
+            bad = [p for p in section.power_limits_w if not lo <= p <= hi]
+            if bad:
+                problems.append(
+                    f"power_limit.power_limits_w: {bad} outside the allowed range "
+                    f"{lo:g}-{hi:g} W of GPU {gpu.index} ({gpu.name})"
+                )
+        if problems:
+            raise ConfigError(problems, self.config.source)
+
+    def teardown(self) -> RunSummary:
+        """Stop measuring, restore every GPU and return the run summary. Idempotent."""
+        if self._summary is not None and self._torn_down:
+            return self._summary
+        self._torn_down = True
+        if self._meter is not None:
+            self._meter.cancel(_WINDOW)
+            if self._meter.is_open(_INTERVAL):
+                self._close_interval()
+        if self._devices is not None:
+            self._end_s = self._devices.clock()
+        summary = self._build_summary()
+        if self._guard is not None:
+            self._guard.restore()
+        if self._owns_devices and self._devices is not None:
+            self._devices.close()
+        self._summary = summary
+        self._is_setup = False
+        return summary
+
+    # ------------------------------------------------------------------ workloads
+    def set_workload(self, key: str) -> None:
+        """Declare what is being trained (e.g. batch size and model size).
+
+        A new key starts a new profile (or resumes the one saved for it), so a change of
+        batch size or model is profiled again; returning to a known key reuses its profile.
+        """
+        if key == self._workload:
+            return
+        self.interrupt("workload change")
+        self._workload = key
+        optimizer = self._optimizers.get(key)
+        if optimizer is not None and optimizer.done:
+            self._apply(optimizer.chosen_power_limit_w, f"reuse profile of workload {key}")
+
+    def _optimizer(self) -> Any:
+        optimizer = self._optimizers.get(self._workload)
+        if optimizer is None:
+            from lightning_energy.optimize.power_limit import PowerLimitOptimizer
+
+            section = self.config.power_limit
+            lo, hi = self._power_limit_range()
+            optimizer = PowerLimitOptimizer(
+                section.candidates_w(lo, hi),
+                self._selector,
+                num_gpus=len(self.devices) * self.collective.world_size,
+                warmup_steps=section.warmup_steps,
+                settle_steps=section.settle_steps,
+                seed=self.config.device.seed,
+            )
+            saved = self._restored_states.pop(self._workload, None)
+            if saved is not None:
+                optimizer.load_state_dict(saved)
+            self._optimizers[self._workload] = optimizer
+        return optimizer
+
+    def _power_limit_range(self) -> tuple[float, float]:
+        """The range every local GPU accepts, capped at the lowest pre-job limit."""
+        los, his = zip(*(g.power_limit_constraints_w() for g in self.devices.gpus), strict=True)
+        pre = [self._guard.pre_job_power_limit_w(i) for i in range(len(self.devices))]
+        return max(los), min(*his, *pre)
+
+    # ------------------------------------------------------------------ steps
+    def on_step_start(self) -> None:
+        """Call before every training (optimizer) step."""
+        if not self._is_setup:
+            self.setup()
+        if self._window is None and self._optimizing():
+            self._open_window()
+        if self._window is not None and not self._measuring:
+            if self._window_steps >= self._window.settle_steps and self._window.measure_steps:
+                assert self._meter is not None
+                self._meter.begin(_WINDOW)
+                self._measuring = True
+                self._window_steps = 0
+
+    def on_step_end(self) -> None:
+        """Call after every training (optimizer) step."""
+        if not self._is_setup:
+            return
+        run_step = self.devices.run_step
+        if run_step is not None:
+            run_step()
+        self._step += 1
+        self._interval_steps += 1
+        if self._window is not None:
+            self._window_steps += 1
+            self._window_steps_run += 1
+            if self._measuring and self._window_steps >= self._window.measure_steps:
+                self._close_window()
+            elif (
+                not self._measuring
+                and not self._window.measure_steps
+                and self._window_steps >= self._window.settle_steps
+            ):
+                self._optimizer().report(self._window, time_per_step_s=0.0, energy_per_step_j=0.0)
+                self._window = None
+        if self._interval_steps >= self.config.log_every_n_steps:
+            self._close_interval()
+            assert self._meter is not None
+            self._meter.begin(_INTERVAL)
+
+    def interrupt(self, reason: str) -> None:
+        """Discard the profiling window in progress (validation, epoch end, workload change).
+
+        The optimizer retries that power limit afterwards. Every rank must call it at the
+        same point (framework hooks guarantee this).
+        """
+        if self._window is None:
+            return
+        if self._meter is not None:
+            self._meter.cancel(_WINDOW)
+        self._optimizer().report_interrupted(self._window, steps_run=self._window_steps_run)
+        log.debug("profiling window at %.0f W discarded: %s", self._window.power_limit_w, reason)
+        self._window = None
+        self._measuring = False
+        self._window_steps = 0
+
+    def _optimizing(self) -> bool:
+        if not self.config.power_limit.enabled or self._guard.observe_only:
+            return False
+        return not self._optimizer().done
+
+    def _open_window(self) -> None:
+        optimizer = self._optimizer()
+        window = optimizer.next_window()
+        if window is None:
+            self._finish_profile(optimizer)
+            return
+        self._window = window
+        self._window_steps = 0
+        self._window_steps_run = 0
+        self._measuring = False
+        self._apply(window.power_limit_w, f"{window.purpose} window")
+
+    def _close_window(self) -> None:
+        assert self._meter is not None and self._window is not None
+        m = self._meter.end(_WINDOW)
+        (energy_j,), (duration_s,) = self.collective.sum_and_max([m.energy_j], [m.duration_s])
+        steps = self._window.measure_steps
+        optimizer = self._optimizer()
+        optimizer.report(
+            self._window, time_per_step_s=duration_s / steps, energy_per_step_j=energy_j / steps
+        )
+        self._window = None
+        self._measuring = False
+        if optimizer.done:
+            self._finish_profile(optimizer)
+
+    def _finish_profile(self, optimizer: Any) -> None:
+        chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
+        self._apply(chosen, f"profile complete; selector {self._selector.describe()}")
+
+    def _apply(self, power_limit_w: float | None, reason: str) -> None:
+        if power_limit_w is None or power_limit_w == self._power_limit_w:
+            return
+        applied = self._guard.set_power_limit_w(power_limit_w)
+        self._power_limit_w = applied
+        self._decide("power_limit", applied, reason)
+
+    def _decide(self, kind: str, value: float | None, reason: str) -> None:
+        entry = {
+            "step": self._step,
+            "time_s": self.devices.clock() - self._start_s,
+            "kind": kind,
+            "value": value,
+            "reason": reason,
+        }
+        self.decisions.append(entry)
+        log.debug("decision at step %d: %s=%s (%s)", self._step, kind, value, reason)
+
+    def _close_interval(self) -> None:
+        assert self._meter is not None
+        m = self._meter.end(_INTERVAL)
+        self._energy_j += m.energy_j
+        steps = max(self._interval_steps, 1)
+        self.metrics = {
+            "energy/step_j": m.energy_j / steps,
+            "energy/power_w": m.average_power_w,
+            "energy/power_limit_w": float(self.current_power_limit_w() or 0.0),
+            "energy/total_j": self._energy_j,
+        }
+        self.timeline.append(
+            {
+                "step": self._step,
+                "time_s": self.devices.clock() - self._start_s,
+                "duration_s": m.duration_s,
+                "steps": self._interval_steps,
+                "energy_j": m.energy_j,
+                "power_w": m.average_power_w,
+                "power_limit_w": self.current_power_limit_w(),
+            }
+        )
+        self._interval_steps = 0
+
+    # ------------------------------------------------------------------ queries
+    def current_power_limit_w(self) -> float | None:
+        """The limit this controller applied last (None: none applied yet)."""
+        return self._power_limit_w
+
+    @property
+    def profile_done(self) -> bool:
+        """Whether the current workload's profile is complete."""
+        return bool(self._optimizers.get(self._workload)) and self._optimizer().done
+
+    @property
+    def steps(self) -> int:
+        """Training steps seen."""
+        return self._step
+
+    @property
+    def observe_only(self) -> bool:
+        """True when this process may not change GPU settings."""
+        return bool(self._guard is not None and self._guard.observe_only)
+
+    def profile(self) -> list[dict[str, float]]:
+        """The measured power-limit profile of the current workload (job-wide numbers)."""
+        optimizer = self._optimizers.get(self._workload)
+        if optimizer is None:
+            return []
+        return [asdict(m) for m in optimizer.profile()]
+
+    def _build_summary(self) -> RunSummary:
+        duration_s = (self._end_s or self._start_s) - self._start_s
+        pre = self._guard.pre_job_power_limit_w(0) if self._guard is not None else None
+        saved_j, slowdown = 0.0, 1.0
+        profile = self.profile()
+        chosen = self._power_limit_w
+        if profile and chosen is not None:
+            top = max(profile, key=lambda m: m["power_limit_w"])
+            at = [m for m in profile if m["power_limit_w"] == chosen]
+            if at:
+                steps_after = max(self._step - self._profiled_steps(), 0)
+                ranks = self.collective.world_size
+                saved_j = (top["energy_per_step_j"] - at[0]["energy_per_step_j"]) / ranks
+                saved_j *= steps_after
+                slowdown = at[0]["time_per_step_s"] / top["time_per_step_s"]
+        return RunSummary(
+            steps=self._step,
+            energy_j=self._energy_j,
+            duration_s=duration_s,
+            power_limit_w=chosen,
+            pre_job_power_limit_w=pre,
+            energy_saved_j=saved_j,
+            slowdown=slowdown,
+            observe_only=self.observe_only,
+        )
+
+    def _profiled_steps(self) -> int:
+        optimizer = self._optimizers.get(self._workload)
+        return int(optimizer.profiled_steps()) if optimizer is not None else 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume without profiling again (JSON-serialisable)."""
+        gpus = [gpu_info(g) for g in self.devices.gpus]
+        states = dict(self._restored_states)
+        states.update({k: o.state_dict() for k, o in self._optimizers.items()})
+        return {
+            "version": _STATE_VERSION,
+            "gpu_models": sorted({g.name for g in gpus}),
+            "workload": self._workload,
+            "optimizers": states,
+            "steps": self._step,
+            "energy_j": self._energy_j,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`.
+
+        Raises:
+            CheckpointMismatchError: the state was saved on another GPU model or by an
+                incompatible version.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise CheckpointMismatchError(
+                f"energy state version {state.get('version')!r} cannot be resumed; "
+                f"this version reads {_STATE_VERSION}"
+            )
+        models = sorted({g.name for g in self.devices.gpus})
+        if state.get("gpu_models") != models:
+            raise CheckpointMismatchError(
+                f"the checkpoint's energy profile was measured on {state.get('gpu_models')} "
+                f"but this job runs on {models}; profiles do not transfer between GPU models "
+                "(drop the energy state from the checkpoint to profile again)"
+            )
+        self.interrupt("checkpoint restore")
+        self._optimizers.clear()
+        self._restored_states = dict(state.get("optimizers", {}))
+        self._workload = str(state.get("workload", "default"))
+        self._step = int(state.get("steps", 0))
+        self._energy_j = float(state.get("energy_j", 0.0))
+        if self._is_setup:
+            optimizer = self._optimizer()
+            if optimizer.done:
+                self._apply(optimizer.chosen_power_limit_w, "resumed from checkpoint")

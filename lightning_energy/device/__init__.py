@@ -1,0 +1,161 @@
+"""GPU access behind one small protocol, with an NVML and a simulated backend.
+
+:func:`open_devices` picks the backend: NVML for real NVIDIA GPUs, the simulated GPU
+otherwise (or when asked). Precedence of the choice: the ``backend`` argument when given,
+else the ``LIGHTNING_ENERGY_DEVICE`` environment variable (``auto``, ``nvml`` or
+``simulated``), else ``auto``.
+
+Example:
+    >>> devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", count=2))
+    >>> devices.backend, len(devices)
+    ('simulated', 2)
+    >>> devices.run_step()
+    >>> devices.clock() > 0
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from lightning_energy.device.base import GPU, DeviceSet, GPUInfo, gpu_info
+from lightning_energy.device.nvml import NVMLGPU, nvml_gpus, visible_gpu_count
+from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
+from lightning_energy.device.simulated import (
+    FAULT_OPERATIONS,
+    SimulatedGPU,
+    SimulatedSpec,
+    VirtualClock,
+    live_simulated_gpus,
+    run_in_parallel,
+    simulated_gpus,
+)
+from lightning_energy.device.traces import PowerTrace, TraceModel, WorkloadTrace
+from lightning_energy.errors import ConfigError, DriverError
+
+__all__ = [
+    "BACKENDS",
+    "DEVICE_ENV_VAR",
+    "FAULT_OPERATIONS",
+    "GPU",
+    "NVMLGPU",
+    "PHYSICS_PRESETS",
+    "DeviceSet",
+    "GPUInfo",
+    "PhysicsModel",
+    "PowerTrace",
+    "SimulatedGPU",
+    "SimulatedSpec",
+    "TraceModel",
+    "VirtualClock",
+    "WorkloadTrace",
+    "gpu_info",
+    "live_simulated_gpus",
+    "nvml_gpus",
+    "open_devices",
+    "physics_preset",
+    "run_in_parallel",
+    "simulated_gpus",
+]
+
+logger = logging.getLogger(__name__)
+
+DEVICE_ENV_VAR = "LIGHTNING_ENERGY_DEVICE"
+BACKENDS = ("auto", "nvml", "simulated")
+
+
+def _simulated_set(
+    spec: SimulatedSpec, indices: Sequence[int] | None, local_rank: int | None
+) -> DeviceSet:
+    if local_rank is not None:
+        slowdowns = spec.slowdowns[local_rank : local_rank + 1]
+        spec = replace(
+            spec, count=1, first_index=spec.first_index + local_rank, slowdowns=slowdowns
+        )
+    gpus = simulated_gpus(spec)
+    if indices is not None:
+        by_index = {gpu.index: gpu for gpu in gpus}
+        missing = [i for i in indices if i not in by_index]
+        if missing:
+            raise ConfigError(
+                f"indices={list(indices)!r}: {missing} not among the simulated GPUs "
+                f"{sorted(by_index)}"
+            )
+        gpus = [by_index[i] for i in indices]
+
+    def run_step() -> None:
+        run_in_parallel(gpus)
+
+    return DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated", run_step=run_step)
+
+
+def _nvml_set(indices: Sequence[int] | None, local_rank: int | None) -> DeviceSet:
+    gpus = nvml_gpus([local_rank] if local_rank is not None else indices)
+    return DeviceSet(gpus=gpus, clock=time.perf_counter, backend="nvml")
+
+
+def open_devices(
+    backend: str | None = None,
+    *,
+    indices: Sequence[int] | None = None,
+    simulated: SimulatedSpec | None = None,
+    local_rank: int | None = None,
+) -> DeviceSet:
+    """Open the GPUs this process drives.
+
+    Args:
+        backend: ``"auto"`` (NVML when it initialises and sees a GPU, else simulated, with
+            one INFO log line saying so), ``"nvml"`` or ``"simulated"``. None: the
+            ``LIGHTNING_ENERGY_DEVICE`` environment variable, else ``"auto"``.
+        indices: process-local GPU indices (after ``CUDA_VISIBLE_DEVICES``); None: all.
+        simulated: what to simulate (default :class:`SimulatedSpec` ``()``: one A40 running
+            ImageNet/ResNet-50).
+        local_rank: DDP: this rank's one GPU, the ``local_rank``-th visible GPU (simulated:
+            index ``first_index + local_rank``, straggler factor ``slowdowns[local_rank]``).
+
+    Returns:
+        The GPUs with their clock (``time.perf_counter`` for NVML, the virtual clock for
+        simulated GPUs) and, for simulated GPUs, ``run_step`` running one step on all of
+        them. Call :meth:`DeviceSet.close` when done.
+
+    Raises:
+        ConfigError: unknown backend, or both ``indices`` and ``local_rank`` given.
+        DriverError: ``"nvml"`` requested but NVML is missing or fails to initialise.
+        GPUNotFoundError: a requested index does not exist.
+    """
+    source = "python"
+    if backend is None:
+        backend = os.environ.get(DEVICE_ENV_VAR, "auto").strip().lower() or "auto"
+        source = f"env {DEVICE_ENV_VAR}"
+    problems = []
+    if backend not in BACKENDS:
+        problems.append(f"backend={backend!r}: allowed: {list(BACKENDS)}")
+    if indices is not None and local_rank is not None:
+        problems.append(
+            f"indices={list(indices)!r} and local_rank={local_rank!r}: give one, not both"
+        )
+    if local_rank is not None and local_rank < 0:
+        problems.append(f"local_rank={local_rank!r}: must be >= 0")
+    if problems:
+        raise ConfigError(problems, source=source)
+    spec = simulated if simulated is not None else SimulatedSpec()
+    if backend == "simulated":
+        return _simulated_set(spec, indices, local_rank)
+    if backend == "nvml":
+        return _nvml_set(indices, local_rank)
+    try:
+        count = visible_gpu_count()
+    except DriverError as exc:
+        reason = str(exc)
+    else:
+        if count > 0:
+            return _nvml_set(indices, local_rank)
+        reason = "NVML sees no GPU"
+    logger.info(
+        "No NVIDIA GPU available (%s): using the simulated backend (%s).", reason, spec.label
+    )
+    return _simulated_set(spec, indices, local_rank)

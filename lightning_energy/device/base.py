@@ -1,0 +1,158 @@
+"""The one small interface every GPU backend implements.
+
+Everything above the device layer (measurement, the guard, optimizers' runtime, Perseus)
+talks to a :class:`GPU`; the NVML backend (:mod:`.nvml`) drives real NVIDIA GPUs, the
+simulated backend (:mod:`.simulated`) replays measured profiles or a physics model on a
+virtual clock. Units are SI at this interface: watts, joules, seconds, MHz. Vendor units
+(mW, mJ) never leave the backend that speaks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["GPU", "DeviceSet", "GPUInfo"]
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """Identity and static limits of a GPU, as reports and checkpoints record them."""
+
+    index: int
+    name: str
+    uuid: str
+    min_power_limit_w: float
+    max_power_limit_w: float
+    default_power_limit_w: float
+    is_mig: bool = False
+
+
+@runtime_checkable
+class GPU(Protocol):
+    """A GPU as seen by ``lightning_energy``.
+
+    ``index`` is the process-local index (after ``CUDA_VISIBLE_DEVICES``); ``uuid`` is the
+    stable identity used for leases and checkpoints.
+    """
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def is_mig(self) -> bool:
+        """True for a MIG instance: settings are per physical GPU, so we only observe."""
+        ...
+
+    def power_limit_constraints_w(self) -> tuple[float, float]:
+        """The (min, max) power limit the driver accepts."""
+        ...
+
+    def default_power_limit_w(self) -> float:
+        """The vendor default power limit."""
+        ...
+
+    def power_limit_w(self) -> float:
+        """The power management limit currently set."""
+        ...
+
+    def enforced_power_limit_w(self) -> float:
+        """The limit actually enforced (the lowest of all limiters)."""
+        ...
+
+    def set_power_limit_w(self, power_limit_w: float) -> None:
+        """Set the power management limit (needs privileges)."""
+        ...
+
+    def supported_sm_clocks_mhz(self) -> list[int]:
+        """Supported graphics (SM) clocks at the highest memory clock, descending."""
+        ...
+
+    def set_locked_clocks_mhz(self, min_mhz: int, max_mhz: int) -> None:
+        """Lock the SM clock into [min_mhz, max_mhz] (needs privileges)."""
+        ...
+
+    def reset_locked_clocks(self) -> None:
+        """Release any SM clock lock."""
+        ...
+
+    def locked_clocks_mhz(self) -> tuple[int, int] | None:
+        """The SM clock lock this process knows to be in force, or None."""
+        ...
+
+    def energy_j(self) -> float:
+        """Cumulative energy consumed since an arbitrary origin, in joules."""
+        ...
+
+    def power_w(self) -> float:
+        """Instantaneous board power draw in watts."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until work queued on the GPU has finished."""
+        ...
+
+
+def gpu_info(gpu: GPU) -> GPUInfo:
+    """Snapshot the identity and static limits of ``gpu``."""
+    lo, hi = gpu.power_limit_constraints_w()
+    return GPUInfo(
+        index=gpu.index,
+        name=gpu.name,
+        uuid=gpu.uuid,
+        min_power_limit_w=lo,
+        max_power_limit_w=hi,
+        default_power_limit_w=gpu.default_power_limit_w(),
+        is_mig=gpu.is_mig,
+    )
+
+
+@dataclass
+class DeviceSet:
+    """The GPUs this process drives, with the clock their work is timed on.
+
+    Args:
+        gpus: the local GPUs (one per rank in DDP, or several in one process).
+        clock: monotonic seconds in the GPUs' time base: ``time.perf_counter`` for real
+            GPUs, the virtual clock for simulated ones.
+        backend: ``"nvml"`` or ``"simulated"``.
+        run_step: for simulated GPUs, executes one training step of simulated work on every
+            GPU (advancing the virtual clock); ``None`` for real GPUs, whose work is the
+            training step itself.
+    """
+
+    gpus: Sequence[GPU]
+    clock: Callable[[], float]
+    backend: str
+    run_step: Callable[[], None] | None = None
+
+    def synchronize(self) -> None:
+        """Synchronise every GPU of the set."""
+        for gpu in self.gpus:
+            gpu.synchronize()
+
+    def close(self) -> None:
+        """Release what the backend holds (NVML references, power-sampler threads).
+
+        Idempotent; GPUs without a ``close`` method (simulated ones) hold nothing.
+        """
+        for gpu in self.gpus:
+            close = getattr(gpu, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> DeviceSet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self.gpus)

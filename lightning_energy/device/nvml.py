@@ -1,0 +1,604 @@
+"""Real NVIDIA GPUs through NVML (the ``pynvml`` module of the ``nvidia-ml-py`` distribution).
+
+Units: NVML speaks milliwatts and millijoules; this module converts them to watts and
+joules at each call and nothing else in the package sees them. Every ``pynvml.NVMLError``
+becomes a typed :class:`~lightning_energy.errors.DeviceError` carrying the GPU index and the
+operation (see :func:`translate_nvml_error`).
+
+GPU selection follows ``CUDA_VISIBLE_DEVICES`` so that process-local index ``i`` is the GPU
+that ``torch.device("cuda", i)`` uses: entries may be NVML indices, GPU UUIDs (``GPU-...``,
+unique prefixes accepted as CUDA does) or MIG instance UUIDs (``MIG-...``). Indices are in
+NVML (PCI bus) order; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA numbers GPUs the
+same way.
+
+MIG instances are observed, never changed: power and clock settings belong to the whole
+physical GPU, shared with other instances, so their setters raise
+:class:`~lightning_energy.errors.NotSupportedError`; their power and energy readings are
+those of the physical GPU.
+
+The cumulative energy counter (``nvmlDeviceGetTotalEnergyConsumption``) exists on Volta and
+newer GPUs. Elsewhere energy is integrated from sampled power draw by a background thread
+named ``lightning-energy-power-sampler``, started on the first energy reading and stopped by
+:meth:`NVMLGPU.close`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, TypeVar
+
+from lightning_energy.errors import (
+    DeviceError,
+    DriverError,
+    GPULostError,
+    GPUNotFoundError,
+    NoPermissionError,
+    NotSupportedError,
+)
+
+__all__ = [
+    "NVMLGPU",
+    "NVMLSession",
+    "PowerSampler",
+    "nvml_gpus",
+    "translate_nvml_error",
+    "visible_gpu_count",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_HANDLE_OPERATIONS = frozenset({"get_handle"})
+_session_lock = threading.Lock()
+_session_refs = 0
+
+
+def _pynvml() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise DriverError(
+            "the pynvml module is missing: install nvidia-ml-py", operation="import"
+        ) from exc
+
+
+def translate_nvml_error(
+    exc: Exception, *, gpu_index: int | None = None, operation: str
+) -> DeviceError:
+    """The typed error for an NVML failure.
+
+    ``NO_PERMISSION`` -> :class:`NoPermissionError`; ``NOT_SUPPORTED`` ->
+    :class:`NotSupportedError`; ``GPU_IS_LOST`` -> :class:`GPULostError`; ``NOT_FOUND`` or
+    ``INVALID_ARGUMENT`` while looking a GPU up -> :class:`GPUNotFoundError`; everything else
+    (uninitialised, library or driver missing, ...) -> :class:`DriverError`.
+
+    Args:
+        exc: the ``pynvml.NVMLError`` (its ``value`` is the NVML return code).
+        gpu_index: the process-local GPU index, when there is one.
+        operation: what was being done (e.g. ``"set_power_limit"``).
+
+    Returns:
+        The exception to raise (chain it with ``from exc``).
+    """
+    nvml = _pynvml()
+    code = getattr(exc, "value", None)
+    message = f"NVML: {exc}"
+    kind: type[DeviceError] = DriverError
+    if code == nvml.NVML_ERROR_NO_PERMISSION:
+        kind = NoPermissionError
+        message += " (changing GPU settings needs root or CAP_SYS_ADMIN)"
+    elif code == nvml.NVML_ERROR_NOT_SUPPORTED:
+        kind = NotSupportedError
+    elif code == nvml.NVML_ERROR_GPU_IS_LOST:
+        kind = GPULostError
+    elif operation in _HANDLE_OPERATIONS and code in (
+        nvml.NVML_ERROR_NOT_FOUND,
+        nvml.NVML_ERROR_INVALID_ARGUMENT,
+    ):
+        kind = GPUNotFoundError
+    return kind(message, gpu_index=gpu_index, operation=operation)
+
+
+def _call(operation: str, gpu_index: int | None, fn: Callable[..., T], *args: Any) -> T:
+    nvml = _pynvml()
+    try:
+        return fn(*args)
+    except nvml.NVMLError as exc:
+        raise translate_nvml_error(exc, gpu_index=gpu_index, operation=operation) from exc
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class NVMLSession:
+    """A reference on the process-wide NVML initialisation.
+
+    NVML is initialised by the first reference and shut down when the last is released;
+    :class:`NVMLGPU` objects hold one each until closed. Usable as a context manager.
+
+    Raises:
+        DriverError: pynvml is missing or NVML fails to initialise (no driver, no library).
+    """
+
+    def __init__(self) -> None:
+        global _session_refs
+        nvml = _pynvml()
+        with _session_lock:
+            if _session_refs == 0:
+                _call("init", None, nvml.nvmlInit)
+            _session_refs += 1
+        self._open = True
+
+    def release(self) -> None:
+        """Drop this reference (idempotent); the last one shuts NVML down."""
+        global _session_refs
+        with _session_lock:
+            if not self._open:
+                return
+            self._open = False
+            _session_refs -= 1
+            if _session_refs == 0:
+                nvml = _pynvml()
+                try:
+                    nvml.nvmlShutdown()
+                except nvml.NVMLError as exc:
+                    logger.debug("nvmlShutdown failed: %s", exc)
+
+    def __enter__(self) -> NVMLSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class PowerSampler:
+    """Integrates sampled power into energy for GPUs without an energy counter.
+
+    Each sample charges the previous reading for the time since it (a step function), and
+    :meth:`energy_j` adds the latest reading times the time since it.
+
+    Args:
+        read_power_w: reads the current power draw in watts.
+        interval_s: seconds between samples of the background thread.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        read_power_w: Callable[[], float],
+        interval_s: float = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._read_power_w = read_power_w
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._energy_j = 0.0
+        self._last: tuple[float, float] | None = None
+        self._error: DeviceError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        """Take one sample now (the background thread calls this every interval)."""
+        power_w = self._read_power_w()
+        now = self._clock()
+        with self._lock:
+            if self._last is not None:
+                last_t, last_p = self._last
+                self._energy_j += last_p * (now - last_t)
+            self._last = (now, power_w)
+
+    def energy_j(self) -> float:
+        """Energy since the first sample.
+
+        Raises:
+            DeviceError: the background thread's last sample failed.
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._last is None:
+                return 0.0
+            last_t, last_p = self._last
+            return self._energy_j + last_p * (self._clock() - last_t)
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Take a first sample and start the background thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self.sample()
+        self._thread = threading.Thread(
+            target=self._run, name="lightning-energy-power-sampler", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.sample()
+            except DeviceError as exc:
+                with self._lock:
+                    self._error = exc
+                return
+
+    def stop(self) -> None:
+        """Stop the background thread and wait for it (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class NVMLGPU:
+    """A real NVIDIA GPU (or MIG instance) driven through NVML.
+
+    Build them with :func:`nvml_gpus`. Call :meth:`close` when done (or use ``with``).
+
+    Args:
+        handle: the NVML device handle.
+        index: the process-local index.
+        power_sample_interval_s: sampling period of the fallback energy integration.
+    """
+
+    def __init__(
+        self, handle: object, index: int, *, power_sample_interval_s: float = 0.05
+    ) -> None:
+        self._session = NVMLSession()
+        self._nvml = _pynvml()
+        self._handle = handle
+        self._index = index
+        self._power_sample_interval_s = power_sample_interval_s
+        self._sampler: PowerSampler | None = None
+        self._locked: tuple[int, int] | None = None
+        self._clocks: list[int] | None = None
+        self._synchronize: Callable[[], None] | None = None
+        try:
+            nvml = self._nvml
+            self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
+            self._uuid = _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, handle))
+            self._is_mig, self._physical = self._mig_info()
+        except BaseException:
+            self._session.release()
+            raise
+
+    def _get(self, operation: str, fn: Callable[..., T], *args: Any) -> T:
+        return _call(operation, self._index, fn, *args)
+
+    def _mig_info(self) -> tuple[bool, object]:
+        """``(is_mig, handle of the physical GPU)``; GPUs or drivers without MIG: not MIG."""
+        nvml = self._nvml
+        try:
+            is_instance = self._get("is_mig_handle", nvml.nvmlDeviceIsMigDeviceHandle, self._handle)
+        except (NotSupportedError, DriverError):
+            is_instance = False
+        if is_instance:
+            parent = self._get(
+                "get_parent_handle", nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, self._handle
+            )
+            return True, parent
+        try:
+            current, _pending = self._get("get_mig_mode", nvml.nvmlDeviceGetMigMode, self._handle)
+        except (NotSupportedError, DriverError):
+            return False, self._handle
+        return current == nvml.NVML_DEVICE_MIG_ENABLE, self._handle
+
+    def __repr__(self) -> str:
+        return f"NVMLGPU(index={self._index}, name={self._name!r}, uuid={self._uuid!r})"
+
+    @property
+    def index(self) -> int:
+        """The process-local index (after ``CUDA_VISIBLE_DEVICES``)."""
+        return self._index
+
+    @property
+    def name(self) -> str:
+        """The product name NVML reports."""
+        return self._name
+
+    @property
+    def uuid(self) -> str:
+        """The GPU's (or MIG instance's) UUID."""
+        return self._uuid
+
+    @property
+    def is_mig(self) -> bool:
+        """True for a MIG instance or a GPU in MIG mode: observe-only."""
+        return self._is_mig
+
+    def _check_settable(self, operation: str) -> None:
+        if self._is_mig:
+            raise NotSupportedError(
+                "MIG is observe-only: power and clock settings belong to the whole physical "
+                "GPU, which other MIG instances share",
+                gpu_index=self._index,
+                operation=operation,
+            )
+
+    def power_limit_constraints_w(self) -> tuple[float, float]:
+        """The (min, max) power limit the driver accepts, in watts."""
+        lo_mw, hi_mw = self._get(
+            "power_limit_constraints",
+            self._nvml.nvmlDeviceGetPowerManagementLimitConstraints,
+            self._physical,
+        )
+        return lo_mw / 1000.0, hi_mw / 1000.0
+
+    def default_power_limit_w(self) -> float:
+        """The vendor default power limit in watts."""
+        nvml = self._nvml
+        mw = self._get(
+            "default_power_limit", nvml.nvmlDeviceGetPowerManagementDefaultLimit, self._physical
+        )
+        return float(mw) / 1000.0
+
+    def power_limit_w(self) -> float:
+        """The power management limit currently set, in watts."""
+        nvml = self._nvml
+        mw = self._get("power_limit", nvml.nvmlDeviceGetPowerManagementLimit, self._physical)
+        return float(mw) / 1000.0
+
+    def enforced_power_limit_w(self) -> float:
+        """The limit actually enforced (lowest of all limiters), in watts."""
+        nvml = self._nvml
+        mw = self._get("enforced_power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, self._physical)
+        return float(mw) / 1000.0
+
+    def set_power_limit_w(self, power_limit_w: float) -> None:
+        """Set the power management limit.
+
+        Raises:
+            NotSupportedError: a MIG instance, or the GPU does not support it.
+            NoPermissionError: the process lacks root / CAP_SYS_ADMIN.
+            DriverError: the limit is outside :meth:`power_limit_constraints_w`.
+        """
+        self._check_settable("set_power_limit")
+        lo, hi = self.power_limit_constraints_w()
+        if not lo <= power_limit_w <= hi:
+            raise DriverError(
+                f"power limit {power_limit_w} W is outside the supported range [{lo}, {hi}] W",
+                gpu_index=self._index,
+                operation="set_power_limit",
+            )
+        self._get(
+            "set_power_limit",
+            self._nvml.nvmlDeviceSetPowerManagementLimit,
+            self._handle,
+            round(power_limit_w * 1000.0),
+        )
+
+    def supported_sm_clocks_mhz(self) -> list[int]:
+        """Supported graphics clocks at the highest memory clock, descending (cached)."""
+        if self._clocks is None:
+            nvml = self._nvml
+            memory = self._get(
+                "supported_clocks", nvml.nvmlDeviceGetSupportedMemoryClocks, self._physical
+            )
+            graphics = self._get(
+                "supported_clocks",
+                nvml.nvmlDeviceGetSupportedGraphicsClocks,
+                self._physical,
+                max(memory),
+            )
+            self._clocks = sorted({int(f) for f in graphics}, reverse=True)
+        return list(self._clocks)
+
+    def set_locked_clocks_mhz(self, min_mhz: int, max_mhz: int) -> None:
+        """Lock the SM clock into ``[min_mhz, max_mhz]``.
+
+        Raises:
+            NotSupportedError: a MIG instance, or a GPU older than Volta.
+            NoPermissionError: the process lacks root / CAP_SYS_ADMIN.
+        """
+        self._check_settable("set_locked_clocks")
+        self._get(
+            "set_locked_clocks",
+            self._nvml.nvmlDeviceSetGpuLockedClocks,
+            self._handle,
+            int(min_mhz),
+            int(max_mhz),
+        )
+        self._locked = (int(min_mhz), int(max_mhz))
+
+    def reset_locked_clocks(self) -> None:
+        """Release any SM clock lock.
+
+        Raises:
+            NotSupportedError: a MIG instance, or a GPU older than Volta.
+            NoPermissionError: the process lacks root / CAP_SYS_ADMIN.
+        """
+        self._check_settable("reset_locked_clocks")
+        self._get("reset_locked_clocks", self._nvml.nvmlDeviceResetGpuLockedClocks, self._handle)
+        self._locked = None
+
+    def locked_clocks_mhz(self) -> tuple[int, int] | None:
+        """The clock lock this process set, or None (NVML cannot read a lock back)."""
+        return self._locked
+
+    def power_w(self) -> float:
+        """Board power draw in watts (the physical GPU's for a MIG instance)."""
+        mw = self._get("power", self._nvml.nvmlDeviceGetPowerUsage, self._physical)
+        return float(mw) / 1000.0
+
+    def energy_j(self) -> float:
+        """Cumulative energy in joules: the hardware counter, or sampled power where the GPU
+        has none (pre-Volta)."""
+        if self._sampler is None:
+            try:
+                mj = self._get(
+                    "energy", self._nvml.nvmlDeviceGetTotalEnergyConsumption, self._physical
+                )
+            except NotSupportedError:
+                logger.info(
+                    "GPU %d (%s) has no energy counter: integrating sampled power instead.",
+                    self._index,
+                    self._name,
+                )
+                self._sampler = PowerSampler(self.power_w, self._power_sample_interval_s)
+                self._sampler.start()
+            else:
+                return float(mj) / 1000.0
+        return self._sampler.energy_j()
+
+    def synchronize(self) -> None:
+        """Wait for queued CUDA work on this GPU (no-op without CUDA in torch)."""
+        if self._synchronize is None:
+            self._synchronize = _cuda_synchronizer(self._index)
+        self._synchronize()
+
+    def running_process_ids(self) -> list[int]:
+        """Process ids with compute work on this GPU (any user's, as NVML reports)."""
+        nvml = self._nvml
+        processes = self._get(
+            "running_processes", nvml.nvmlDeviceGetComputeRunningProcesses, self._handle
+        )
+        return [int(p.pid) for p in processes]
+
+    def close(self) -> None:
+        """Stop the power sampler, if any, and release NVML (idempotent)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+        self._session.release()
+
+    def __enter__(self) -> NVMLGPU:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _cuda_synchronizer(index: int) -> Callable[[], None]:
+    try:
+        import torch
+    except ImportError:
+        return lambda: None
+    if not torch.cuda.is_available():
+        return lambda: None
+    device = torch.device("cuda", index)
+    return lambda: torch.cuda.synchronize(device)
+
+
+def _visible_handles(nvml: ModuleType) -> list[object]:
+    """NVML handles of the GPUs CUDA lets this process see, in process-local order.
+
+    As CUDA does, the first ``CUDA_VISIBLE_DEVICES`` entry that names no GPU (``-1``, an
+    index out of range, an unknown or ambiguous UUID) ends the list.
+    """
+    count = _call("get_count", None, nvml.nvmlDeviceGetCount)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [_call("get_handle", i, nvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+    handles: list[object] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        local = len(handles)
+        if entry.lstrip("-").isdigit():
+            handle = (
+                _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, int(entry))
+                if 0 <= int(entry) < count
+                else None
+            )
+        else:
+            handle = _handle_by_uuid(nvml, entry, local, count)
+        if handle is None:
+            if entry != "-1":
+                logger.info(
+                    "CUDA_VISIBLE_DEVICES entry %r names no GPU: it and later entries are "
+                    "ignored, as CUDA does.",
+                    entry,
+                )
+            break
+        handles.append(handle)
+    return handles
+
+
+def _handle_by_uuid(nvml: ModuleType, entry: str, local: int, count: int) -> object | None:
+    """The GPU or MIG instance whose UUID is ``entry`` or uniquely starts with it."""
+    if not entry:
+        return None
+    candidates: list[tuple[str, object]] = []
+    for i in range(count):
+        handle = _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, i)
+        candidates.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, handle)), handle))
+        if entry.startswith("MIG-"):
+            candidates.extend(_mig_instances(nvml, handle, local))
+    matches = [h for uuid, h in candidates if uuid == entry]
+    if not matches:
+        matches = [h for uuid, h in candidates if uuid.startswith(entry)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _mig_instances(nvml: ModuleType, handle: object, local: int) -> list[tuple[str, object]]:
+    try:
+        slots = _call("get_mig_count", local, nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+    except (NotSupportedError, DriverError):
+        return []
+    found = []
+    for slot in range(slots):
+        try:
+            mig = _call("get_handle", local, nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+        except GPUNotFoundError:
+            continue
+        found.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, mig)), mig))
+    return found
+
+
+def visible_gpu_count() -> int:
+    """How many GPUs this process may use (NVML's count filtered by CUDA_VISIBLE_DEVICES).
+
+    Raises:
+        DriverError: pynvml is missing or NVML fails to initialise.
+        GPUNotFoundError: a ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
+    """
+    with NVMLSession():
+        return len(_visible_handles(_pynvml()))
+
+
+def nvml_gpus(
+    indices: Sequence[int] | None = None, *, power_sample_interval_s: float = 0.05
+) -> list[NVMLGPU]:
+    """Open GPUs through NVML.
+
+    Args:
+        indices: process-local indices (positions in ``CUDA_VISIBLE_DEVICES``); None: all
+            visible GPUs.
+        power_sample_interval_s: sampling period of the fallback energy integration on GPUs
+            without an energy counter.
+
+    Returns:
+        One :class:`NVMLGPU` per index; close each when done.
+
+    Raises:
+        DriverError: pynvml is missing or NVML fails to initialise.
+        GPUNotFoundError: an index or ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
+    """
+    with NVMLSession():
+        handles = _visible_handles(_pynvml())
+        wanted = range(len(handles)) if indices is None else indices
+        bad = [i for i in wanted if not 0 <= i < len(handles)]
+        if bad:
+            raise GPUNotFoundError(
+                f"no GPU with process-local index {bad}: {len(handles)} visible",
+                gpu_index=bad[0],
+                operation="get_handle",
+            )
+        gpus: list[NVMLGPU] = []
+        try:
+            for i in wanted:
+                gpus.append(NVMLGPU(handles[i], i, power_sample_interval_s=power_sample_interval_s))
+        except BaseException:
+            for gpu in gpus:
+                gpu.close()
+            raise
+        return gpus

@@ -1,0 +1,262 @@
+"""Physics-driven GPU model: time and power of a piece of work as functions of the SM clock.
+
+A piece of work is described by ``t0`` (its duration at the maximum SM clock ``f_max``) and
+its compute-bound share ``beta`` (the fraction of ``t0`` that scales with the clock; the
+rest is memory-bound and does not). At SM clock ``f``:
+
+* time: ``t(f) = beta * t0 * f_max / f + (1 - beta) * t0``;
+* relative switching power: ``s(f) = (f / f_max) * V(f)**2``, the voltage ``V`` rising
+  linearly from ``v_low`` at ``f_v_low_mhz`` to ``v_high`` at ``f_max`` (flat below
+  ``f_v_low_mhz``: lower clocks no longer lower the voltage, which is why the lowest clocks
+  are slower *and* costlier, as on real GPUs);
+* energy: ``E(f) = P_static * t(f) + t_c(f) * P_compute * s(f)
+  + t_m * (P_memory + P_memory_sm * s(f))`` with ``t_c(f) = beta * t0 * f_max / f`` the
+  compute-bound time and ``t_m = (1 - beta) * t0`` the memory-bound time; the average power
+  of the work is ``E(f) / t(f)``.
+
+A GPU that is not computing (waiting in a pipeline bubble or a collective) draws
+``idle_power_w``. The power limit caps the clock: the GPU runs the work at the highest
+supported clock (at most the upper bound of a clock lock) whose average power fits under the
+limit, or at its lowest clock when none does. A power limit therefore wins over a clock
+lock, as it does on NVIDIA GPUs.
+
+The ``"a100"`` preset reproduces the model behind the pipeline profiles in the project's
+reference data (``perseus_profiles/README.md``): A100 SXM4 40GB, power limit 100-400 W
+(default 400 W), SM clocks 1410 MHz down to 210 MHz in 15 MHz steps, 80 W static, 300 W
+compute-bound switching power at 1410 MHz, 50 W + 90 W x s(f) while memory-bound, voltage
+0.70 to 1.00 between 900 and 1410 MHz, 70 W while blocked. The ``"h100"`` preset (H100
+SXM5: 200-700 W, default 700 W, 1980 down to 345 MHz) has the same shape scaled to the
+larger part; its constants are illustrative, not measurements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from lightning_energy.errors import ConfigError
+
+__all__ = ["PHYSICS_PRESETS", "PhysicsModel", "physics_preset"]
+
+
+def _clock_table(max_mhz: int, min_mhz: int, step_mhz: int = 15) -> tuple[int, ...]:
+    return tuple(range(max_mhz, min_mhz - 1, -step_mhz))
+
+
+@dataclass(frozen=True)
+class PhysicsModel:
+    """Frequency-dependent time and power of a GPU class, plus its simulated training step.
+
+    Attributes:
+        name: the GPU's marketing name (``" (simulated)"`` is appended by the simulator).
+        sm_clocks_mhz: supported SM clocks, descending; the first is ``f_max``.
+        min_power_limit_w: lowest power limit the GPU accepts.
+        max_power_limit_w: highest power limit the GPU accepts.
+        default_power_limit_w: the vendor default power limit.
+        static_power_w: power drawn while working regardless of the clock (leakage, fans,
+            board).
+        idle_power_w: power drawn while not computing (bubbles, blocked in collectives).
+        compute_power_w: switching power of compute-bound work at ``f_max`` and ``v_high``.
+        memory_power_w: clock-independent power of memory-bound work (the memory system).
+        memory_sm_power_w: switching power of the SMs during memory-bound work at ``f_max``.
+        v_low: relative voltage at and below ``f_v_low_mhz``.
+        v_high: relative voltage at ``f_max``.
+        f_v_low_mhz: clock below which the voltage stops falling.
+        step_time_s: duration of one simulated training step at ``f_max``.
+        step_compute_bound_share: compute-bound share ``beta`` of that step.
+    """
+
+    name: str
+    sm_clocks_mhz: tuple[int, ...]
+    min_power_limit_w: float
+    max_power_limit_w: float
+    default_power_limit_w: float
+    static_power_w: float
+    idle_power_w: float
+    compute_power_w: float
+    memory_power_w: float
+    memory_sm_power_w: float
+    v_low: float
+    v_high: float
+    f_v_low_mhz: int
+    step_time_s: float = 0.25
+    step_compute_bound_share: float = 0.85
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        clocks = self.sm_clocks_mhz
+        if not clocks or any(a <= b for a, b in itertools.pairwise(clocks)):
+            problems.append(f"sm_clocks_mhz={clocks!r}: must be non-empty and descending")
+        if not 0 < self.min_power_limit_w <= self.default_power_limit_w <= self.max_power_limit_w:
+            problems.append(
+                "power limits (min, default, max)="
+                f"({self.min_power_limit_w}, {self.default_power_limit_w}, "
+                f"{self.max_power_limit_w}): must satisfy 0 < min <= default <= max"
+            )
+        for key in ("static_power_w", "idle_power_w", "compute_power_w", "memory_power_w"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key}={getattr(self, key)!r}: must be >= 0")
+        if not 0 < self.v_low <= self.v_high:
+            problems.append(f"(v_low, v_high)=({self.v_low}, {self.v_high}): need 0 < low <= high")
+        if clocks and not clocks[-1] <= self.f_v_low_mhz < clocks[0]:
+            problems.append(
+                f"f_v_low_mhz={self.f_v_low_mhz!r}: must lie in [{clocks[-1]}, {clocks[0]})"
+            )
+        if self.step_time_s <= 0:
+            problems.append(f"step_time_s={self.step_time_s!r}: must be > 0")
+        if not 0 <= self.step_compute_bound_share <= 1:
+            problems.append(
+                f"step_compute_bound_share={self.step_compute_bound_share!r}: must be in [0, 1]"
+            )
+        if problems:
+            raise ConfigError(problems, source=f"physics model {self.name!r}")
+
+    @property
+    def max_clock_mhz(self) -> int:
+        """``f_max``, the highest supported SM clock."""
+        return self.sm_clocks_mhz[0]
+
+    def voltage(self, freq_mhz: float) -> float:
+        """Relative core voltage at ``freq_mhz`` (linear above ``f_v_low_mhz``, flat below)."""
+        if freq_mhz <= self.f_v_low_mhz:
+            return self.v_low
+        span = self.max_clock_mhz - self.f_v_low_mhz
+        return self.v_low + (self.v_high - self.v_low) * (freq_mhz - self.f_v_low_mhz) / span
+
+    def switching_scale(self, freq_mhz: float) -> float:
+        """``s(f) = (f / f_max) * V(f)**2``: switching power relative to ``f_max``."""
+        return freq_mhz / self.max_clock_mhz * (self.voltage(freq_mhz) / self.v_high) ** 2
+
+    def work_time_s(self, t0_s: float, compute_bound_share: float, freq_mhz: float) -> float:
+        """Duration of work taking ``t0_s`` at ``f_max`` when run at ``freq_mhz``."""
+        beta = compute_bound_share
+        return beta * t0_s * self.max_clock_mhz / freq_mhz + (1.0 - beta) * t0_s
+
+    def work_power_w(self, compute_bound_share: float, freq_mhz: float) -> float:
+        """Average power of work with compute-bound share ``beta`` run at ``freq_mhz``.
+
+        Independent of ``t0`` (energy and time both scale with it).
+        """
+        beta = compute_bound_share
+        s = self.switching_scale(freq_mhz)
+        compute_s = beta * self.max_clock_mhz / freq_mhz
+        memory_s = 1.0 - beta
+        dynamic_j = compute_s * self.compute_power_w * s + memory_s * (
+            self.memory_power_w + self.memory_sm_power_w * s
+        )
+        return self.static_power_w + dynamic_j / (compute_s + memory_s)
+
+    def clock_for(
+        self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
+    ) -> int:
+        """The SM clock work runs at under a power limit and an optional clock ceiling.
+
+        Args:
+            compute_bound_share: the work's ``beta``.
+            power_limit_w: the power limit in force.
+            max_clock_mhz: the upper bound of a clock lock, if any.
+
+        Returns:
+            The highest supported clock not above ``max_clock_mhz`` whose average power fits
+            under ``power_limit_w``; the lowest supported clock when none fits.
+        """
+        ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
+        for freq in self.sm_clocks_mhz:
+            if freq > ceiling:
+                continue
+            if self.work_power_w(compute_bound_share, freq) <= power_limit_w:
+                return freq
+        return self.sm_clocks_mhz[-1]
+
+    def run(
+        self,
+        t0_s: float,
+        compute_bound_share: float,
+        power_limit_w: float,
+        max_clock_mhz: int | None,
+    ) -> tuple[float, float]:
+        """Duration and average power of a piece of work under the given settings.
+
+        Args:
+            t0_s: the work's duration at ``f_max``.
+            compute_bound_share: its compute-bound share ``beta``.
+            power_limit_w: the power limit in force.
+            max_clock_mhz: the upper bound of a clock lock, if any.
+
+        Returns:
+            ``(duration_s, power_w)``.
+        """
+        freq = self.clock_for(compute_bound_share, power_limit_w, max_clock_mhz)
+        return (
+            self.work_time_s(t0_s, compute_bound_share, freq),
+            self.work_power_w(compute_bound_share, freq),
+        )
+
+    def step_work(self) -> tuple[float, float]:
+        """``(t0_s, compute_bound_share)`` of one simulated training step."""
+        return self.step_time_s, self.step_compute_bound_share
+
+
+PHYSICS_PRESETS: dict[str, PhysicsModel] = {
+    "a100": PhysicsModel(
+        name="NVIDIA A100-SXM4-40GB",
+        sm_clocks_mhz=_clock_table(1410, 210),
+        min_power_limit_w=100.0,
+        max_power_limit_w=400.0,
+        default_power_limit_w=400.0,
+        static_power_w=80.0,
+        idle_power_w=70.0,
+        compute_power_w=300.0,
+        memory_power_w=50.0,
+        memory_sm_power_w=90.0,
+        v_low=0.70,
+        v_high=1.00,
+        f_v_low_mhz=900,
+    ),
+    "h100": PhysicsModel(
+        name="NVIDIA H100 80GB HBM3",
+        sm_clocks_mhz=_clock_table(1980, 345),
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
+        default_power_limit_w=700.0,
+        static_power_w=120.0,
+        idle_power_w=100.0,
+        compute_power_w=520.0,
+        memory_power_w=90.0,
+        memory_sm_power_w=150.0,
+        v_low=0.70,
+        v_high=1.00,
+        f_v_low_mhz=1200,
+    ),
+}
+
+
+def physics_preset(
+    name: str, *, step_time_s: float | None = None, compute_bound_share: float | None = None
+) -> PhysicsModel:
+    """A physics preset, optionally with a different simulated training step.
+
+    Args:
+        name: ``"a100"`` or ``"h100"``.
+        step_time_s: duration of one training step at ``f_max`` (default 0.25 s).
+        compute_bound_share: compute-bound share of a step (default 0.85).
+
+    Returns:
+        The preset's model.
+
+    Raises:
+        ConfigError: ``name`` is not a preset, or a step parameter is out of range.
+    """
+    try:
+        model = PHYSICS_PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"gpu={name!r}: not a physics preset; allowed: {sorted(PHYSICS_PRESETS)}"
+        ) from None
+    return replace(
+        model,
+        step_time_s=model.step_time_s if step_time_s is None else step_time_s,
+        step_compute_bound_share=(
+            model.step_compute_bound_share if compute_bound_share is None else compute_bound_share
+        ),
+    )

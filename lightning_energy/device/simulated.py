@@ -1,0 +1,792 @@
+"""The simulated GPU: a first-class backend for tests, the demo and what-if runs.
+
+A :class:`SimulatedGPU` implements the :class:`~lightning_energy.device.base.GPU` protocol
+on a :class:`VirtualClock`. Its behaviour comes from a model:
+
+* a trace model (:mod:`.traces`): replays the measured epoch time and average power of one
+  Zeus workload at each power limit (A40, V100, or any Zeus-format CSV);
+* a physics model (:mod:`.physics`): frequency-dependent time and power of compute- and
+  memory-bound work, with clock locking and a power limit that caps the clock (presets
+  ``"a100"``, ``"h100"``).
+
+Work (:meth:`SimulatedGPU.run_step`, :meth:`SimulatedGPU.run_work`) advances the shared
+virtual clock and the GPU's energy counter. Whenever the clock moves on without the GPU
+working (another GPU's work, :meth:`SimulatedGPU.idle`, :meth:`VirtualClock.advance`), the
+GPU draws its idle power for that time, so energy counters always cover the whole timeline.
+:func:`run_in_parallel` runs steps on several GPUs at once, as synchronous data parallelism
+does: the clock moves by the slowest GPU's step and the others wait at idle power.
+
+Realism knobs: ``noise_std`` (relative Gaussian noise on work duration and power, seeded),
+``slowdown`` (a straggler: all work takes that factor longer at the same power), fault
+injection (:meth:`SimulatedGPU.inject_fault`), ``permission_denied`` and
+``supports_setting`` flags, and ``state_path``: the settable state (power limit, clock
+lock) persists in a JSON file, written atomically, so it outlives the process as a real
+driver's state does.
+
+Example:
+    >>> gpus = simulated_gpus(SimulatedSpec(gpu="a40", count=2))
+    >>> gpus[0].set_power_limit_w(200.0)
+    >>> duration_s = run_in_parallel(gpus)
+    >>> gpus[1].energy_j() > 0
+    True
+    >>> gpus[0].set_power_limit_w(gpus[0].default_power_limit_w())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
+from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
+from lightning_energy.errors import (
+    ConfigError,
+    DeviceError,
+    DriverError,
+    NoPermissionError,
+    NotSupportedError,
+)
+
+__all__ = [
+    "FAULT_OPERATIONS",
+    "GPUModel",
+    "SimulatedGPU",
+    "SimulatedSpec",
+    "VirtualClock",
+    "live_simulated_gpus",
+    "run_in_parallel",
+    "simulated_gpus",
+    "track_simulated_gpus",
+]
+
+# Operations of the GPU protocol; "any" faults count and fail all of these.
+_PROTOCOL_OPERATIONS = frozenset(
+    {
+        "power_limit_constraints",
+        "default_power_limit",
+        "power_limit",
+        "enforced_power_limit",
+        "set_power_limit",
+        "supported_clocks",
+        "set_locked_clocks",
+        "reset_locked_clocks",
+        "locked_clocks",
+        "energy",
+        "power",
+        "synchronize",
+    }
+)
+_SETTERS = frozenset({"set_power_limit", "set_locked_clocks", "reset_locked_clocks"})
+# Operations a fault can target: the protocol's, the simulated workload's, and "any".
+FAULT_OPERATIONS = frozenset(_PROTOCOL_OPERATIONS | {"run_step", "run_work", "idle", "any"})
+
+_LIVE: weakref.WeakSet[SimulatedGPU] = weakref.WeakSet()
+_TRACKERS: list[list[SimulatedGPU]] = []
+
+Settings = tuple[float, tuple[int, int] | None]
+
+
+class VirtualClock:
+    """A thread-safe simulated clock in seconds; it only moves when told to.
+
+    Args:
+        start_s: the initial reading.
+    """
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self._now_s = start_s
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        """The current time in seconds."""
+        with self._lock:
+            return self._now_s
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock forward by ``seconds``.
+
+        Raises:
+            ConfigError: ``seconds`` is negative.
+        """
+        if seconds < 0:
+            raise ConfigError(f"seconds={seconds!r}: the clock only moves forward (>= 0)")
+        with self._lock:
+            self._now_s += seconds
+
+    def sleep(self, seconds: float) -> None:
+        """Same as :meth:`advance`: a simulated sleep passes instantly."""
+        self.advance(seconds)
+
+
+class GPUModel(Protocol):
+    """What a simulated GPU needs from its model (trace or physics)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def min_power_limit_w(self) -> float: ...
+
+    @property
+    def max_power_limit_w(self) -> float: ...
+
+    @property
+    def default_power_limit_w(self) -> float: ...
+
+    @property
+    def idle_power_w(self) -> float: ...
+
+    @property
+    def sm_clocks_mhz(self) -> tuple[int, ...]:
+        """Supported SM clocks, descending; empty when the model has no clocks."""
+        ...
+
+    def step_work(self) -> tuple[float, float]:
+        """``(t0_s, compute_bound_share)`` of one training step."""
+        ...
+
+    def run(
+        self,
+        t0_s: float,
+        compute_bound_share: float,
+        power_limit_w: float,
+        max_clock_mhz: int | None,
+    ) -> tuple[float, float]:
+        """``(duration_s, power_w)`` of a piece of work under the given settings."""
+        ...
+
+
+@dataclass
+class _Fault:
+    operation: str
+    error: type[DeviceError] | DeviceError
+    after_calls: int
+    times: int | None
+    calls: int = 0
+    fired: int = 0
+
+
+class SimulatedGPU:
+    """A simulated GPU driven by a trace or physics model on a virtual clock.
+
+    Args:
+        model: the behaviour (a :class:`~.traces.TraceModel` or :class:`~.physics.PhysicsModel`).
+        index: the process-local index.
+        uuid: the stable identity (default ``"GPU-sim-<index>"``).
+        clock: the virtual clock shared with other GPUs (a new one by default).
+        slowdown: straggler factor >= 1: every piece of work takes this much longer.
+        noise_std: relative standard deviation of Gaussian noise on work duration and power.
+        seed: seeds the noise (with the uuid), so runs are reproducible.
+        permission_denied: setters raise :class:`NoPermissionError`.
+        supports_setting: when False, setters raise :class:`NotSupportedError`.
+        state_path: JSON file holding the settable state across processes; read here if it
+            exists, rewritten atomically on every change.
+
+    Raises:
+        ConfigError: a parameter is out of range.
+        DriverError: ``state_path`` exists but is unreadable, malformed or another GPU's.
+    """
+
+    def __init__(
+        self,
+        model: GPUModel,
+        *,
+        index: int = 0,
+        uuid: str | None = None,
+        clock: VirtualClock | None = None,
+        slowdown: float = 1.0,
+        noise_std: float = 0.0,
+        seed: int = 0,
+        permission_denied: bool = False,
+        supports_setting: bool = True,
+        state_path: str | Path | None = None,
+    ) -> None:
+        problems = []
+        if not slowdown >= 1.0:
+            problems.append(f"slowdown={slowdown!r}: must be >= 1 (1 = not a straggler)")
+        if not noise_std >= 0.0:
+            problems.append(f"noise_std={noise_std!r}: must be >= 0")
+        if index < 0:
+            problems.append(f"index={index!r}: must be >= 0")
+        if problems:
+            raise ConfigError(problems, source="SimulatedGPU")
+        self.model = model
+        self._index = index
+        self._uuid = uuid if uuid is not None else f"GPU-sim-{index}"
+        self.clock = clock if clock is not None else VirtualClock()
+        self.slowdown = slowdown
+        self.noise_std = noise_std
+        self._rng = random.Random(f"{seed}/{self._uuid}")
+        self.permission_denied = permission_denied
+        self.supports_setting = supports_setting
+        self.state_path = Path(state_path) if state_path is not None else None
+        self._lock = threading.RLock()
+        self._faults: list[_Fault] = []
+        self._power_limit_w = model.default_power_limit_w
+        self._locked: tuple[int, int] | None = None
+        self._energy_j = 0.0
+        self._accounted_until_s = self.clock.now()
+        self._last_work_power_w: float | None = None
+        if self.state_path is not None and self.state_path.exists():
+            self._load_state(self.state_path)
+        self.initial_settings: Settings = self.settings()
+        _LIVE.add(self)
+        for tracker in _TRACKERS:
+            tracker.append(self)
+
+    def __repr__(self) -> str:
+        return f"SimulatedGPU(index={self._index}, name={self.name!r}, uuid={self._uuid!r})"
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def index(self) -> int:
+        """The process-local index."""
+        return self._index
+
+    @property
+    def name(self) -> str:
+        """The model's GPU name with ``" (simulated)"`` appended."""
+        return f"{self.model.name} (simulated)"
+
+    @property
+    def uuid(self) -> str:
+        """The stable identity."""
+        return self._uuid
+
+    @property
+    def is_mig(self) -> bool:
+        """Always False: simulated GPUs are whole GPUs."""
+        return False
+
+    # ------------------------------------------------------------------- faults
+    def inject_fault(
+        self,
+        operation: str,
+        error: type[DeviceError] | DeviceError,
+        *,
+        after_calls: int = 0,
+        times: int | None = None,
+    ) -> None:
+        """Make an operation fail.
+
+        Args:
+            operation: one of :data:`FAULT_OPERATIONS`: a protocol operation
+                (``"set_power_limit"``, ``"set_locked_clocks"``, ``"energy"``, ...), a
+                workload operation (``"run_step"``, ``"run_work"``, ``"idle"``), or
+                ``"any"``: every protocol operation (e.g. a GPU lost mid-run with
+                ``GPULostError``); workload operations fail only when named.
+            error: the exception class (instantiated with this GPU's index and the
+                operation) or instance to raise.
+            after_calls: calls of the operation that still succeed before the fault starts.
+            times: how many calls fail (None: every call from then on).
+
+        Raises:
+            ConfigError: unknown operation or negative counts.
+        """
+        problems = []
+        if operation not in FAULT_OPERATIONS:
+            problems.append(f"operation={operation!r}: allowed: {sorted(FAULT_OPERATIONS)}")
+        if after_calls < 0:
+            problems.append(f"after_calls={after_calls!r}: must be >= 0")
+        if times is not None and times < 1:
+            problems.append(f"times={times!r}: must be >= 1 or None")
+        if problems:
+            raise ConfigError(problems, source="inject_fault")
+        with self._lock:
+            self._faults.append(_Fault(operation, error, after_calls, times))
+
+    def clear_faults(self) -> None:
+        """Remove every injected fault."""
+        with self._lock:
+            self._faults.clear()
+
+    def _check(self, operation: str) -> None:
+        """Raise the fault, permission or support error due for ``operation``."""
+        for fault in self._faults:
+            if fault.operation != operation and not (
+                fault.operation == "any" and operation in _PROTOCOL_OPERATIONS
+            ):
+                continue
+            fault.calls += 1
+            if fault.calls > fault.after_calls and (
+                fault.times is None or fault.fired < fault.times
+            ):
+                fault.fired += 1
+                if isinstance(fault.error, DeviceError):
+                    raise fault.error
+                raise fault.error("injected fault", gpu_index=self._index, operation=operation)
+        if operation in _SETTERS:
+            if not self.supports_setting:
+                raise NotSupportedError(
+                    "this GPU does not support changing settings",
+                    gpu_index=self._index,
+                    operation=operation,
+                )
+            if self.permission_denied:
+                raise NoPermissionError(
+                    "changing GPU settings needs root or CAP_SYS_ADMIN",
+                    gpu_index=self._index,
+                    operation=operation,
+                )
+
+    # --------------------------------------------------------------- settings
+    def power_limit_constraints_w(self) -> tuple[float, float]:
+        """The (min, max) power limit the model accepts."""
+        with self._lock:
+            self._check("power_limit_constraints")
+            return self.model.min_power_limit_w, self.model.max_power_limit_w
+
+    def default_power_limit_w(self) -> float:
+        """The default power limit."""
+        with self._lock:
+            self._check("default_power_limit")
+            return self.model.default_power_limit_w
+
+    def power_limit_w(self) -> float:
+        """The power limit currently set."""
+        with self._lock:
+            self._check("power_limit")
+            return self._power_limit_w
+
+    def enforced_power_limit_w(self) -> float:
+        """The enforced limit (the set limit: simulated GPUs have no other limiter)."""
+        with self._lock:
+            self._check("enforced_power_limit")
+            return self._power_limit_w
+
+    def set_power_limit_w(self, power_limit_w: float) -> None:
+        """Set the power limit.
+
+        Raises:
+            NoPermissionError: constructed with ``permission_denied=True``.
+            NotSupportedError: constructed with ``supports_setting=False``.
+            DriverError: the limit is outside :meth:`power_limit_constraints_w` (NVML
+                rejects it as an invalid argument).
+        """
+        with self._lock:
+            self._check("set_power_limit")
+            lo, hi = self.model.min_power_limit_w, self.model.max_power_limit_w
+            if not lo <= power_limit_w <= hi:
+                raise DriverError(
+                    f"power limit {power_limit_w} W is outside the supported range [{lo}, {hi}] W",
+                    gpu_index=self._index,
+                    operation="set_power_limit",
+                )
+            self._power_limit_w = float(power_limit_w)
+            self._save_state()
+
+    def supported_sm_clocks_mhz(self) -> list[int]:
+        """Supported SM clocks, descending.
+
+        Raises:
+            NotSupportedError: trace GPUs do not model clocks.
+        """
+        with self._lock:
+            self._check("supported_clocks")
+            return list(self._clocks("supported_clocks"))
+
+    def _clocks(self, operation: str) -> tuple[int, ...]:
+        clocks = self.model.sm_clocks_mhz
+        if not clocks:
+            raise NotSupportedError(
+                "trace-driven simulated GPUs do not model SM clocks (use a physics preset "
+                "such as 'a100' for clock control)",
+                gpu_index=self._index,
+                operation=operation,
+            )
+        return clocks
+
+    def set_locked_clocks_mhz(self, min_mhz: int, max_mhz: int) -> None:
+        """Lock the SM clock into ``[min_mhz, max_mhz]``; work runs at the highest
+        supported clock in that range that the power limit allows.
+
+        Raises:
+            NoPermissionError: constructed with ``permission_denied=True``.
+            NotSupportedError: ``supports_setting=False``, or a trace GPU.
+            DriverError: ``min_mhz > max_mhz`` or ``max_mhz`` below the lowest clock.
+        """
+        with self._lock:
+            self._check("set_locked_clocks")
+            clocks = self._clocks("set_locked_clocks")
+            if not min_mhz <= max_mhz or max_mhz < clocks[-1]:
+                raise DriverError(
+                    f"invalid clock lock [{min_mhz}, {max_mhz}] MHz (supported: "
+                    f"{clocks[-1]}-{clocks[0]} MHz)",
+                    gpu_index=self._index,
+                    operation="set_locked_clocks",
+                )
+            self._locked = (int(min_mhz), int(max_mhz))
+            self._save_state()
+
+    def reset_locked_clocks(self) -> None:
+        """Release the SM clock lock (a no-op when none is set)."""
+        with self._lock:
+            self._check("reset_locked_clocks")
+            self._locked = None
+            self._save_state()
+
+    def locked_clocks_mhz(self) -> tuple[int, int] | None:
+        """The clock lock in force, or None."""
+        with self._lock:
+            self._check("locked_clocks")
+            return self._locked
+
+    def settings(self) -> Settings:
+        """``(power_limit_w, locked_clocks_mhz)`` as they are now, bypassing faults.
+
+        Used by leak checks and by tests to inspect the state.
+        """
+        with self._lock:
+            return self._power_limit_w, self._locked
+
+    # ----------------------------------------------------------------- energy
+    def _settle(self) -> None:
+        """Charge idle power for clock time that passed without work on this GPU."""
+        now = self.clock.now()
+        if now > self._accounted_until_s:
+            self._energy_j += self.model.idle_power_w * (now - self._accounted_until_s)
+            self._accounted_until_s = now
+            self._last_work_power_w = None
+
+    def energy_j(self) -> float:
+        """Cumulative energy since construction, in joules."""
+        with self._lock:
+            self._check("energy")
+            self._settle()
+            return self._energy_j
+
+    def power_w(self) -> float:
+        """Power now: the last work's power if it just ended, else the idle power."""
+        with self._lock:
+            self._check("power")
+            self._settle()
+            if self._last_work_power_w is not None:
+                return self._last_work_power_w
+            return self.model.idle_power_w
+
+    def synchronize(self) -> None:
+        """No-op: simulated work completes when it is run."""
+        with self._lock:
+            self._check("synchronize")
+
+    # --------------------------------------------------------------- workload
+    def _noisy(self, value: float) -> float:
+        if self.noise_std == 0.0:
+            return value
+        return value * max(0.05, 1.0 + self._rng.gauss(0.0, self.noise_std))
+
+    def _plan_work(
+        self, operation: str, t0_s: float, compute_bound_share: float
+    ) -> tuple[float, float]:
+        """Settle idle time and return this work's ``(duration_s, power_w)``."""
+        problems = []
+        if not t0_s >= 0:
+            problems.append(f"t0_s={t0_s!r}: must be >= 0")
+        if not 0.0 <= compute_bound_share <= 1.0:
+            problems.append(f"compute_bound_share={compute_bound_share!r}: must be in [0, 1]")
+        if problems:
+            raise ConfigError(problems, source=operation)
+        self._check(operation)
+        self._settle()
+        max_clock = self._locked[1] if self._locked is not None else None
+        duration_s, power_w = self.model.run(
+            t0_s, compute_bound_share, self._power_limit_w, max_clock
+        )
+        return self._noisy(duration_s * self.slowdown), self._noisy(power_w)
+
+    def _account_work(self, duration_s: float, power_w: float) -> None:
+        self._energy_j += power_w * duration_s
+        self._accounted_until_s += duration_s
+        self._last_work_power_w = power_w
+
+    def run_work(self, t0_s: float, compute_bound_share: float = 1.0) -> float:
+        """Run a piece of work taking ``t0_s`` at the maximum clock (or highest limit).
+
+        It runs at the locked clock if any, else the maximum clock, capped by what the power
+        limit allows (physics model), or slowed as the traced workload was at this power
+        limit (trace model). The clock and the energy counter advance.
+
+        Args:
+            t0_s: the work's duration at the maximum SM clock / highest power limit.
+            compute_bound_share: the share of ``t0_s`` that scales with the clock.
+
+        Returns:
+            The work's duration in seconds.
+        """
+        return self._run("run_work", t0_s, compute_bound_share)
+
+    def run_step(self, steps: int = 1) -> float:
+        """Run ``steps`` training steps of the model's workload under the current settings.
+
+        Returns:
+            Their total duration in seconds.
+        """
+        t0_s, beta = self.model.step_work()
+        return sum(self._run("run_step", t0_s, beta) for _ in range(steps))
+
+    def _run(self, operation: str, t0_s: float, compute_bound_share: float) -> float:
+        with self._lock:
+            duration_s, power_w = self._plan_work(operation, t0_s, compute_bound_share)
+            self._account_work(duration_s, power_w)
+        self.clock.advance(duration_s)
+        return duration_s
+
+    def idle(self, seconds: float) -> None:
+        """Wait ``seconds`` (a pipeline bubble, a collective) drawing idle power."""
+        with self._lock:
+            self._check("idle")
+        self.clock.advance(seconds)
+
+    # ------------------------------------------------------------ persistence
+    def _load_state(self, path: Path) -> None:
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            uuid = state["uuid"]
+            limit_w = float(state["power_limit_w"])
+            locked = state["locked_clocks_mhz"]
+            locked_t = None if locked is None else (int(locked[0]), int(locked[1]))
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise DriverError(
+                f"simulated GPU state file {path} is unreadable or malformed: {exc}",
+                gpu_index=self._index,
+                operation="load_state",
+            ) from exc
+        if uuid != self._uuid:
+            raise DriverError(
+                f"simulated GPU state file {path} belongs to {uuid}, not {self._uuid}",
+                gpu_index=self._index,
+                operation="load_state",
+            )
+        self._power_limit_w = limit_w
+        self._locked = locked_t
+
+    def _save_state(self) -> None:
+        if self.state_path is None:
+            return
+        state = {
+            "uuid": self._uuid,
+            "power_limit_w": self._power_limit_w,
+            "locked_clocks_mhz": list(self._locked) if self._locked is not None else None,
+        }
+        directory = self.state_path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.state_path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def run_in_parallel(gpus: Sequence[SimulatedGPU], steps: int = 1) -> float:
+    """Run training steps on several GPUs at once, in lock-step (synchronous data parallel).
+
+    Each step, every GPU runs its step; the shared clock advances by the slowest GPU's
+    duration and the faster GPUs wait at idle power.
+
+    Args:
+        gpus: GPUs sharing one :class:`VirtualClock`.
+        steps: how many steps.
+
+    Returns:
+        The total duration in seconds.
+
+    Raises:
+        ConfigError: the GPUs do not share one clock.
+    """
+    if not gpus:
+        return 0.0
+    clock = gpus[0].clock
+    if any(gpu.clock is not clock for gpu in gpus):
+        raise ConfigError("gpus: all GPUs run in parallel must share one VirtualClock")
+    total_s = 0.0
+    for _ in range(steps):
+        longest_s = 0.0
+        for gpu in gpus:
+            t0_s, beta = gpu.model.step_work()
+            with gpu._lock:
+                duration_s, power_w = gpu._plan_work("run_step", t0_s, beta)
+                gpu._account_work(duration_s, power_w)
+            longest_s = max(longest_s, duration_s)
+        clock.advance(longest_s)
+        total_s += longest_s
+    return total_s
+
+
+def live_simulated_gpus() -> list[SimulatedGPU]:
+    """Every :class:`SimulatedGPU` still alive in this process (for leak checks)."""
+    return list(_LIVE)
+
+
+@contextlib.contextmanager
+def track_simulated_gpus() -> Iterator[list[SimulatedGPU]]:
+    """Collect every :class:`SimulatedGPU` constructed inside the block.
+
+    The list holds strong references until the block ends, so a leak check can inspect
+    GPUs that the code under test already dropped.
+
+    Yields:
+        The GPUs constructed so far, in order.
+    """
+    created: list[SimulatedGPU] = []
+    _TRACKERS.append(created)
+    try:
+        yield created
+    finally:
+        _TRACKERS.remove(created)
+
+
+@dataclass(frozen=True)
+class SimulatedSpec:
+    """What simulated GPUs to build.
+
+    Attributes:
+        gpu: a shipped trace (``"a40"``, ``"v100"``), the path of a Zeus-format CSV, or a
+            physics preset (``"a100"``, ``"h100"``).
+        workload: ``"dataset/network"`` of the trace to replay (default
+            ``imagenet/resnet50`` when the trace has it, else its first workload). Trace
+            GPUs only.
+        batch_size: measured batch size to replay (default: the middle measured one).
+        optimizer: which optimizer's measurements when several exist (default: the first).
+        steps_per_epoch: trace GPUs: a step takes epoch time / this.
+        step_time_s: physics GPUs: duration of a step at the maximum clock.
+        compute_bound_share: physics GPUs: compute-bound share of a step.
+        count: how many GPUs.
+        first_index: index of the first GPU (DDP: the local rank).
+        noise_std: relative Gaussian noise on work duration and power.
+        seed: noise seed.
+        slowdowns: per-GPU straggler factors (missing entries: 1.0).
+        state_dir: directory of per-GPU state files ``<uuid>.json`` (None: in memory).
+        uuid_prefix: uuids are ``<uuid_prefix>-<index>`` (default ``GPU-sim-<gpu>``).
+        permission_denied: setters raise :class:`NoPermissionError`.
+        supports_setting: when False, setters raise :class:`NotSupportedError`.
+    """
+
+    gpu: str = "a40"
+    workload: str | None = None
+    batch_size: int | None = None
+    optimizer: str | None = None
+    steps_per_epoch: int = 100
+    step_time_s: float | None = None
+    compute_bound_share: float | None = None
+    count: int = 1
+    first_index: int = 0
+    noise_std: float = 0.0
+    seed: int = 0
+    slowdowns: tuple[float, ...] = ()
+    state_dir: str | None = None
+    uuid_prefix: str | None = None
+    permission_denied: bool = False
+    supports_setting: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        physics = self.gpu in PHYSICS_PRESETS
+        if self.count < 1:
+            problems.append(f"count={self.count!r}: must be >= 1")
+        if self.first_index < 0:
+            problems.append(f"first_index={self.first_index!r}: must be >= 0")
+        if self.steps_per_epoch < 1:
+            problems.append(f"steps_per_epoch={self.steps_per_epoch!r}: must be >= 1")
+        if self.noise_std < 0:
+            problems.append(f"noise_std={self.noise_std!r}: must be >= 0")
+        if len(self.slowdowns) > self.count or any(not s >= 1.0 for s in self.slowdowns):
+            problems.append(
+                f"slowdowns={self.slowdowns!r}: at most count={self.count} factors, each >= 1"
+            )
+        if self.workload is not None and self.workload.count("/") != 1:
+            problems.append(f"workload={self.workload!r}: must be 'dataset/network'")
+        trace_only = ("workload", "batch_size", "optimizer")
+        physics_only = ("step_time_s", "compute_bound_share")
+        for key in trace_only if physics else physics_only:
+            if getattr(self, key) is not None:
+                kind = "trace GPUs ('a40', 'v100', a CSV)" if physics else "physics presets"
+                problems.append(f"{key}={getattr(self, key)!r}: only applies to {kind}")
+        if problems:
+            raise ConfigError(problems, source="SimulatedSpec")
+
+    @property
+    def label(self) -> str:
+        """Short name of the GPU kind (a path's file stem)."""
+        if self.gpu in PHYSICS_PRESETS or self.gpu in TRACE_GPUS:
+            return self.gpu
+        return Path(self.gpu).stem
+
+    def model(self) -> TraceModel | PhysicsModel:
+        """Build the model every GPU of the spec shares.
+
+        Raises:
+            ConfigError: a physics step parameter is out of range.
+            ProfileError: the trace is malformed or lacks the workload / batch size.
+        """
+        if self.gpu in PHYSICS_PRESETS:
+            return physics_preset(
+                self.gpu, step_time_s=self.step_time_s, compute_bound_share=self.compute_bound_share
+            )
+        trace = PowerTrace.load(self.gpu)
+        workloads = trace.workloads()
+        if self.workload is not None:
+            dataset, network = self.workload.split("/")
+        elif any(w[:2] == ("imagenet", "resnet50") for w in workloads):
+            dataset, network = "imagenet", "resnet50"
+        else:
+            dataset, network = workloads[0][:2]
+        batch_size = self.batch_size
+        if batch_size is None:
+            sizes = sorted(b for d, n, b in workloads if (d, n) == (dataset, network))
+            batch_size = sizes[len(sizes) // 2] if sizes else 0
+        workload = trace.workload(dataset, network, batch_size, self.optimizer)
+        return TraceModel.from_trace(trace, workload, self.steps_per_epoch)
+
+
+def simulated_gpus(spec: SimulatedSpec, *, clock: VirtualClock | None = None) -> list[SimulatedGPU]:
+    """Build the simulated GPUs described by ``spec``, all on one virtual clock.
+
+    Args:
+        spec: what to build.
+        clock: the clock to share (a new one by default).
+
+    Returns:
+        ``spec.count`` GPUs with indices ``first_index, first_index + 1, ...`` and uuids
+        ``<uuid_prefix>-<index>``.
+
+    Raises:
+        ConfigError: a spec parameter is out of range.
+        ProfileError: the trace is malformed or lacks the workload.
+        DriverError: a state file is malformed.
+    """
+    model = spec.model()
+    clock = clock if clock is not None else VirtualClock()
+    prefix = spec.uuid_prefix if spec.uuid_prefix is not None else f"GPU-sim-{spec.label}"
+    gpus = []
+    for i in range(spec.count):
+        index = spec.first_index + i
+        uuid = f"{prefix}-{index}"
+        gpus.append(
+            SimulatedGPU(
+                model,
+                index=index,
+                uuid=uuid,
+                clock=clock,
+                slowdown=spec.slowdowns[i] if i < len(spec.slowdowns) else 1.0,
+                noise_std=spec.noise_std,
+                seed=spec.seed,
+                permission_denied=spec.permission_denied,
+                supports_setting=spec.supports_setting,
+                state_path=Path(spec.state_dir) / f"{uuid}.json" if spec.state_dir else None,
+            )
+        )
+    return gpus

@@ -1,0 +1,128 @@
+"""The exception tree of ``lightning_energy``.
+
+Every error the package raises derives from :class:`EnergyError`; vendor errors (NVML
+return codes, OS errors on lease files) are translated at the boundary where they occur,
+with the GPU and the operation attached, so callers catch one family::
+
+    EnergyError
+    ├── ConfigError                 bad configuration; lists every problem found at once
+    ├── ProfileError                a power/frequency profile or plan is malformed
+    ├── CheckpointMismatchError     a resumed state belongs to another GPU model or job
+    ├── StoreError                  the tuning-history database failed or is unsafe
+    └── DeviceError                 anything a GPU backend reports (``gpu_index`` attached)
+        ├── NoPermissionError       the process may not change GPU settings
+        ├── NotSupportedError       the GPU or driver lacks the feature
+        ├── GPULostError            the GPU fell off the bus / was reset
+        ├── GPUNotFoundError        no such GPU (index, UUID or CUDA_VISIBLE_DEVICES entry)
+        ├── DriverError             NVML missing, not initialised, or another driver failure
+        └── LeaseConflictError      another live process holds the GPU's lease
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "CheckpointMismatchError",
+    "ConfigError",
+    "DeviceError",
+    "DriverError",
+    "EnergyError",
+    "GPULostError",
+    "GPUNotFoundError",
+    "LeaseConflictError",
+    "NoPermissionError",
+    "NotSupportedError",
+    "ProfileError",
+    "StoreError",
+]
+
+
+class EnergyError(Exception):
+    """Base class of every exception raised by ``lightning_energy``."""
+
+
+class ConfigError(EnergyError, ValueError):
+    """Invalid configuration.
+
+    Args:
+        problems: one message per problem, each naming the key, the bad value and what is
+            allowed. All of them are reported together so a user fixes the file once.
+        source: where the configuration came from (a file path, ``"env"``, ``"python"``).
+    """
+
+    def __init__(self, problems: str | Iterable[str], source: str | None = None) -> None:
+        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        if len(self.problems) == 1:
+            message = f"invalid configuration{where}: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"{len(self.problems)} problems in the configuration{where}:\n{lines}"
+        super().__init__(message)
+
+
+class ProfileError(EnergyError, ValueError):
+    """A profile, trace or plan file is malformed (missing rows, non-positive values...)."""
+
+
+class CheckpointMismatchError(EnergyError, ValueError):
+    """A saved controller state cannot be applied to this job (another GPU model, ...)."""
+
+
+class StoreError(EnergyError):
+    """The persistent tuning history cannot be used."""
+
+
+class DeviceError(EnergyError):
+    """A GPU backend failed.
+
+    Args:
+        message: what failed, in words.
+        gpu_index: the index of the GPU concerned, when there is one.
+        operation: the backend call that failed (e.g. ``"set_power_limit"``).
+    """
+
+    def __init__(
+        self, message: str, *, gpu_index: int | None = None, operation: str | None = None
+    ) -> None:
+        self.gpu_index = gpu_index
+        self.operation = operation
+        prefix = f"GPU {gpu_index}: " if gpu_index is not None else ""
+        suffix = f" (during {operation})" if operation else ""
+        super().__init__(f"{prefix}{message}{suffix}")
+
+
+class NoPermissionError(DeviceError):
+    """The process may not change GPU settings (needs root or CAP_SYS_ADMIN)."""
+
+
+class NotSupportedError(DeviceError):
+    """The GPU, its driver or its mode (MIG, vGPU) does not support the operation."""
+
+
+class GPULostError(DeviceError):
+    """The GPU fell off the bus or was reset while in use."""
+
+
+class GPUNotFoundError(DeviceError):
+    """No GPU matches the index or UUID requested."""
+
+
+class DriverError(DeviceError):
+    """NVML is missing or uninitialised, or the driver failed in another way."""
+
+
+class LeaseConflictError(DeviceError):
+    """Another live process owns the GPU's settings lease.
+
+    Args:
+        message: what happened.
+        owner_pid: the process that holds the lease.
+        gpu_index: the GPU concerned.
+    """
+
+    def __init__(self, message: str, *, owner_pid: int, gpu_index: int | None = None) -> None:
+        self.owner_pid = owner_pid
+        super().__init__(message, gpu_index=gpu_index, operation="acquire_lease")

@@ -1,0 +1,311 @@
+"""What the Lightning callbacks of both namespaces share.
+
+``lightning.pytorch`` and ``pytorch_lightning`` have distinct ``Callback`` classes that
+reject each other's objects, so each namespace gets its own thin subclass
+(:mod:`.lightning`, :mod:`.pytorch_lightning`) of :class:`EnergyCallbackCore`, which
+imports neither: it only translates trainer hooks into controller calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_energy.collectives import GatherCollective
+from lightning_energy.config import EnergyConfig, load_config
+from lightning_energy.controller import EnergyController, RunSummary
+
+__all__ = ["EnergyCallbackCore", "build_config", "format_summary"]
+
+log = logging.getLogger(__name__)
+
+
+def build_config(
+    config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None,
+    overrides: Mapping[str, Any],
+) -> EnergyConfig:
+    """Resolve a callback's configuration: explicit > ``LIGHTNING_ENERGY_CONFIG`` > defaults.
+
+    Args:
+        config: a YAML path, a mapping of the YAML schema, a built config, or None.
+        overrides: sections given as keyword arguments (applied on top, section by section).
+
+    Raises:
+        ConfigError: every problem found, before any GPU is touched.
+    """
+    if isinstance(config, EnergyConfig):
+        base = config
+    elif isinstance(config, Mapping):
+        base = EnergyConfig.from_mapping(config)
+    elif config is not None:
+        base = EnergyConfig.from_yaml(Path(config))
+    else:
+        base = load_config() or EnergyConfig()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return base.merged(given) if given else base
+
+
+def format_summary(summary: RunSummary) -> str:
+    """A short human-readable table of a run summary."""
+    limit = f"{summary.power_limit_w:.0f} W" if summary.power_limit_w is not None else "unchanged"
+    pre = (
+        f"{summary.pre_job_power_limit_w:.0f} W"
+        if summary.pre_job_power_limit_w is not None
+        else "n/a"
+    )
+    rows = [
+        ("steps", f"{summary.steps}"),
+        ("energy (this process)", f"{summary.energy_j / 1000:.2f} kJ"),
+        ("time", f"{summary.duration_s:.1f} s"),
+        ("power limit chosen", limit),
+        ("pre-job power limit", pre),
+        ("energy saved (estimate)", f"{summary.energy_saved_j / 1000:.2f} kJ"),
+        ("slowdown", f"{(summary.slowdown - 1) * 100:+.1f} %"),
+    ]
+    if summary.observe_only:
+        rows.append(("mode", "observe-only (GPU settings unchanged)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+class EnergyCallbackCore:
+    """Power-limit optimisation for a Lightning ``Trainer``; see :class:`.lightning.EnergyCallback`.
+
+    Args:
+        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
+            reads the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        device: the ``device:`` section (overrides the file's).
+        power_limit: the ``power_limit:`` section (overrides the file's).
+        carbon: the ``carbon:`` section (overrides the file's).
+        strict: raise instead of observing when GPU settings cannot be changed.
+        report: write the run report (JSON) to this path at the end of ``fit``.
+
+    Raises:
+        ConfigError: invalid configuration, raised here, before training starts.
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
+        *,
+        device: dict[str, Any] | None = None,
+        power_limit: dict[str, Any] | None = None,
+        carbon: dict[str, Any] | None = None,
+        strict: bool | None = None,
+        report: str | None = None,
+    ) -> None:
+        self.config = build_config(
+            config,
+            {
+                "device": device,
+                "power_limit": power_limit,
+                "carbon": carbon,
+                "strict": strict,
+                "report": report,
+            },
+        )
+        self.controller: EnergyController | None = None
+        self.summary: RunSummary | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Distinguishes energy callbacks with different selectors in one checkpoint."""
+        section = self.config.power_limit
+        return f"{type(self).__qualname__}[selector={section.selector}]"
+
+    # ----------------------------------------------------------------- hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Create the controller once the strategy (and its process group) exists."""
+        if stage != "fit" or self.controller is not None:
+            return
+        strategy = trainer.strategy
+
+        def all_gather(values: list[float]) -> list[list[float]]:
+            tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+            gathered = strategy.all_gather(tensor)
+            if gathered.dim() == 1:
+                gathered = gathered.unsqueeze(0)
+            return [row.tolist() for row in gathered.cpu()]
+
+        self.controller = EnergyController(
+            self.config,
+            collective=GatherCollective(
+                trainer.global_rank, trainer.world_size, all_gather, strategy.broadcast
+            ),
+            local_rank=trainer.local_rank,
+            # Lightning turns SIGTERM into an exception at the next step and calls
+            # ``on_exception``, which restores; its own handler chains to any found
+            # installed, so the guard installs none here (the lease covers SIGKILL).
+            install_signal_handlers=False,
+        )
+        self.controller.setup()
+        if self._pending_state is not None:
+            self.controller.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Declare the workload so a change of batch size or model is profiled again."""
+        self._declare_workload(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Re-check the workload at every epoch (a datamodule may change its batch size)."""
+        self._declare_workload(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Open a step."""
+        if self.controller is not None:
+            self.controller.on_step_start()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Close a step; log fresh metrics to the loggers and the progress bar."""
+        controller = self.controller
+        if controller is None:
+            return
+        before = controller.metrics
+        controller.on_step_end()
+        if controller.metrics is before or not controller.metrics:
+            return
+        if trainer.loggers:
+            pl_module.log_dict(
+                controller.metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True
+            )
+        if trainer.progress_bar_callback is not None:
+            pl_module.log(
+                "power_limit_w",
+                controller.metrics["energy/power_limit_w"],
+                on_step=True,
+                on_epoch=False,
+                prog_bar=True,
+                logger=False,
+            )
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """A profiling window must not span an epoch boundary."""
+        if self.controller is not None:
+            self.controller.interrupt("epoch end")
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Pause profiling during validation (the window in progress is retried)."""
+        if self.controller is not None and trainer.training:
+            self.controller.interrupt("validation")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Restore every GPU before the exception propagates."""
+        if self.controller is not None:
+            self.summary = self.controller.teardown()
+            log.warning("training failed (%s); GPU settings restored", type(exception).__name__)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Restore every GPU, then print and log the run summary."""
+        if stage != "fit" or self.controller is None:
+            return
+        already = self.summary is not None
+        self.summary = self.controller.teardown()
+        if already:
+            return
+        if trainer.is_global_zero:
+            log.info("energy summary:\n%s", format_summary(self.summary))
+        metrics = {f"energy/summary/{k}": float(v) for k, v in self._summary_metrics().items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if self.config.report and trainer.is_global_zero:
+            from lightning_energy.report import write_report
+
+            write_report(self.controller, self.config.report)
+
+    def _summary_metrics(self) -> dict[str, float]:
+        assert self.summary is not None
+        out = {
+            "energy_j": self.summary.energy_j,
+            "energy_saved_j": self.summary.energy_saved_j,
+            "slowdown": self.summary.slowdown,
+        }
+        if self.summary.power_limit_w is not None:
+            out["power_limit_w"] = self.summary.power_limit_w
+        return out
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state, saved in Lightning checkpoints."""
+        return self.controller.state_dict() if self.controller is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the profile and choice (no profiling again)."""
+        if not state_dict:
+            return
+        if self.controller is None:
+            self._pending_state = dict(state_dict)
+        else:
+            self.controller.load_state_dict(dict(state_dict))
+
+    # ----------------------------------------------------------------- helpers
+    def _declare_workload(self, trainer: Any, pl_module: Any) -> None:
+        if self.controller is None:
+            return
+        params = sum(p.numel() for p in pl_module.parameters())
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None)
+        self.controller.set_workload(f"batch_size={batch_size},params={params}")
+
+
+class EnergyStrategyCore:
+    """Mixin turning a Lightning strategy into one that optimises energy.
+
+    It attaches the namespace's energy callback to the trainer when the strategy sets up
+    its environment, so configuring the strategy alone is enough. Subclasses set
+    ``callback_class`` and list the base strategy second.
+
+    Args:
+        energy: the energy configuration (YAML path, mapping or ``EnergyConfig``; None:
+            ``LIGHTNING_ENERGY_CONFIG`` or defaults).
+        *args: passed to the base strategy.
+        **kwargs: passed to the base strategy.
+
+    Raises:
+        ConfigError: invalid energy configuration, when the strategy is built.
+    """
+
+    callback_class: type[EnergyCallbackCore]
+
+    def __init__(
+        self,
+        *args: Any,
+        energy: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.energy_callback = self.callback_class(energy)
+
+    def setup_environment(self) -> None:
+        """Set up the base strategy, then attach the energy callback to the trainer."""
+        super().setup_environment()  # type: ignore[misc]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if not any(isinstance(cb, EnergyCallbackCore) for cb in trainer.callbacks):
+            trainer.callbacks.append(self.energy_callback)
+
+
+def register_energy_strategies(registry: Any, ddp_class: type, single_class: type) -> None:
+    """Register ``energy_ddp``, ``energy_ddp_spawn`` and ``energy_single_device``."""
+    for name, start_method in (("energy_ddp", "popen"), ("energy_ddp_spawn", "spawn")):
+        registry.register(
+            name,
+            ddp_class,
+            description=f"DDP with energy optimisation (start_method '{start_method}')",
+            override=True,
+            start_method=start_method,
+        )
+    registry.register(
+        "energy_single_device",
+        single_class,
+        description="Single device with energy optimisation",
+        override=True,
+        device="cpu",
+    )

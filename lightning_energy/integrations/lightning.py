@@ -1,0 +1,81 @@
+"""Energy optimisation for ``lightning.pytorch`` (for ``pytorch_lightning``, see
+:mod:`lightning_energy.integrations.pytorch_lightning`).
+
+Add the callback::
+
+    from lightning.pytorch import Trainer
+    from lightning_energy.integrations.lightning import EnergyCallback
+
+    trainer = Trainer(callbacks=[EnergyCallback(power_limit={"selector": "cost", "eta": 0.5})])
+
+or pick the strategy by name once this module is imported (``strategy="energy_ddp"``), or
+set ``LIGHTNING_ENERGY_CONFIG=energy.yaml`` and change nothing: the
+``lightning.pytorch.callbacks_factory`` entry point adds the callback.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+from lightning_energy.config import load_config
+from lightning_energy.integrations._lightning_core import (
+    EnergyCallbackCore,
+    EnergyStrategyCore,
+    register_energy_strategies,
+)
+
+__all__ = [
+    "EnergyCallback",
+    "EnergyDDPStrategy",
+    "EnergySingleDeviceStrategy",
+    "callbacks_factory",
+]
+
+
+class EnergyCallback(EnergyCallbackCore, Callback):
+    """Chooses the GPU power limit that minimises energy for the speed asked for.
+
+    Profiles candidate power limits during the first training steps (pausing during
+    validation), applies the one the selector picks, logs ``energy/*`` metrics and a
+    summary, saves its profile in checkpoints, and restores every GPU at the end, on
+    exceptions and on SIGTERM.
+
+    Args:
+        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
+            reads ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        device: the ``device:`` section.
+        power_limit: the ``power_limit:`` section (``selector``, ``eta``, ...).
+        carbon: the ``carbon:`` section (carbon-aware pacing).
+        strict: raise instead of observing when GPU settings cannot be changed.
+        report: write the run report (JSON) to this path at the end of ``fit``.
+
+    Raises:
+        ConfigError: invalid configuration (before training starts).
+
+    Example:
+        >>> cb = EnergyCallback(power_limit={"selector": "max_slowdown", "max_slowdown": 1.05})
+        >>> cb.config.power_limit.selector
+        'max_slowdown'
+    """
+
+
+class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
+    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``)."""
+
+    callback_class = EnergyCallback
+
+
+class EnergySingleDeviceStrategy(EnergyStrategyCore, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` with the energy callback (``strategy="energy_single_device"``)."""
+
+    callback_class = EnergyCallback
+
+
+def callbacks_factory() -> list[Callback]:
+    """Entry point: the energy callback when ``LIGHTNING_ENERGY_CONFIG`` is set, else none."""
+    config = load_config()
+    return [EnergyCallback(config)] if config is not None else []
+
+
+register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

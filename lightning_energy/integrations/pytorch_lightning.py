@@ -1,0 +1,50 @@
+"""Energy optimisation for the ``pytorch_lightning`` namespace.
+
+The same classes as :mod:`lightning_energy.integrations.lightning`, built on
+``pytorch_lightning``'s own ``Callback`` and strategies (the two namespaces reject each
+other's objects). Importing this module does not import ``lightning.pytorch``.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+from lightning_energy.config import load_config
+from lightning_energy.integrations._lightning_core import (
+    EnergyCallbackCore,
+    EnergyStrategyCore,
+    register_energy_strategies,
+)
+
+__all__ = [
+    "EnergyCallback",
+    "EnergyDDPStrategy",
+    "EnergySingleDeviceStrategy",
+    "callbacks_factory",
+]
+
+
+class EnergyCallback(EnergyCallbackCore, Callback):
+    """``pytorch_lightning`` twin of :class:`lightning_energy.integrations.lightning.EnergyCallback`."""
+
+
+class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
+    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``)."""
+
+    callback_class = EnergyCallback
+
+
+class EnergySingleDeviceStrategy(EnergyStrategyCore, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` with the energy callback (``strategy="energy_single_device"``)."""
+
+    callback_class = EnergyCallback
+
+
+def callbacks_factory() -> list[Callback]:
+    """Entry point: the energy callback when ``LIGHTNING_ENERGY_CONFIG`` is set, else none."""
+    config = load_config()
+    return [EnergyCallback(config)] if config is not None else []
+
+
+register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

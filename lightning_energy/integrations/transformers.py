@@ -1,0 +1,244 @@
+"""Energy optimisation for the Hugging Face Transformers ``Trainer`` (the ``hf`` extra).
+
+One callback::
+
+    from transformers import Trainer
+    from lightning_energy.integrations.transformers import EnergyTrainerCallback
+
+    energy = EnergyTrainerCallback("energy.yaml")   # or None: $LIGHTNING_ENERGY_CONFIG
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[energy])
+    with energy:                                    # restores the GPUs if training raises
+        trainer.train()
+
+What it does with the Trainer's events:
+
+* ``on_step_begin``/``on_step_end`` fire once per optimizer step, also under
+  ``gradient_accumulation_steps``: one energy step is one real optimizer step.
+* The controller's state (power-limit profile and choice) is saved in every checkpoint's
+  ``trainer_state.json`` (the Trainer's own mechanism for stateful callbacks) and read
+  back by ``trainer.train(resume_from_checkpoint=...)``: no profiling again.
+* ``energy/*`` (and ``carbon/*``) values are added to the Trainer's logs (the console,
+  ``trainer.state.log_history`` and the callbacks after this one).
+* A profiling window spanning an evaluation or an epoch end is discarded and retried.
+* ``on_train_end`` (or the ``with`` block, SIGTERM/SIGINT, interpreter exit) restores
+  every GPU exactly once.
+
+Requires ``pip install "lightning-energy[hf]"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController, RunSummary
+from lightning_energy.integrations._lightning_core import build_config, format_summary
+
+__all__ = ["EnergyTrainerCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class EnergyTrainerCallback(TrainerCallback, ExportableState):
+    """Power-limit optimisation and carbon-aware control for a Transformers ``Trainer``.
+
+    Args:
+        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
+            reads the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        device: the ``device:`` section (overrides the file's).
+        power_limit: the ``power_limit:`` section (overrides the file's).
+        carbon: the ``carbon:`` section (overrides the file's).
+        strict: raise instead of observing when GPU settings cannot be changed.
+        report: write the run report (JSON) to this path at the end of training.
+
+    Attributes:
+        controller: the controller of the current (or last) ``train()`` call.
+        summary: the run summary once training ended.
+
+    Raises:
+        ConfigError: invalid configuration, raised here, before training starts.
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
+        *,
+        device: dict[str, Any] | None = None,
+        power_limit: dict[str, Any] | None = None,
+        carbon: dict[str, Any] | None = None,
+        strict: bool | None = None,
+        report: str | None = None,
+    ) -> None:
+        self.config = build_config(
+            config,
+            {
+                "device": device,
+                "power_limit": power_limit,
+                "carbon": carbon,
+                "strict": strict,
+                "report": report,
+            },
+        )
+        self.controller: EnergyController | None = None
+        self.summary: RunSummary | None = None
+
+    # ----------------------------------------------------------------- state
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes to ``trainer_state.json`` at every checkpoint.
+
+        ``args`` rebuild this callback (with ``restore_callback_states_from_checkpoint``);
+        ``attributes`` hold the controller's state, read back in :meth:`on_train_begin`.
+        """
+        controller = self.controller
+        running = controller is not None and self.summary is None
+        energy_state = controller.state_dict() if running and controller is not None else {}
+        return {
+            "args": {"config": self.config.to_mapping()},
+            "attributes": {"energy_state": energy_state},
+        }
+
+    @classmethod
+    def _saved_state(cls, state: TrainerState) -> dict[str, Any]:
+        """The controller state in a resumed ``TrainerState`` (empty when none)."""
+        # Loaded from trainer_state.json, ``stateful_callbacks`` maps class names to states.
+        stored: Any = state.stateful_callbacks
+        entry = stored.get(cls.__name__) if isinstance(stored, Mapping) else None
+        if isinstance(entry, list):
+            entry = entry[0] if entry else None
+        if not isinstance(entry, Mapping):
+            return {}
+        saved = entry.get("attributes", {}).get("energy_state")
+        return dict(saved) if isinstance(saved, Mapping) else {}
+
+    # ----------------------------------------------------------------- hooks
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Open this rank's GPU, resume a saved profile and declare the workload."""
+        if self.controller is not None and self.summary is None:
+            self.controller.teardown()  # a previous train() call raised outside ``with``
+        self.summary = None
+        self.controller = EnergyController(self.config, local_rank=args.local_process_index)
+        self.controller.setup()
+        if state.global_step > 0:  # resumed: the checkpoint's trainer_state.json was loaded
+            saved = self._saved_state(state)
+            if saved:
+                self.controller.load_state_dict(saved)
+        model = kwargs.get("model")
+        params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        self.controller.set_workload(
+            f"batch_size={state.train_batch_size},"
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps},params={params}"
+        )
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Open an optimizer step (the first micro-batch of an accumulation)."""
+        if self.controller is not None:
+            self.controller.on_step_start()
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Close an optimizer step."""
+        if self.controller is not None:
+            self.controller.on_step_end()
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Discard a profiling window that spanned the evaluation (it is retried)."""
+        if self.controller is not None:
+            self.controller.interrupt("evaluation")
+
+    def on_epoch_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """A profiling window must not span an epoch boundary."""
+        if self.controller is not None:
+            self.controller.interrupt("epoch end")
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Add the latest ``energy/*`` values to the logs and to ``state.log_history``."""
+        if self.controller is None or logs is None or not self.controller.metrics:
+            return
+        metrics = dict(self.controller.metrics)
+        logs.update(metrics)
+        # The Trainer appended a copy of ``logs`` (plus the step) just before this event.
+        if state.log_history:
+            last = state.log_history[-1]
+            if last.get("step") == state.global_step and set(logs) - set(metrics) <= set(last):
+                last.update(metrics)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Restore every GPU, then log the run summary (and write the report)."""
+        self._teardown(is_world_process_zero=state.is_world_process_zero)
+
+    # ----------------------------------------------------------------- end
+    def _teardown(self, *, is_world_process_zero: bool) -> None:
+        if self.controller is None or self.summary is not None:
+            return
+        self.summary = self.controller.teardown()
+        if is_world_process_zero:
+            log.info("energy summary:\n%s", format_summary(self.summary))
+            if self.config.report:
+                from lightning_energy.report import write_report
+
+                write_report(self.controller, self.config.report)
+
+    def __enter__(self) -> EnergyTrainerCallback:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Restore every GPU if training did not reach ``on_train_end`` (it raised)."""
+        if self.controller is None or self.summary is not None:
+            return
+        self.summary = self.controller.teardown()
+        if exc_type is not None:
+            log.warning("training failed (%s); GPU settings restored", exc_type.__name__)

@@ -1,0 +1,254 @@
+"""Frequency plans: a locked SM clock for every instruction, saved as JSON.
+
+A :class:`Plan` assigns a clock (MHz) to every forward and backward of every microbatch on
+every stage of a schedule. :func:`evaluate` computes what the plan costs on a profile, with
+the objective the planner optimises:
+
+* ``T`` = the longest path through the schedule's DAG, each instruction weighted by its
+  time at its planned clock (the iteration time);
+* ``E`` = the instructions' energy + ``blocked_power_w x (num_devices x T - sum of the
+  instruction times)``: every GPU is busy for the whole iteration, computing or blocked.
+
+Plans are plain JSON data (``"format": "lightning-energy/perseus-plan"``); loading one
+validates it and never executes anything.
+
+Example:
+    >>> from lightning_energy.perseus.schedule import one_f_one_b
+    >>> schedule = one_f_one_b(2, 2)
+    >>> plan = Plan.uniform(schedule, 1410)
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_energy.errors import ProfileError
+from lightning_energy.perseus.profile import PipelineProfile
+from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+
+__all__ = ["PLAN_FORMAT", "Plan", "PlanEvaluation", "evaluate"]
+
+PLAN_FORMAT = "lightning-energy/perseus-plan"
+_PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanEvaluation:
+    """What a plan costs on a profile.
+
+    Attributes:
+        iteration_time_s: the longest path through the schedule DAG.
+        energy_j: compute energy + blocked energy of all devices over one iteration.
+        compute_energy_j: energy of the instructions.
+        blocked_energy_j: energy drawn while blocked (bubbles, send/recv waits).
+    """
+
+    iteration_time_s: float
+    energy_j: float
+    compute_energy_j: float
+    blocked_energy_j: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A clock for every instruction of a schedule.
+
+    Attributes:
+        schedule: the schedule the plan is for.
+        frequencies_mhz: one clock per node of ``schedule.nodes``, in that order.
+        metadata: free-form numbers saved with the plan (iteration time, energy, ...).
+    """
+
+    schedule: PipelineSchedule
+    frequencies_mhz: tuple[int, ...]
+    metadata: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.frequencies_mhz) != len(self.schedule.nodes):
+            raise ProfileError(
+                f"plan: {len(self.frequencies_mhz)} clocks for "
+                f"{len(self.schedule.nodes)} instructions"
+            )
+        if set(map(type, self.frequencies_mhz)) != {int} or min(self.frequencies_mhz) <= 0:
+            bad = sorted({f for f in self.frequencies_mhz if not (isinstance(f, int) and f > 0)})
+            raise ProfileError(f"plan: clocks {bad[:5]} are not positive integers (MHz)")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            self.schedule.name == other.schedule.name
+            and self.schedule.device_orders == other.schedule.device_orders
+            and self.frequencies_mhz == other.frequencies_mhz
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.schedule.name, self.frequencies_mhz))
+
+    @classmethod
+    def uniform(cls, schedule: PipelineSchedule, freq_mhz: int) -> Plan:
+        """Every instruction at ``freq_mhz`` (e.g. the maximum clock: the baseline)."""
+        return cls(schedule, (int(freq_mhz),) * len(schedule.nodes))
+
+    def frequency_mhz(self, instruction: Instruction) -> int:
+        """The clock planned for ``instruction``.
+
+        Raises:
+            ProfileError: the instruction is not part of the schedule.
+        """
+        try:
+            return self.frequencies_mhz[self.schedule.index[instruction]]
+        except KeyError:
+            raise ProfileError(f"plan: {instruction} is not in the schedule") from None
+
+    def device_plan(self, device: int) -> list[tuple[Instruction, int]]:
+        """``(instruction, clock)`` pairs of one device, in execution order."""
+        return [(inst, self.frequency_mhz(inst)) for inst in self.schedule.device_orders[device]]
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data."""
+        s = self.schedule
+        kinds = sorted({inst.kind for inst in s.nodes})
+        stages = []
+        for stage in range(s.num_stages):
+            row: dict[str, Any] = {"stage": stage}
+            for kind in kinds:
+                row[kind] = [
+                    self.frequency_mhz(Instruction(stage, m, kind))
+                    for m in range(s.num_microbatches)
+                ]
+            stages.append(row)
+        return {
+            "format": PLAN_FORMAT,
+            "version": _PLAN_VERSION,
+            "schedule": {
+                "name": s.name,
+                "num_stages": s.num_stages,
+                "num_microbatches": s.num_microbatches,
+                "virtual_stages": s.virtual_stages,
+            },
+            "metadata": dict(self.metadata or {}),
+            "frequencies_mhz": stages,
+        }
+
+    def to_json(self) -> str:
+        """The plan as a JSON document."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON, atomically (temporary file + rename)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` data.
+
+        Raises:
+            ProfileError: wrong format or version, or a malformed field.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
+            raise ProfileError(f"not a plan: the 'format' field must be {PLAN_FORMAT!r}")
+        if data.get("version") != _PLAN_VERSION:
+            raise ProfileError(
+                f"plan version {data.get('version')!r} is not supported (only {_PLAN_VERSION})"
+            )
+        try:
+            spec = data["schedule"]
+            schedule = build_schedule(
+                str(spec["name"]),
+                int(spec["num_stages"]),
+                int(spec["num_microbatches"]),
+                virtual_stages=int(spec.get("virtual_stages", 1)),
+            )
+            freqs: dict[Instruction, int] = {}
+            for row in data["frequencies_mhz"]:
+                stage = int(row["stage"])
+                for kind, values in row.items():
+                    if kind == "stage":
+                        continue
+                    if not isinstance(values, Sequence) or isinstance(values, str):
+                        raise ProfileError(f"plan: stage {stage} {kind} is not a list")
+                    for m, value in enumerate(values):
+                        if not isinstance(value, int) or isinstance(value, bool):
+                            raise ProfileError(
+                                f"plan: stage {stage} {kind} microbatch {m}: {value!r} is not "
+                                "an integer clock"
+                            )
+                        freqs[Instruction(stage, m, kind)] = value
+            metadata = {str(k): float(v) for k, v in dict(data.get("metadata") or {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"malformed plan: {exc!r}") from exc
+        missing = [str(inst) for inst in schedule.nodes if inst not in freqs]
+        extra = [str(inst) for inst in freqs if inst not in schedule.index]
+        if missing or extra:
+            raise ProfileError(
+                f"plan does not match its schedule: missing {missing[:5]}, unknown {extra[:5]}"
+            )
+        return cls(schedule, tuple(freqs[inst] for inst in schedule.nodes), metadata)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse a JSON plan (data only; nothing is executed).
+
+        Raises:
+            ProfileError: not JSON, or not a valid plan.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"plan is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            ProfileError: unreadable or invalid.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ProfileError(f"cannot read the plan {path}: {exc}") from exc
+        return cls.from_json(text)
+
+
+def evaluate(plan: Plan, profile: PipelineProfile) -> PlanEvaluation:
+    """Iteration time and energy of ``plan`` on ``profile`` (see the module docstring).
+
+    Raises:
+        ProfileError: the profile lacks a stage, instruction or clock the plan uses.
+    """
+    schedule = plan.schedule
+    if profile.num_stages != schedule.num_stages:
+        raise ProfileError(
+            f"the profile has {profile.num_stages} stages, the schedule {schedule.num_stages}"
+        )
+    times = np.empty(len(schedule.nodes))
+    energies = np.empty(len(schedule.nodes))
+    for i, (inst, freq) in enumerate(zip(schedule.nodes, plan.frequencies_mhz, strict=True)):
+        times[i], energies[i] = profile.entry(inst.stage, inst.kind).at(freq)
+    iteration_s = schedule.longest_path(times)
+    compute_j = float(energies.sum())
+    blocked_j = profile.blocked_power_w * (schedule.num_devices * iteration_s - float(times.sum()))
+    return PlanEvaluation(iteration_s, compute_j + blocked_j, compute_j, blocked_j)

@@ -1,0 +1,363 @@
+"""Run reports: one JSON file per training run, and the summary table printed from it.
+
+Every integration writes the same report when the configuration names a ``report:`` path
+(:func:`write_report`, called once the controller is torn down). The file holds::
+
+    {
+      "version": 1,
+      "created": "2025-06-01T12:00:00+00:00",
+      "config":    {...},   # the configuration (YAML schema); credentials never, only the
+                            # names of the environment variables that hold them
+      "devices":   [...],   # identity and power-limit range of every GPU driven
+      "timeline":  [...],   # one entry per logging interval: power limit, energy, power,
+                            # and with carbon-aware pacing intensity, grams and target scale
+      "profile":   [...],   # the measured power-limit frontier (time and energy per step)
+      "decisions": [...],   # every setting applied, when, and why
+      "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary)
+      "carbon":    {...}    # optional: grams emitted vs. the carbon-unaware and full-power
+                            # baselines
+    }
+
+:func:`load_report` reads and checks a report; :func:`format_report` renders the summary
+table that ``lightning-energy report`` and the demo print; :mod:`lightning_energy.plots`
+draws the figures. The schema is documented in ``docs/reports.md``.
+
+Example:
+    >>> from lightning_energy.controller import EnergyController
+    >>> controller = EnergyController()  # doctest: +SKIP
+    >>> ...                              # training  # doctest: +SKIP
+    >>> controller.teardown()            # doctest: +SKIP
+    >>> write_report(controller, "runs/run.json")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from lightning_energy.controller import EnergyController
+from lightning_energy.device.base import gpu_info
+from lightning_energy.errors import DeviceError, EnergyError
+
+__all__ = [
+    "REPORT_VERSION",
+    "ReportError",
+    "build_report",
+    "chosen_power_limits_w",
+    "format_report",
+    "load_report",
+    "save_report",
+    "write_report",
+]
+
+log = logging.getLogger(__name__)
+
+#: The version of the report schema this module writes and reads.
+REPORT_VERSION = 1
+
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "version": int,
+    "created": str,
+    "config": dict,
+    "devices": list,
+    "timeline": list,
+    "profile": list,
+    "decisions": list,
+    "summary": dict,
+}
+_PROFILING_SUFFIX = " window"
+_J_PER_KWH = 3.6e6
+
+
+class ReportError(EnergyError, ValueError):
+    """A run report cannot be read: missing, not JSON, another version or a bad shape."""
+
+
+# --------------------------------------------------------------------------- building
+def build_report(controller: EnergyController) -> dict[str, Any]:
+    """The report of a run, as plain JSON-ready data.
+
+    Call it after ``controller.teardown()``: the summary is the one teardown returned
+    (``teardown`` is idempotent, so calling it here on a finished run changes nothing; on a
+    running one it ends the run and restores the GPUs).
+
+    Args:
+        controller: the run's controller.
+
+    Returns:
+        The report (see the module docstring for the schema).
+    """
+    summary = controller.teardown().to_dict()
+    carbon = summary.pop("carbon", None)
+    report: dict[str, Any] = {
+        "version": REPORT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": controller.config.to_mapping(),
+        "devices": _devices(controller),
+        "timeline": list(controller.timeline),
+        "profile": controller.profile(),
+        "decisions": list(controller.decisions),
+        "summary": summary,
+    }
+    if carbon:
+        report["carbon"] = carbon
+    return _jsonable(report)
+
+
+def _devices(controller: EnergyController) -> list[dict[str, Any]]:
+    """``gpu_info`` of every GPU; identity only for GPUs that can no longer be queried.
+
+    Real GPUs are closed by teardown (NVML may be shut down), so their limits may be
+    unreadable by the time the report is written.
+    """
+    out: list[dict[str, Any]] = []
+    for gpu in controller.devices.gpus:
+        try:
+            out.append(dataclasses.asdict(gpu_info(gpu)))
+        except DeviceError as exc:
+            log.debug("GPU %d cannot be queried for the report: %s", gpu.index, exc)
+            out.append({"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid})
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON data: non-finite floats become null, times ISO strings, tuples lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return str(value)
+
+
+# --------------------------------------------------------------------------- files
+def save_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write a report atomically (temporary file, then rename), creating parent folders.
+
+    Args:
+        report: the report data.
+        path: where to write it.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ReportError: the file cannot be written.
+    """
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(_jsonable(report), f, indent=2, allow_nan=False)
+                f.write("\n")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ReportError(f"cannot write the report {target}: {exc.strerror or exc}") from exc
+    return target
+
+
+def write_report(controller: EnergyController, path: str | os.PathLike[str]) -> Path:
+    """Build the report of a finished run and write it to ``path`` (JSON).
+
+    Integrations call this at the end of training when the configuration has ``report:``.
+
+    Args:
+        controller: the run's controller (after ``teardown()``).
+        path: the file to write; parent folders are created.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ReportError: the file cannot be written.
+    """
+    written = save_report(build_report(controller), path)
+    log.info("energy report written to %s", written)
+    return written
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check a report written by :func:`write_report`.
+
+    Args:
+        path: the JSON file.
+
+    Returns:
+        The report data.
+
+    Raises:
+        ReportError: the file is missing, unreadable, not JSON, of another schema version,
+            or lacks a section (every missing or mistyped section is named).
+    """
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"cannot read the report {source}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError(
+            f"{source} is not a JSON report: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ReportError(f"{source} is not a report: expected a JSON object")
+    version = data.get("version")
+    if version != REPORT_VERSION:
+        raise ReportError(
+            f"{source}: report version {version!r} cannot be read; this version of "
+            f"lightning-energy reads version {REPORT_VERSION}"
+        )
+    problems = [
+        f"{key!r} is missing" if key not in data else f"{key!r} should be a {_kind(kind)}"
+        for key, kind in _REQUIRED.items()
+        if not isinstance(data.get(key), kind)
+    ]
+    if "carbon" in data and not isinstance(data["carbon"], dict):
+        problems.append("'carbon' should be an object")
+    if problems:
+        raise ReportError(f"{source} is not a valid report: " + "; ".join(problems))
+    return data
+
+
+def _kind(kind: type | tuple[type, ...]) -> str:
+    names = {dict: "object", list: "list", int: "integer", str: "string"}
+    return names.get(kind, str(kind)) if isinstance(kind, type) else "value"
+
+
+# --------------------------------------------------------------------------- summary
+def chosen_power_limits_w(report: Mapping[str, Any]) -> list[float]:
+    """The power limits applied after profiling (the selector's and any later re-choices),
+    in the order they were applied, without repeats."""
+    limits: list[float] = []
+    for decision in report.get("decisions", []):
+        value = decision.get("value")
+        if decision.get("kind") != "power_limit" or value is None:
+            continue
+        if str(decision.get("reason", "")).endswith(_PROFILING_SUFFIX):
+            continue
+        if float(value) not in limits:
+            limits.append(float(value))
+    return limits
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The summary table of a report, as ``lightning-energy report`` and the demo print it.
+
+    Args:
+        report: a report (from :func:`build_report` or :func:`load_report`).
+
+    Returns:
+        Aligned ``name  value`` lines.
+    """
+    summary = report.get("summary", {})
+    rows: list[tuple[str, str]] = [("GPUs", _gpus(report.get("devices", [])))]
+    rows.append(("steps", f"{int(summary.get('steps', 0))}"))
+    energy_j = float(summary.get("energy_j", 0.0))
+    rows.append(("energy", _energy(energy_j)))
+    rows.append(("time (device clock)", _duration(float(summary.get("duration_s", 0.0)))))
+    chosen = chosen_power_limits_w(report)
+    pre = summary.get("pre_job_power_limit_w")
+    if chosen:
+        rows.append(("power limits chosen", ", ".join(f"{p:.0f} W" for p in chosen)))
+    else:
+        rows.append(("power limits chosen", "none (GPU settings unchanged)"))
+    if pre is not None:
+        rows.append(("pre-job power limit", f"{float(pre):.0f} W"))
+    saved_j = float(summary.get("energy_saved_j", 0.0))
+    rows.append(
+        ("energy saved vs. full power", f"{_energy(saved_j)} ({_share(saved_j, energy_j)})")
+    )
+    rows.append(("slowdown vs. full power", f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %"))
+    rows.extend(_carbon_rows(report.get("carbon")))
+    if summary.get("observe_only"):
+        rows.append(("mode", "observe-only (GPU settings could not be changed)"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _carbon_rows(carbon: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    if not carbon:
+        return []
+    rows: list[tuple[str, str]] = []
+    where = " ".join(str(carbon[k]) for k in ("provider", "region") if carbon.get(k))
+    if where:
+        rows.append(("grid", where))
+    mean = carbon.get("mean_intensity_g_per_kwh")
+    if mean is not None:
+        rows.append(("mean carbon intensity", f"{float(mean):.0f} gCO2eq/kWh"))
+    emitted = carbon.get("emissions_g")
+    if emitted is None:
+        return rows
+    emitted = float(emitted)
+    rows.append(("emissions", _grams(emitted)))
+    for key, label in (
+        ("carbon_unaware_emissions_g", "vs. carbon-unaware"),
+        ("full_power_emissions_g", "vs. full power"),
+    ):
+        baseline = carbon.get(key)
+        if baseline is not None:
+            baseline = float(baseline)
+            saved = baseline - emitted
+            rows.append(
+                (label, f"{_grams(baseline)} -> saved {_grams(saved)} ({_share(saved, baseline, base=True)})")
+            )
+    return rows
+
+
+def _gpus(devices: Sequence[Mapping[str, Any]]) -> str:
+    if not devices:
+        return "none"
+    names: dict[str, int] = {}
+    for device in devices:
+        name = str(device.get("name", "unknown"))
+        names[name] = names.get(name, 0) + 1
+    return ", ".join(f"{count}x {name}" for name, count in names.items())
+
+
+def _energy(energy_j: float) -> str:
+    if abs(energy_j) >= 0.1 * _J_PER_KWH:
+        return f"{energy_j / _J_PER_KWH:.2f} kWh"
+    return f"{energy_j / 1000:.2f} kJ"
+
+
+def _grams(grams: float) -> str:
+    return f"{grams / 1000:.2f} kgCO2eq" if abs(grams) >= 1000 else f"{grams:.1f} gCO2eq"
+
+
+def _share(part: float, total: float, *, base: bool = False) -> str:
+    """``part`` as a percentage of ``total`` (or of ``total + part`` for savings)."""
+    whole = total if base else total + part
+    return f"{part / whole * 100:.1f} %" if whole > 0 else "n/a"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        hours, minutes = divmod(round(seconds / 60), 60)
+        return f"{hours} h {minutes:02d} min"
+    if seconds >= 60:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min {rest:02d} s"
+    return f"{seconds:.1f} s"

@@ -1,0 +1,288 @@
+"""CarbonMonitor: background polling, outages, fallbacks, lifecycle."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from carbon.errors import CarbonConfigError, ProviderUnavailableError
+from carbon.monitor import CarbonMonitor
+from carbon.providers.trace import TraceProvider, load_trace
+from carbon.types import IntensityPoint, PointKind, ReadingStatus
+
+UTC = timezone.utc
+T0 = datetime(2023, 6, 1, tzinfo=UTC)
+
+
+class Clock:
+    """A virtual clock in epoch seconds."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.t = start.timestamp()
+
+    def __call__(self) -> float:
+        return self.t
+
+    def now(self) -> datetime:
+        return datetime.fromtimestamp(self.t, tz=UTC)
+
+
+class ScriptedProvider:
+    """Hourly values ``100 + hour of day`` at the clock's time; fails while ``down``."""
+
+    name = "scripted"
+    region = "test"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.down = False
+        self.latest_calls = 0
+        self.polled = threading.Event()
+        self.gate: threading.Event | None = None
+
+    def _point(self, t: datetime, kind: PointKind) -> IntensityPoint:
+        hour = t.replace(minute=0, second=0, microsecond=0)
+        return IntensityPoint(hour, 100.0 + hour.hour, kind, "scripted:test")
+
+    def latest(self) -> IntensityPoint:
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        self.latest_calls += 1
+        self.polled.set()
+        if self.down:
+            raise ProviderUnavailableError("down", provider=self.name, operation="latest")
+        return self._point(self.clock.now(), PointKind.MEASURED)
+
+    def history(self, start: datetime, end: datetime) -> list[IntensityPoint]:
+        if self.down:
+            raise ProviderUnavailableError("down", provider=self.name, operation="history")
+        hours = int((end - start).total_seconds() // 3600)
+        return [self._point(start + timedelta(hours=h), PointKind.MEASURED) for h in range(hours)]
+
+    def forecast(self, horizon_s: float | None = None) -> list[IntensityPoint]:
+        if self.down:
+            raise ProviderUnavailableError("down", provider=self.name, operation="forecast")
+        now = self.clock.now()
+        return [self._point(now + timedelta(hours=h), PointKind.FORECAST) for h in range(4)]
+
+
+def monitor_records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "carbon.monitor" and r.levelno == level]
+
+
+def test_outage_keeps_last_value_then_falls_back_and_logs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(
+        provider,
+        poll_interval_s=300,
+        max_staleness_s=3600,
+        fallback_g_per_kwh=444.0,
+        seed_history_s=0,
+        clock=clock,
+    )
+    reading = monitor.poll_now()
+    assert (reading.intensity_g_per_kwh, reading.status) == (100.0, ReadingStatus.FRESH)
+    good_time = reading.time
+    provider.down = True
+    statuses = []
+    for _ in range(30):  # 30 failed polls, 2.5 h
+        clock.t += 300
+        reading = monitor.poll_now()
+        statuses.append(reading.status)
+        if reading.status is ReadingStatus.STALE:
+            assert reading.intensity_g_per_kwh == 100.0 and reading.time == good_time
+        else:
+            assert reading.intensity_g_per_kwh == 444.0
+            assert reading.source == "fallback:constant" and reading.time is None
+    assert statuses[:12] == [ReadingStatus.STALE] * 12  # up to 3600 s old
+    assert statuses[12:] == [ReadingStatus.FALLBACK] * 18
+    assert monitor.in_outage
+    warnings = monitor_records(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+    assert "constant fallback" in warnings[0].getMessage()
+    provider.down = False
+    for _ in range(3):
+        clock.t += 300
+        reading = monitor.poll_now()
+    assert reading.status is ReadingStatus.FRESH and reading.intensity_g_per_kwh == 102.0
+    infos = monitor_records(caplog, logging.INFO)
+    assert len(infos) == 1 and "available again" in infos[0].getMessage()
+    assert "30 failed polls" in infos[0].getMessage()
+    assert len(monitor_records(caplog, logging.WARNING)) == 1
+
+
+def test_daily_fallback_uses_the_history_seen() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(
+        provider,
+        poll_interval_s=3600,
+        max_staleness_s=3600,
+        fallback="daily",
+        seed_history_s=2 * 86400,
+        clock=clock,
+    )
+    monitor.poll_now()
+    assert len(monitor.history()) == 49  # 48 seeded hours + the latest value
+    provider.down = True
+    clock.t += 5 * 3600 + 600  # 05:10, last good value 5 h old
+    reading = monitor.poll_now()
+    assert reading.status is ReadingStatus.FALLBACK and reading.source == "fallback:daily"
+    assert reading.intensity_g_per_kwh == pytest.approx(105.0, abs=0.5)
+
+
+def test_daily_fallback_without_history_is_the_constant() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    provider.down = True
+    monitor = CarbonMonitor(provider, fallback="daily", fallback_g_per_kwh=321.0, clock=clock)
+    reading = monitor.poll_now()
+    assert (reading.status, reading.intensity_g_per_kwh) == (ReadingStatus.FALLBACK, 321.0)
+    assert reading.age_s is None
+
+
+def test_forecast_and_history_in_memory() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(provider, poll_interval_s=60, seed_history_s=0, clock=clock)
+    assert monitor.forecast() == [] and monitor.history() == []
+    monitor.poll_now()
+    assert [p.time.hour for p in monitor.forecast()] == [0, 1, 2, 3]
+    clock.t += 2 * 3600 + 60  # 02:01: the 00:00 and 01:00 intervals are over
+    assert [p.time.hour for p in monitor.forecast()] == [2, 3]
+    for _ in range(3):
+        monitor.poll_now()  # same interval: kept once
+    assert [p.time.hour for p in monitor.history()] == [0, 2]
+
+
+def test_history_window_is_trimmed() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(
+        provider, poll_interval_s=3600, history_window_s=3 * 3600, seed_history_s=0, clock=clock
+    )
+    for _ in range(10):
+        monitor.poll_now()
+        clock.t += 3600
+    assert [p.time.hour for p in monitor.history()] == [6, 7, 8, 9]
+
+
+def test_background_polling_never_blocks_the_caller() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    provider.gate = threading.Event()  # the "network" hangs until released
+    monitor = CarbonMonitor(provider, poll_interval_s=60, fallback_g_per_kwh=250.0, clock=clock)
+    with monitor:
+        reading = monitor.latest()  # answered while the first poll is stuck
+        assert (reading.status, reading.intensity_g_per_kwh) == (ReadingStatus.FALLBACK, 250.0)
+        provider.gate.set()
+        assert provider.polled.wait(timeout=10)
+        for _ in range(1000):  # bounded wait for the background poll to land
+            if monitor.latest().status is ReadingStatus.FRESH:
+                break
+            time.sleep(0.01)
+        assert monitor.latest().intensity_g_per_kwh == 100.0
+
+
+def test_fast_polling_and_no_thread_left_after_stop() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    enough = threading.Event()
+
+    def counting_latest() -> IntensityPoint:
+        clock.t += 600  # the simulated job's clock runs fast
+        point = ScriptedProvider.latest(provider)
+        if provider.latest_calls >= 5:
+            enough.set()
+        return point
+
+    provider.latest = counting_latest  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, poll_interval_s=0.05, max_staleness_s=0.05, clock=clock)
+    monitor.start()
+    assert monitor.start() is monitor and monitor.running  # idempotent
+    assert enough.wait(timeout=20)
+    names = [t.name for t in threading.enumerate()]
+    assert any(n.startswith("APScheduler") for n in names)
+    monitor.stop()
+    monitor.stop()  # idempotent
+    assert not monitor.running
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("APScheduler", "carbon"))]
+    assert left == []
+    assert len(monitor.history()) >= 5
+
+
+def test_restart_after_stop() -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(provider, poll_interval_s=60, clock=clock)
+    for _ in range(2):
+        provider.polled.clear()
+        with monitor:
+            assert provider.polled.wait(timeout=10)  # first poll at once, in the background
+        assert not monitor.running
+
+
+def test_replay_a_trace_with_a_virtual_clock() -> None:
+    clock = Clock(datetime(2023, 1, 1, tzinfo=UTC))
+    series = load_trace("DE")
+    monitor = CarbonMonitor(
+        TraceProvider(series, now=clock.now), poll_interval_s=1, seed_history_s=0, clock=clock
+    )
+    for _ in range(48):
+        reading = monitor.poll_now()
+        assert reading.intensity_g_per_kwh == series.at(clock.now())
+        clock.t += 3600
+    assert len(monitor.history()) == 48
+    forecast = monitor.forecast()  # fetched at 47:00 for 48 h; 47:00 is over now
+    assert forecast[0].time == clock.now() and len(forecast) == 47
+    assert [p.intensity_g_per_kwh for p in forecast] == [series.at(p.time) for p in forecast]
+
+
+def test_unexpected_provider_bug_counts_as_an_outage(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+
+    def broken() -> IntensityPoint:
+        raise KeyError("bug")
+
+    provider.latest = broken  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, fallback_g_per_kwh=10.0, clock=clock)
+    assert monitor.poll_now().intensity_g_per_kwh == 10.0
+    assert len(monitor_records(caplog, logging.WARNING)) == 1
+
+
+def test_forecast_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+
+    def no_forecast(horizon_s: float | None = None) -> list[IntensityPoint]:
+        raise ProviderUnavailableError("plan", provider="scripted", operation="forecast")
+
+    provider.forecast = no_forecast  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, seed_history_s=0, clock=clock)
+    for _ in range(5):
+        assert monitor.poll_now().status is ReadingStatus.FRESH
+    assert len(monitor_records(caplog, logging.WARNING)) == 1
+    assert monitor.forecast() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"poll_interval_s": 0}, "poll_interval_s"),
+        ({"poll_interval_s": 60, "max_staleness_s": 30}, "max_staleness_s"),
+        ({"fallback": "zero"}, "fallback"),
+        ({"fallback_g_per_kwh": -1}, "fallback_g_per_kwh"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CarbonConfigError, match=message):
+        CarbonMonitor(ScriptedProvider(Clock()), **kwargs)  # type: ignore[arg-type]

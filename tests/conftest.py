@@ -1,0 +1,101 @@
+"""Shared fixtures. Every test is checked for leaks: threads, signal handlers, env vars and
+simulated GPU settings."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.device.simulated import live_simulated_gpus, track_simulated_gpus
+
+DATA_DIR = Path(__file__).parent / "data"
+
+_SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+def _live_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+# Set by pytest itself at every phase, or by torch/Lightning/Accelerate/Transformers as
+# process-wide settings the first time they run (not by this package).
+_FRAMEWORK_ENV = ("PYTEST_CURRENT_TEST", "PYTORCH_", "TORCHINDUCTOR_", "PL_", "KMP_", "TOKENIZERS_")
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_FRAMEWORK_ENV)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves threads, signal handlers or environment variables behind."""
+    threads_before = _live_threads()
+    handlers_before = {s: signal.getsignal(s) for s in _SIGNALS}
+    env_before = _environment()
+    yield
+    problems: list[str] = []
+    deadline = time.monotonic() + 5.0
+    leaked = _live_threads() - threads_before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = _live_threads() - threads_before
+    # Lightning/torch keep a few daemon workers alive for the whole process (pin memory,
+    # compile workers); only our own threads are named with the "lightning-energy" prefix.
+    ours = [
+        t.name for t in leaked if t.name.startswith(("lightning-energy", "carbon", "APScheduler"))
+    ]
+    if ours:
+        problems.append(f"threads left running: {ours}")
+    for s, h in handlers_before.items():
+        if signal.getsignal(s) is not h:
+            problems.append(f"signal handler for {signal.Signals(s).name} changed")
+            signal.signal(s, h)
+    env_after = _environment()
+    if env_after != env_before:
+        changed = sorted(
+            k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k)
+        )
+        problems.append(f"environment variables changed: {changed}")
+        for k in set(env_after) - set(env_before):
+            del os.environ[k]
+        os.environ.update(env_before)
+    if problems:
+        pytest.fail("test leaked state: " + "; ".join(problems))
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_settings_leak(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a simulated GPU's power limit or clock lock changed.
+
+    Every simulated GPU built during the test must end with the settings it was built with;
+    every one alive before it, with the settings it had when the test started. Tests that
+    deliberately leave state behind (persistence, crash recovery) are marked
+    ``@pytest.mark.gpu_state_may_change``.
+    """
+    before = [(gpu, gpu.settings()) for gpu in live_simulated_gpus()]
+    with track_simulated_gpus() as created:
+        yield
+    if request.node.get_closest_marker("gpu_state_may_change"):
+        return
+    expected = before + [(gpu, gpu.initial_settings) for gpu in created]
+    changed = [
+        f"{gpu.uuid}: {settings} -> {gpu.settings()}"
+        for gpu, settings in expected
+        if gpu.settings() != settings
+    ]
+    if changed:
+        pytest.fail(
+            "GPU settings left changed (power_limit_w, locked_clocks_mhz): " + "; ".join(changed)
+        )
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    """The directory of the test data files (copied from the project's reference data)."""
+    return DATA_DIR

@@ -1,0 +1,226 @@
+"""An in-memory stand-in for the ``pynvml`` module, for tests of the NVML backend.
+
+It keeps the real module's calling conventions (milliwatts, millijoules, MHz, handles,
+``NVMLError`` carrying the return code in ``value``) and records every setter call.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+ERROR_CODES = {
+    "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_ERROR_INVALID_ARGUMENT": 2,
+    "NVML_ERROR_NOT_SUPPORTED": 3,
+    "NVML_ERROR_NO_PERMISSION": 4,
+    "NVML_ERROR_NOT_FOUND": 6,
+    "NVML_ERROR_DRIVER_NOT_LOADED": 9,
+    "NVML_ERROR_LIBRARY_NOT_FOUND": 12,
+    "NVML_ERROR_GPU_IS_LOST": 15,
+    "NVML_ERROR_UNKNOWN": 999,
+}
+
+
+class NVMLError(Exception):
+    """Mirrors ``pynvml.NVMLError``: ``value`` is the NVML return code."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        names = {v: k for k, v in ERROR_CODES.items()}
+        return names.get(self.value, f"NVML error {self.value}")
+
+
+@dataclass
+class Process:
+    pid: int
+    usedGpuMemory: int = 0
+
+
+@dataclass
+class FakeDevice:
+    """One GPU (or MIG instance) as the fake driver holds it (vendor units)."""
+
+    name: str = "NVIDIA A100-SXM4-40GB"
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    min_limit_mw: int = 100_000
+    max_limit_mw: int = 400_000
+    default_limit_mw: int = 400_000
+    limit_mw: int = 400_000
+    enforced_limit_mw: int | None = None
+    memory_clocks: tuple[int, ...] = (1215, 405)
+    graphics_clocks: dict[int, tuple[int, ...]] = field(
+        default_factory=lambda: {1215: (1410, 1395, 1005, 210), 405: (405, 210)}
+    )
+    locked: tuple[int, int] | None = None
+    energy_mj: int | None = 123_456  # None: the counter is not supported (pre-Volta)
+    power_mw: int = 250_500
+    mig_mode: int | None = 0  # None: MIG not supported
+    parent: FakeDevice | None = None  # set for MIG instances
+    mig_instances: list[FakeDevice] = field(default_factory=list)
+    processes: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML code
+
+
+class FakeNVML(types.ModuleType):
+    """The fake module: pynvml's functions plus what tests inspect or steer.
+
+    Attributes:
+        devices: the GPUs the fake driver sees.
+        init_calls: ``nvmlInit`` calls so far.
+        shutdown_calls: ``nvmlShutdown`` calls so far.
+        calls: setter calls, e.g. ``("set_power_limit", uuid, milliwatts)``.
+        init_error: an NVML code ``nvmlInit`` fails with (None: it succeeds).
+    """
+
+    NVMLError = NVMLError
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    def __init__(self, devices: list[FakeDevice]) -> None:
+        super().__init__("pynvml")
+        self.devices = devices
+        self.init_calls = 0
+        self.shutdown_calls = 0
+        self.calls: list[tuple[Any, ...]] = []
+        self.init_error: int | None = None
+
+
+def make_module(devices: list[FakeDevice]) -> FakeNVML:
+    """Build a fake ``pynvml`` module over ``devices``."""
+    mod = FakeNVML(devices)
+    state: dict[str, Any] = {"initialised": 0}
+    for name, code in ERROR_CODES.items():
+        setattr(mod, name, code)
+
+    def check(fn: str, device: FakeDevice | None = None) -> None:
+        if not state["initialised"]:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_UNINITIALIZED"])
+        if device is not None and fn in device.errors:
+            raise NVMLError(device.errors[fn])
+
+    def nvmlInit() -> None:
+        mod.init_calls += 1
+        if mod.init_error is not None:
+            raise NVMLError(mod.init_error)
+        state["initialised"] += 1
+
+    def nvmlShutdown() -> None:
+        check("nvmlShutdown")
+        mod.shutdown_calls += 1
+        state["initialised"] -= 1
+
+    def nvmlDeviceGetCount() -> int:
+        check("nvmlDeviceGetCount")
+        return len(devices)
+
+    def nvmlDeviceGetHandleByIndex(i: int) -> FakeDevice:
+        check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= i < len(devices):
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        return devices[i]
+
+    def getter(fn: str, attr: str) -> Any:
+        def get(handle: FakeDevice) -> Any:
+            check(fn, handle)
+            return getattr(handle, attr)
+
+        get.__name__ = fn
+        return get
+
+    for fn, attr in {
+        "nvmlDeviceGetName": "name",
+        "nvmlDeviceGetUUID": "uuid",
+        "nvmlDeviceGetPowerManagementDefaultLimit": "default_limit_mw",
+        "nvmlDeviceGetPowerManagementLimit": "limit_mw",
+        "nvmlDeviceGetPowerUsage": "power_mw",
+    }.items():
+        setattr(mod, fn, getter(fn, attr))
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(handle: FakeDevice) -> list[int]:
+        check("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        return [handle.min_limit_mw, handle.max_limit_mw]
+
+    def nvmlDeviceGetEnforcedPowerLimit(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetEnforcedPowerLimit", handle)
+        return handle.enforced_limit_mw if handle.enforced_limit_mw is not None else handle.limit_mw
+
+    def nvmlDeviceSetPowerManagementLimit(handle: FakeDevice, limit_mw: int) -> None:
+        check("nvmlDeviceSetPowerManagementLimit", handle)
+        if not isinstance(limit_mw, int):
+            raise TypeError("pynvml takes an integer number of milliwatts")
+        if not handle.min_limit_mw <= limit_mw <= handle.max_limit_mw:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        mod.calls.append(("set_power_limit", handle.uuid, limit_mw))
+        handle.limit_mw = limit_mw
+
+    def nvmlDeviceGetSupportedMemoryClocks(handle: FakeDevice) -> list[int]:
+        check("nvmlDeviceGetSupportedMemoryClocks", handle)
+        return list(handle.memory_clocks)
+
+    def nvmlDeviceGetSupportedGraphicsClocks(handle: FakeDevice, memory_mhz: int) -> list[int]:
+        check("nvmlDeviceGetSupportedGraphicsClocks", handle)
+        return list(handle.graphics_clocks[memory_mhz])
+
+    def nvmlDeviceSetGpuLockedClocks(handle: FakeDevice, min_mhz: int, max_mhz: int) -> None:
+        check("nvmlDeviceSetGpuLockedClocks", handle)
+        mod.calls.append(("set_locked_clocks", handle.uuid, min_mhz, max_mhz))
+        handle.locked = (min_mhz, max_mhz)
+
+    def nvmlDeviceResetGpuLockedClocks(handle: FakeDevice) -> None:
+        check("nvmlDeviceResetGpuLockedClocks", handle)
+        mod.calls.append(("reset_locked_clocks", handle.uuid))
+        handle.locked = None
+
+    def nvmlDeviceGetTotalEnergyConsumption(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetTotalEnergyConsumption", handle)
+        if handle.energy_mj is None:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"])
+        return handle.energy_mj
+
+    def nvmlDeviceGetMigMode(handle: FakeDevice) -> list[int]:
+        check("nvmlDeviceGetMigMode", handle)
+        if handle.mig_mode is None:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"])
+        return [handle.mig_mode, handle.mig_mode]
+
+    def nvmlDeviceIsMigDeviceHandle(handle: FakeDevice) -> int:
+        check("nvmlDeviceIsMigDeviceHandle", handle)
+        return int(handle.parent is not None)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: FakeDevice) -> FakeDevice:
+        check("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", handle)
+        if handle.parent is None:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        return handle.parent
+
+    def nvmlDeviceGetMaxMigDeviceCount(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetMaxMigDeviceCount", handle)
+        if handle.mig_mode is None:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"])
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(handle: FakeDevice, slot: int) -> FakeDevice:
+        check("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        if slot >= len(handle.mig_instances):
+            raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_FOUND"])
+        return handle.mig_instances[slot]
+
+    def nvmlDeviceGetComputeRunningProcesses(handle: FakeDevice) -> list[Process]:
+        check("nvmlDeviceGetComputeRunningProcesses", handle)
+        return [Process(pid) for pid in handle.processes]
+
+    for fn in list(locals().values()):
+        if callable(fn) and getattr(fn, "__name__", "").startswith("nvml"):
+            setattr(mod, fn.__name__, fn)
+    return mod
+
+
+def a100(index: int, **overrides: Any) -> FakeDevice:
+    """A fake A100 with a deterministic UUID ``GPU-<index>aaaaaaa-...``."""
+    fields: dict[str, Any] = {"uuid": f"GPU-{index}aaaaaaa-0000-0000-0000-00000000000{index}"}
+    fields.update(overrides)
+    return FakeDevice(**fields)

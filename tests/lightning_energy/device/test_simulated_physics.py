@@ -1,0 +1,121 @@
+"""The physics model: monotonic in the clock, capped by the power limit, and consistent with
+the pipeline profiles of the reference data."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.device import PHYSICS_PRESETS, SimulatedSpec, physics_preset, simulated_gpus
+from lightning_energy.errors import ConfigError, DriverError
+
+
+@pytest.mark.parametrize("name", ["a100", "h100"])
+def test_lower_clock_is_slower_and_draws_less_power(name: str) -> None:
+    model = PHYSICS_PRESETS[name]
+    for beta in (0.0, 0.5, 0.85, 1.0):
+        times = [model.work_time_s(1.0, beta, f) for f in model.sm_clocks_mhz]
+        powers = [model.work_power_w(beta, f) for f in model.sm_clocks_mhz]
+        assert all(a <= b for a, b in itertools.pairwise(times))
+        assert all(a > b for a, b in itertools.pairwise(powers))
+        assert times[0] == pytest.approx(1.0)
+
+
+def test_presets_match_the_documented_tables() -> None:
+    a100, h100 = PHYSICS_PRESETS["a100"], PHYSICS_PRESETS["h100"]
+    assert (a100.sm_clocks_mhz[0], a100.sm_clocks_mhz[-1], len(a100.sm_clocks_mhz)) == (
+        1410,
+        210,
+        81,
+    )
+    assert (h100.sm_clocks_mhz[0], h100.sm_clocks_mhz[-1]) == (1980, 345)
+    assert {a - b for a, b in itertools.pairwise(h100.sm_clocks_mhz)} == {15}
+    assert (a100.min_power_limit_w, a100.max_power_limit_w, a100.default_power_limit_w) == (
+        100,
+        400,
+        400,
+    )
+    assert (h100.min_power_limit_w, h100.max_power_limit_w, h100.default_power_limit_w) == (
+        200,
+        700,
+        700,
+    )
+    assert (a100.idle_power_w, a100.static_power_w) == (70.0, 80.0)
+
+
+def test_a100_preset_reproduces_the_pipeline_profiles(data_dir: Path) -> None:
+    model = PHYSICS_PRESETS["a100"]
+    rows = list(csv.DictReader((data_dir / "perseus_profiles" / "profile_S4_M8.csv").open()))
+    by_instr: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for row in rows:
+        by_instr.setdefault((row["stage"], row["instruction"]), {})[int(row["frequency"])] = (
+            float(row["time"]),
+            float(row["energy"]),
+        )
+    for points in by_instr.values():
+        t0 = points[1410][0]
+        beta = (points[1200][0] / t0 - 1) / (1410 / 1200 - 1)
+        for freq, (time_s, energy_j) in points.items():
+            assert model.work_time_s(t0, beta, freq) == pytest.approx(time_s, rel=1e-9)
+            assert model.work_power_w(beta, freq) * time_s == pytest.approx(energy_j, rel=1e-9)
+
+
+def test_power_limit_caps_the_clock() -> None:
+    model = PHYSICS_PRESETS["a100"]
+    # Compute-bound work draws 380 W at 1410 MHz: under 400 W it runs at full clock.
+    assert model.clock_for(1.0, 400.0) == 1410
+    capped = model.clock_for(1.0, 250.0)
+    assert capped < 1410
+    assert model.work_power_w(1.0, capped) <= 250.0 < model.work_power_w(1.0, capped + 15)
+    # Nothing fits under 100 W: the lowest clock.
+    assert model.clock_for(1.0, 100.0) == 210
+    # A clock lock is a ceiling; the power limit still wins below it.
+    assert model.clock_for(1.0, 400.0, max_clock_mhz=1000) == 990
+    assert model.clock_for(1.0, 250.0, max_clock_mhz=1400) == capped
+
+
+def test_locked_clock_and_power_limit_drive_the_simulated_gpu() -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    clocks = gpu.supported_sm_clocks_mhz()
+    assert clocks == sorted(clocks, reverse=True) and clocks[0] == 1410
+    fast = gpu.run_work(0.1, 0.9)
+    e0 = gpu.energy_j()
+    gpu.set_locked_clocks_mhz(900, 900)
+    assert gpu.locked_clocks_mhz() == (900, 900)
+    slow = gpu.run_work(0.1, 0.9)
+    locked_energy = gpu.energy_j() - e0
+    gpu.reset_locked_clocks()
+    assert gpu.locked_clocks_mhz() is None
+    e1 = gpu.energy_j()
+    gpu.run_work(0.1, 0.9)
+    full_energy = gpu.energy_j() - e1
+    assert slow == pytest.approx(0.1 * (0.9 * 1410 / 900 + 0.1))
+    assert fast == pytest.approx(0.1)
+    assert locked_energy < full_energy
+    gpu.set_power_limit_w(200.0)
+    assert gpu.run_work(0.1, 1.0) > 0.1
+    gpu.set_power_limit_w(400.0)
+
+
+def test_invalid_settings_are_rejected_like_nvml_does() -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    with pytest.raises(DriverError, match=r"outside the supported range \[100.0, 400.0\]"):
+        gpu.set_power_limit_w(450.0)
+    with pytest.raises(DriverError, match="invalid clock lock"):
+        gpu.set_locked_clocks_mhz(1000, 900)
+    assert gpu.settings() == (400.0, None)
+
+
+def test_physics_step_parameters() -> None:
+    model = physics_preset("h100", step_time_s=0.5, compute_bound_share=0.6)
+    assert model.step_work() == (0.5, 0.6)
+    gpu = simulated_gpus(SimulatedSpec(gpu="h100", step_time_s=0.5, compute_bound_share=0.6))[0]
+    assert gpu.run_step() == pytest.approx(0.5)
+    assert gpu.name == "NVIDIA H100 80GB HBM3 (simulated)"
+    with pytest.raises(ConfigError, match="not a physics preset"):
+        physics_preset("b200")
+    with pytest.raises(ConfigError, match=r"step_compute_bound_share=1\.5"):
+        physics_preset("a100", compute_bound_share=1.5)

@@ -1,0 +1,354 @@
+"""attach_energy / EnergyTracker with a real Accelerate loop on CPU and simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_energy.config import CONFIG_ENV_VAR
+from lightning_energy.errors import ConfigError, EnergyError
+from lightning_energy.integrations.accelerate import (
+    AcceleratorEnergy,
+    EnergyTracker,
+    attach_energy,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO_ROOT / "examples" / "accelerate"
+PRE_JOB_W = 300.0  # the simulated A40's default power limit
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide singletons; each test builds its own Accelerator."""
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _config(tmp_path: Path, **power_limit: Any) -> dict[str, Any]:
+    return {
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "noise_std": 0.02,
+            "lease_dir": str(tmp_path / "leases"),
+        },
+        "power_limit": {
+            "power_limits_w": [300, 250, 200, 150],
+            "warmup_steps": 2,
+            "settle_steps": 1,
+            **power_limit,
+        },
+        "log_every_n_steps": 5,
+    }
+
+
+def _parts(micro_batches: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
+    torch.manual_seed(0)
+    x = torch.randn(micro_batches * 4, 8)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    model = nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), loader
+
+
+def _train(accelerator: Accelerator, model: Any, optimizer: Any, loader: Any) -> None:
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _gpu_limit_w(energy: AcceleratorEnergy) -> float:
+    assert energy.controller is not None
+    return float(energy.controller.devices.gpus[0].power_limit_w())
+
+
+class _SubclassedAccelerator(Accelerator):
+    """Users often subclass Accelerator; attaching must work the same."""
+
+
+@pytest.mark.parametrize("when", ["before_prepare", "after_prepare"])
+@pytest.mark.parametrize("accelerator_class", [Accelerator, _SubclassedAccelerator])
+def test_steps_are_counted_per_real_optimizer_step_under_accumulation(
+    tmp_path: Path, when: str, accelerator_class: type[Accelerator]
+) -> None:
+    accelerator = accelerator_class(cpu=True, gradient_accumulation_steps=4)
+    model, optimizer, loader = _parts(micro_batches=24)
+    if when == "before_prepare":
+        energy = attach_energy(accelerator, _config(tmp_path))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        energy = attach_energy(accelerator, _config(tmp_path))
+    with energy:
+        _train(accelerator, model, optimizer, loader)
+        assert energy.controller is not None
+        assert energy.controller.steps == 6  # 24 micro-batches / 4
+
+
+def test_profile_completes_metrics_reach_trackers_and_end_training_restores(
+    tmp_path: Path,
+) -> None:
+    tracker = EnergyTracker(tmp_path / "energy.jsonl")
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers("test")
+    energy = attach_energy(accelerator, _config(tmp_path))
+    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=60))
+    _train(accelerator, model, optimizer, loader)
+    controller = energy.controller
+    assert controller is not None and controller.profile_done
+    chosen_w = controller.current_power_limit_w()
+    assert chosen_w is not None and chosen_w < PRE_JOB_W
+    assert _gpu_limit_w(energy) == chosen_w
+    assert energy.metrics["energy/power_limit_w"] == chosen_w
+
+    accelerator.end_training()
+
+    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert energy.summary is not None and energy.summary.power_limit_w == chosen_w
+    assert "end_training" not in vars(accelerator)  # the instance is left as it was
+    steps = [record["step"] for record in tracker.history]
+    assert steps[:-1] == list(range(5, 61, 5))  # every log_every_n_steps optimizer steps
+    assert tracker.history[-1]["energy/summary/power_limit_w"] == chosen_w
+    lines = (tmp_path / "energy.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == tracker.history
+    assert all(key.startswith("energy/") for r in tracker.history for key in r if key != "step")
+
+
+def test_save_state_load_state_resumes_without_profiling(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, _config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=60))
+        _train(accelerator, model, optimizer, loader)
+        assert energy.controller is not None and energy.controller.profile_done
+        chosen_w = energy.controller.current_power_limit_w()
+        accelerator.save_state(str(checkpoint))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, _config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=10))
+        accelerator.load_state(str(checkpoint))
+        controller = energy.controller
+        assert controller is not None and controller.profile_done
+        assert _gpu_limit_w(energy) == chosen_w  # applied before the first step
+        _train(accelerator, model, optimizer, loader)
+        assert controller.steps == 70
+        assert [d["reason"] for d in controller.decisions] == ["resumed from checkpoint"]
+        assert _gpu_limit_w(energy) == chosen_w
+
+
+def test_exception_in_the_with_block_restores_and_unhooks(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=40))
+    with pytest.raises(RuntimeError, match="boom"):  # noqa: SIM117 - the order is the point
+        with attach_energy(accelerator, _config(tmp_path)) as energy:
+            for x, y in loader:
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                if _gpu_limit_w(energy) < PRE_JOB_W:
+                    raise RuntimeError("boom")
+    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert energy.summary is not None
+    assert energy.controller is not None
+    steps = energy.controller.steps
+    optimizer.step()  # the optimizer hooks are gone
+    assert energy.controller.steps == steps
+
+
+def test_unset_env_var_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator)
+    assert not energy.active and energy.controller is None
+    assert "end_training" not in vars(accelerator)
+    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=8))
+    _train(accelerator, model, optimizer, loader)
+    assert energy.metrics == {}
+    assert energy.close() is None
+    # The (empty) entry keeps checkpoints loadable whether the variable is set or not.
+    accelerator.save_state(str(tmp_path / "off"))
+    accelerator.load_state(str(tmp_path / "off"))
+    accelerator.end_training()
+
+
+def test_checkpoint_saved_with_energy_on_loads_with_energy_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, _config(tmp_path)):
+        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=8))
+        _train(accelerator, model, optimizer, loader)
+        accelerator.save_state(str(tmp_path / "on"))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator)
+    accelerator.prepare(*_parts(micro_batches=8))
+    accelerator.load_state(str(tmp_path / "on"))
+    assert energy.controller is None
+
+
+def test_config_from_env_var_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "energy.yaml"
+    path.write_text(json.dumps(_config(tmp_path, selector="energy")))  # JSON is YAML
+    monkeypatch.setenv(CONFIG_ENV_VAR, str(path))
+    with attach_energy(Accelerator(cpu=True)) as energy:
+        assert energy.active and energy.config is not None
+        assert energy.config.power_limit.selector == "energy"
+        assert energy.config.source == str(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "needles"),
+    [
+        (None, ["cannot read the file"]),
+        ("power_limit: [300", ["not valid YAML"]),
+        (
+            "power_limit: {selector: fastest, warmup_steps: -1}\nlog_every: 5\n",
+            ["selector", "warmup_steps", "log_every"],
+        ),
+    ],
+    ids=["missing", "not-yaml", "invalid"],
+)
+def test_bad_file_named_by_env_var_fails_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None, needles: list[str]
+) -> None:
+    path = tmp_path / "energy.yaml"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv(CONFIG_ENV_VAR, str(path))
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ConfigError) as info:
+        attach_energy(accelerator)
+    message = str(info.value)
+    assert str(path) in message and CONFIG_ENV_VAR in message
+    for needle in needles:
+        assert needle in message
+    assert "end_training" not in vars(accelerator)
+
+
+def test_power_limits_outside_the_gpu_range_fail_at_attach(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ConfigError, match="outside the allowed range"):
+        attach_energy(accelerator, _config(tmp_path, power_limits_w=[300, 50]))
+    assert "end_training" not in vars(accelerator)
+
+
+def test_attaching_twice_is_refused(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, _config(tmp_path)), pytest.raises(EnergyError, match="already"):
+        attach_energy(accelerator, _config(tmp_path))
+
+
+def test_explicit_optimizer_is_the_only_one_counted(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, loader = _parts(micro_batches=6)
+    probe = nn.Linear(8, 1)
+    other = torch.optim.SGD(probe.parameters(), lr=0.01)
+    model, optimizer, other, loader = accelerator.prepare(model, optimizer, other, loader)
+    with attach_energy(accelerator, _config(tmp_path), optimizer=optimizer) as energy:
+        for x, y in loader:
+            accelerator.backward(nn.functional.mse_loss(probe(x), y))
+            other.step()  # steps first in every iteration, yet is not the training optimizer
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+        assert energy.controller is not None and energy.controller.steps == 6
+
+
+def test_energy_tracker_keeps_energy_and_carbon_values_only(tmp_path: Path) -> None:
+    tracker = EnergyTracker(tmp_path / "logs" / "energy.jsonl")
+    tracker.log({"loss": 0.5}, step=1)
+    tracker.log({"loss": 0.4, "energy/step_j": 10.0, "carbon/emissions_g": 2.0}, step=2)
+    tracker.finish()
+    expected = [{"step": 2, "energy/step_j": 10.0, "carbon/emissions_g": 2.0}]
+    assert tracker.tracker == expected
+    lines = (tmp_path / "logs" / "energy.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == expected
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
+    env = dict(
+        os.environ,
+        LIGHTNING_ENERGY_CONFIG=str(EXAMPLE / "energy.yaml"),
+        LIGHTNING_ENERGY_LEASE_DIR=str(tmp_path / "leases"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.accelerate_cli",  # the `accelerate` command
+        "launch",
+        "--config_file",
+        str(EXAMPLE / "accelerate_config.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(_free_port()),
+        "--num_cpu_threads_per_process",
+        "1",
+        str(EXAMPLE / "train.py"),
+        *script_args,
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return out.returncode, events, out.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_two_process_accelerate_launch_agrees_resumes_and_restores(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "checkpoint")
+    code, events, stderr = _launch(tmp_path, "--steps", "60", "--checkpoint-dir", checkpoint)
+    assert code == 0, stderr
+    chosen = {e["rank"]: e["power_limit_w"] for e in events if e["event"] == "power_limit"}
+    assert set(chosen) == {0, 1}
+    assert chosen[0] == chosen[1] < PRE_JOB_W  # one limit, agreed through Accelerate
+    summaries = {e["rank"]: e for e in events if e["event"] == "summary"}
+    assert {s["steps"] for s in summaries.values()} == {60}  # 120 micro-batches, accumulation 2
+    assert summaries[0]["decisions"] == summaries[1]["decisions"]
+    # Job-wide numbers (energy summed over both ranks' GPUs, time of the slower): each rank
+    # measures its own noisy GPU, so equal profiles show the measurements were combined.
+    assert summaries[0]["profile"] == summaries[1]["profile"] != []
+    assert summaries[0]["logged_steps"][:6] == [10, 20, 30, 40, 50, 60]
+
+    # Resume on both ranks: the limit comes back from the checkpoint, nothing is profiled;
+    # then a failure mid-training restores each rank's GPU before the process exits.
+    code, events, stderr = _launch(
+        tmp_path, "--steps", "20", "--resume-from", checkpoint, "--fail-at-step", "70"
+    )
+    assert code != 0
+    resumed = {e["rank"]: e for e in events if e["event"] == "power_limit"}
+    assert {r: e["power_limit_w"] for r, e in resumed.items()} == chosen
+    assert {e["step"] for e in resumed.values()} == {61}
+    failed = {e["rank"]: e for e in events if e["event"] == "failed"}
+    assert set(failed) == {0, 1}, stderr
+    for event in failed.values():
+        assert event["decisions"] == ["resumed from checkpoint"]
+        assert event["gpu_power_limit_w"] == event["pre_job_power_limit_w"] == PRE_JOB_W

@@ -1,0 +1,262 @@
+"""BatchSizeCallback on real Lightning fits with simulated GPUs, across recurring runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_energy.errors import ConfigError
+from lightning_energy.integrations.batch_size import batch_size_callback_class
+from lightning_energy.optimize.store import Store
+from tests.lightning_energy.integrations._models import make_loader, module_class
+
+# Epochs each batch size needs to reach the target; 8 never does.
+EPOCHS_TO_TARGET = {8: None, 16: 2, 32: 3}
+MAX_EPOCHS = 6
+
+
+def _energy_config(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "power_limit": {
+            "selector": "cost",
+            "power_limits_w": [300.0, 250.0, 200.0],
+            "warmup_steps": 1,
+            "settle_steps": 1,
+        },
+        "log_every_n_steps": 5,
+    }
+
+
+def _classes(ns: Any) -> tuple[type, type]:
+    """A datamodule keeping ``batch_size`` and a module whose score depends on it."""
+
+    class Data(ns.LightningDataModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = 999  # replaced by the callback before dataloaders are built
+
+        def train_dataloader(self) -> Any:
+            return make_loader(n=128, batch_size=self.batch_size)
+
+        def val_dataloader(self) -> Any:
+            return make_loader(n=16, batch_size=16)
+
+    class Scored(module_class(ns)):  # type: ignore[misc, valid-type]
+        """Logs ``val_score`` = epochs done / epochs needed at the loader's batch size."""
+
+        loader_batch_size: int | None = None
+
+        def on_train_start(self) -> None:
+            self.loader_batch_size = self.trainer.train_dataloader.batch_size
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            needed = EPOCHS_TO_TARGET[self.trainer.datamodule.batch_size]
+            score = 0.0 if needed is None else (self.current_epoch + 1) / needed
+            self.log("val_score", score)
+
+    return Data, Scored
+
+
+def _fit(ns: Any, tmp_path: Path, store_url: str, **callback_kw: Any) -> tuple[Any, Any, Any]:
+    from importlib import import_module
+
+    energy_module = "lightning" if ns.__name__ == "lightning.pytorch" else "pytorch_lightning"
+    energy_cb = import_module(f"lightning_energy.integrations.{energy_module}").EnergyCallback(
+        _energy_config(tmp_path)
+    )
+    kwargs: dict[str, Any] = {
+        "monitor": "val_score",
+        "target": 1.0,
+        "batch_sizes": [8, 16, 32],
+        "default_batch_size": 16,
+        "store": store_url,
+    }
+    kwargs.update(callback_kw)
+    batch_cb = batch_size_callback_class(ns.__name__)("toy-job", **kwargs)
+    data_cls, model_cls = _classes(ns)
+    model = model_cls()
+    trainer = ns.Trainer(
+        max_epochs=MAX_EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[batch_cb, energy_cb],  # either order works
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    trainer.fit(model, datamodule=data_cls())
+    return trainer, batch_cb, model
+
+
+@pytest.mark.slow
+def test_recurring_runs_prune_stop_early_and_reuse_profiles(tmp_path: Path) -> None:
+    import lightning.pytorch as ns
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    used, epochs = [], []
+    for _ in range(5):
+        trainer, batch_cb, model = _fit(ns, tmp_path, url)
+        assert model.loader_batch_size == batch_cb.batch_size == trainer.datamodule.batch_size
+        used.append(batch_cb.batch_size)
+        epochs.append(trainer.current_epoch)
+    # Round 1 from the default 16: 16, then 8 (fails), then up 32; round 2 from the cheapest
+    # (32: 3 epochs x 4 steps < 2 epochs x 8 steps): 32, then down 16.
+    assert used == [16, 8, 32, 32, 16]
+
+    with Store.open(url) as store:
+        trials = store.trials()
+        assert [t.batch_size for t in trials] == used
+        assert [t.converged for t in trials] == [True, False, True, True, True]
+        # Stopped as soon as the target was reached.
+        assert [t.epochs for i, t in enumerate(trials) if i != 1] == [2, 3, 3, 2]
+        assert all(t.energy_j > 0 and t.time_s > 0 and t.power_limit_w for t in trials)
+        (job,) = store.jobs()
+        assert job.job.gpu_count == 1 and "A40" in job.job.gpu_model
+        # Batch size 8 never converges: stopped early once it cost more than 2x the best
+        # run so far (16), long before max_epochs.
+        failed, first = trials[1], trials[0]
+        assert failed.epochs < MAX_EPOCHS and failed.cost > 2.0 * first.cost
+        per_epoch = failed.cost / failed.epochs
+        assert failed.cost - per_epoch <= 2.0 * first.cost * 1.001  # not one epoch later
+        for batch_size in (8, 16, 32):
+            profile = store.load_power_profile(job.job, batch_size)
+            assert profile is not None and "optimizers" in profile
+        # The second run at 32 started from the saved profile: no more profiling steps.
+        first_32, second_32 = trials[2], trials[3]
+        assert second_32.power_limit_w == first_32.power_limit_w
+
+
+def test_pytorch_lightning_namespace(tmp_path: Path) -> None:
+    import pytorch_lightning as ns
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    trainer, batch_cb, model = _fit(ns, tmp_path, url)
+    assert type(batch_cb).__name__ == "PLBatchSizeCallback"
+    assert batch_cb.batch_size == 16 and model.loader_batch_size == 16
+    assert trainer.current_epoch == 2  # stopped after the 2 epochs 16 needs
+    with Store.open(url) as store:
+        (trial,) = store.trials()
+    assert trial.converged and trial.epochs == 2 and trial.metric == 1.0
+
+
+def test_misconfiguration_fails_before_training(tmp_path: Path) -> None:
+    import lightning.pytorch as ns
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    with pytest.raises(ConfigError, match="default_batch_size"):
+        batch_size_callback_class()(
+            "j", monitor="m", target=1.0, batch_sizes=[8], default_batch_size=4
+        )
+    with pytest.raises(ConfigError, match="monitor: 'nope' was not logged"):
+        _fit(ns, tmp_path, url, monitor="nope")
+    with pytest.raises(ConfigError, match="attribute: 'bs' is on neither"):
+        _fit(ns, tmp_path, url, attribute="bs")
+    with pytest.raises(ConfigError, match=r"target_metric: 2\.0 differs from 1\.0"):
+        _fit(ns, tmp_path, url, target=2.0)
+    data_cls, model_cls = _classes(ns)
+    lonely = ns.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[
+            batch_size_callback_class()(
+                "j",
+                monitor="val_score",
+                target=1.0,
+                batch_sizes=[16],
+                default_batch_size=16,
+                store=url,
+            )
+        ],
+    )
+    with pytest.raises(ConfigError, match="needs an EnergyCallback"):
+        lonely.fit(model_cls(), datamodule=data_cls())
+
+
+def test_unavailable_store_trains_with_the_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import lightning.pytorch as ns
+
+    bad = "postgresql+nosuchdriver://u:secret@127.0.0.1:9/db"
+    _, batch_cb, model = _fit(ns, tmp_path, bad)
+    assert batch_cb.batch_size == 16 and model.loader_batch_size == 16
+    assert "tuning store unavailable" in caplog.text and "secret" not in caplog.text
+    with pytest.raises(ConfigError, match="strict"):
+        _fit(ns, tmp_path, bad, strict=True)
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import lightning.pytorch as ns
+    sys.path.insert(0, os.environ["REPO_ROOT"])
+    from tests.lightning_energy.integrations import test_batch_size_callback as t
+    from lightning_energy.integrations import batch_size as module
+    from lightning_energy.integrations.lightning import EnergyCallback
+
+    out = os.environ["OUT_DIR"]
+    opened = []
+    real_open = module.Store.open
+    def spy(*args, **kwargs):
+        opened.append(args)
+        return real_open(*args, **kwargs)
+    module.Store.open = spy
+
+    energy_cb = EnergyCallback(json.loads(os.environ["ENERGY_CFG"]))
+    batch_cb = module.BatchSizeCallback(
+        "toy-ddp", monitor="val_score", target=1.0, batch_sizes=[8, 16, 32],
+        default_batch_size=int(os.environ["DEFAULT_BS"]), store=os.environ["STORE_URL"])
+    data_cls, model_cls = t._classes(ns)
+    model = model_cls()
+    trainer = ns.Trainer(
+        max_epochs=6, accelerator="cpu", devices=2, strategy="ddp",
+        callbacks=[energy_cb, batch_cb], enable_progress_bar=False,
+        enable_model_summary=False, logger=False, enable_checkpointing=False,
+        default_root_dir=out,
+    )
+    trainer.fit(model, datamodule=data_cls())
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"opened": len(opened), "batch_size": batch_cb.batch_size,
+                   "loader": model.loader_batch_size, "epochs": trainer.current_epoch}, f)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_only_rank_zero_uses_the_store(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(DDP_SCRIPT)
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    env = dict(
+        os.environ,
+        REPO_ROOT=str(Path(__file__).resolve().parents[3]),
+        ENERGY_CFG=json.dumps(_energy_config(tmp_path)),
+        OUT_DIR=str(tmp_path),
+        STORE_URL=url,
+        DEFAULT_BS="32",
+        PL_DISABLE_FORK="1",
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["opened"] for r in ranks] == [1, 0]
+    assert ranks[0]["batch_size"] == ranks[1]["batch_size"] == 32
+    assert ranks[0]["loader"] == ranks[1]["loader"] == 32
+    assert ranks[0]["epochs"] == ranks[1]["epochs"] == 3
+    with Store.open(url) as store:
+        (trial,) = store.trials()
+    assert trial.job.gpu_count == 2 and trial.converged and trial.epochs == 3

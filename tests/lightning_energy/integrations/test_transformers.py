@@ -1,0 +1,265 @@
+"""EnergyTrainerCallback on a real Transformers Trainer run on CPU with a simulated GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from transformers import Trainer, TrainingArguments
+
+from lightning_energy.config import CONFIG_ENV_VAR
+from lightning_energy.controller import EnergyController
+from lightning_energy.errors import ConfigError
+from lightning_energy.integrations.transformers import EnergyTrainerCallback
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformers" / "train.py"
+PRE_JOB_W = 300.0
+CANDIDATES_W = [300.0, 250.0, 200.0, 150.0]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Keep the Trainer's process-wide side effects inside the test."""
+    # torch sets this variable when the Trainer first asks for its compile cache.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("LIGHTNING_ENERGY_LEASE_DIR", str(tmp_path / "leases"))
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    """examples/transformers/train.py, imported (its model and dataset are reused here)."""
+    spec = importlib.util.spec_from_file_location("transformers_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(**power_limit: Any) -> dict[str, Any]:
+    return {
+        "device": {"backend": "simulated", "gpu": "a40", "noise_std": 0.02},
+        "power_limit": {
+            "power_limits_w": CANDIDATES_W,
+            "warmup_steps": 2,
+            "settle_steps": 1,
+            **power_limit,
+        },
+        "log_every_n_steps": 5,
+    }
+
+
+def _trainer(
+    example: ModuleType, tmp_path: Path, callback: EnergyTrainerCallback, **args: Any
+) -> Trainer:
+    defaults: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 4,
+        "max_steps": 10,
+        "logging_steps": 5,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    defaults.update(args)
+    return Trainer(
+        model=example.TinyRegressor(),
+        args=TrainingArguments(**defaults),
+        train_dataset=example.SyntheticRegression(size=512),
+        eval_dataset=example.SyntheticRegression(size=16),
+        callbacks=[callback],
+    )
+
+
+def _run_example(
+    example: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *args: str,
+) -> dict[str, Any]:
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), *args])
+    example.main()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+@pytest.mark.slow
+def test_example_logs_energy_keys_and_resumes_from_its_checkpoint(
+    example: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = str(tmp_path / "run")
+    first = _run_example(example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "60")
+    assert first["steps"] == 60
+    assert first["power_limit_w"] < PRE_JOB_W
+    assert first["decisions"][-1].startswith("profile complete")
+    assert {"energy/step_j", "energy/power_limit_w", "energy/total_j"} <= set(first["logged_keys"])
+    # The profile is in the checkpoint, in the Trainer's own trainer_state.json.
+    trainer_state = json.loads((Path(out) / "checkpoint-60" / "trainer_state.json").read_text())
+    saved = trainer_state["stateful_callbacks"]["EnergyTrainerCallback"]["attributes"]
+    assert saved["energy_state"]["steps"] == 60
+    assert any(
+        entry.get("energy/power_limit_w") == first["power_limit_w"]
+        for entry in trainer_state["log_history"]
+    )
+
+    second = _run_example(
+        example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "80", "--resume"
+    )
+    assert second["decisions"] == ["resumed from checkpoint"]
+    assert second["power_limit_w"] == first["power_limit_w"]
+    assert second["steps"] == 80
+
+
+def test_steps_are_optimizer_steps_under_gradient_accumulation(
+    example: ModuleType, tmp_path: Path
+) -> None:
+    callback = EnergyTrainerCallback(_config())
+    trainer = _trainer(example, tmp_path, callback, max_steps=5, gradient_accumulation_steps=3)
+    trainer.train()
+    assert callback.controller is not None and callback.controller.steps == 5
+    assert trainer.state.global_step == 5
+    assert callback.summary is not None
+    assert callback.controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+
+
+@pytest.mark.slow
+def test_evaluation_interrupts_profiling_which_still_completes(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reasons: list[str] = []
+    original = EnergyController.interrupt
+
+    def spy(self: EnergyController, reason: str) -> None:
+        reasons.append(reason)
+        original(self, reason)
+
+    monkeypatch.setattr(EnergyController, "interrupt", spy)
+    callback = EnergyTrainerCallback(_config(selector="energy"))
+    trainer = _trainer(
+        example, tmp_path, callback, max_steps=90, eval_strategy="steps", eval_steps=7
+    )
+    trainer.train()
+    assert "evaluation" in reasons
+    controller = callback.controller
+    assert controller is not None and controller.profile_done
+    assert sorted(m["power_limit_w"] for m in controller.profile()) == sorted(CANDIDATES_W)
+
+
+def _fail_once_the_limit_is_lowered(
+    trainer: Trainer, callback: EnergyTrainerCallback, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., Any]:
+    """Make the model raise as soon as the controller has lowered the power limit.
+
+    Returns:
+        The model's own ``forward``, to put back.
+    """
+    model = trainer.model
+    assert model is not None
+    forward = model.forward
+
+    def failing_forward(x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        assert callback.controller is not None
+        if callback.controller.current_power_limit_w() not in (None, PRE_JOB_W):
+            raise RuntimeError("boom")
+        return forward(x, labels)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    return forward
+
+
+def test_exception_during_training_restores_with_the_context_manager(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    callback = EnergyTrainerCallback(_config())
+    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
+    with pytest.raises(RuntimeError, match="boom"), callback:
+        trainer.train()
+    assert callback.summary is not None
+    assert callback.controller is not None
+    assert callback.controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+
+
+def test_train_again_after_a_failure_outside_with_restores_the_first_run(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    callback = EnergyTrainerCallback(_config())
+    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    forward = _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    first = callback.controller
+    assert first is not None and callback.summary is None
+    assert first.devices.gpus[0].power_limit_w() < PRE_JOB_W  # not restored yet
+
+    monkeypatch.setattr(trainer.model, "forward", forward)
+    trainer.train()
+    assert first.devices.gpus[0].power_limit_w() == PRE_JOB_W
+    assert callback.controller is not first and callback.summary is not None
+
+
+@pytest.mark.slow
+def test_restoring_callback_states_rebuilds_the_callback_with_its_profile(
+    example: ModuleType, tmp_path: Path
+) -> None:
+    first = EnergyTrainerCallback(_config())
+    _trainer(example, tmp_path, first, max_steps=60, save_strategy="steps", save_steps=60).train()
+    assert first.summary is not None
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    second = EnergyTrainerCallback(_config(selector="time"))
+    trainer = _trainer(
+        example,
+        tmp_path,
+        second,
+        max_steps=70,
+        restore_callback_states_from_checkpoint=True,
+    )
+    trainer.train(resume_from_checkpoint=True)
+    # The Trainer replaced the callback by one rebuilt from the checkpoint's arguments.
+    (rebuilt,) = [
+        c for c in trainer.callback_handler.callbacks if isinstance(c, EnergyTrainerCallback)
+    ]
+    assert rebuilt is not second
+    assert rebuilt.config.power_limit.selector == first.config.power_limit.selector
+    assert rebuilt.controller is not None and rebuilt.summary is not None
+    assert [d["reason"] for d in rebuilt.controller.decisions] == ["resumed from checkpoint"]
+    assert rebuilt.summary.power_limit_w == first.summary.power_limit_w
+
+
+def test_invalid_configuration_fails_when_the_callback_is_built() -> None:
+    with pytest.raises(ConfigError) as info:
+        EnergyTrainerCallback(power_limit={"selector": "fastest", "warmup_steps": -1})
+    assert "selector" in str(info.value) and "warmup_steps" in str(info.value)
+
+
+def test_missing_file_named_by_env_var_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "nowhere.yaml"
+    monkeypatch.setenv(CONFIG_ENV_VAR, str(missing))
+    with pytest.raises(ConfigError, match="cannot read the file") as info:
+        EnergyTrainerCallback()
+    assert str(missing) in str(info.value)
