@@ -343,6 +343,13 @@ def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _json_value(key: str, value: float) -> float | int | None:
+    """Counts as integers, NaN (no oracle gain to capture) as null."""
+    if math.isnan(value):
+        return None
+    return int(value) if key == "deadline_misses" else value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     default_power = (
@@ -363,7 +370,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--power-trace", type=Path, default=Path(str(default_power)))
     parser.add_argument("--workload", default="imagenet/resnet50", help="dataset/network")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--forecast", choices=("perfect", "daily"), default="daily")
+    parser.add_argument("--forecast", choices=("perfect", "daily"), default="perfect")
     parser.add_argument("--starts", type=int, default=100, help="start times per job shape")
     parser.add_argument("--work-hours", type=float, nargs="+", default=[24.0, 72.0])
     parser.add_argument("--slack", type=float, nargs="+", default=[0.10, 0.25, 0.50])
@@ -412,20 +419,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         by_shape.setdefault((task.trace_name, task.shape.allow_pause), []).append(result)
     overall = summarise(results)
     if args.json:
-        out = {}
+        keys = ("oracle_capture", "worse_than_static_share", "deadline_misses")
+        trace_summaries = {trace: summarise(res) for trace, res in by_trace.items()}
+        out: dict[str, dict[str, object]] = {}
         for name in REPORTED:
-            out[name] = {
-                key: overall[name][key]
-                for key in ("oracle_capture", "worse_than_static_share", "deadline_misses")
-            }
+            out[name] = {key: _json_value(key, overall[name][key]) for key in keys}
             out[name]["by_trace"] = {
-                trace: {
-                    key: summarise(res)[name][key]
-                    for key in ("oracle_capture", "worse_than_static_share", "deadline_misses")
-                }
-                for trace, res in by_trace.items()
+                trace: {key: _json_value(key, summary[name][key]) for key in keys}
+                for trace, summary in trace_summaries.items()
             }
-        print(json.dumps(out, indent=2, default=lambda x: None))
+        print(json.dumps(out, indent=2))
         return 0
     hull = ", ".join(
         f"{p.label} ({p.time_per_step_s / frontier[0].time_per_step_s:.3f}x)" for p in frontier

@@ -235,9 +235,7 @@ def simulate(
                     if target_epoch is not None and epochs >= target_epoch:
                         converged = True
                         break
-                    if optimizer.should_stop_early(
-                        optimizer.cost(energy_j, time_s), epochs=epochs
-                    ):
+                    if optimizer.should_stop_early(optimizer.cost(energy_j, time_s), epochs=epochs):
                         break
                 trial = Trial(
                     batch_size=batch_size,

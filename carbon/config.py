@@ -248,6 +248,23 @@ class CarbonConfig:
             raise CarbonConfigError(problems, source)
         return config
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The section as plain YAML data (round-trips through :meth:`from_mapping`).
+
+        Credentials never appear: only the names of the variables that hold them.
+        """
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "source" or value is None:
+                continue
+            if isinstance(value, datetime):
+                value = value.isoformat()
+            elif isinstance(value, timedelta):
+                value = f"{value.total_seconds():g}s"
+            out[f.name] = value
+        return out
+
     def token(self) -> Secret | None:
         """The Electricity Maps token from ``token_env`` (``None`` for other providers).
 

@@ -160,12 +160,15 @@ class _Outlook:
         self._forecaster = forecaster
         self._history_s = history_s
         self._history: dict[float, float] = {}
+        self._oldest_s = math.inf
 
     def record(self, time_s: float, value: float) -> None:
         self._history[time_s] = value
+        self._oldest_s = min(self._oldest_s, time_s)
         horizon = time_s - self._history_s
-        if min(self._history) < horizon:
+        if self._oldest_s < horizon - 0.1 * self._history_s:
             self._history = {t: v for t, v in self._history.items() if t >= horizon}
+            self._oldest_s = min(self._history)
 
     def means(
         self,
@@ -380,10 +383,11 @@ class StaticPolicy(_BasePolicy):
 
 
 class ThresholdPolicy(_BasePolicy):
-    """Chase-like: react to the current intensity against the next interval's.
+    """Chase-like: weigh the current intensity against the forecast of what comes next.
 
-    Let ``I`` be the current intensity and ``J`` the mean forecast over the next
-    ``lookahead_s``. Work not done now is done later at the least-energy point, costing
+    Let ``I`` be the current intensity and ``J`` the mean forecast over the ``lookahead_s``
+    after the current interval (cut at the deadline; ``J = I`` when nothing is left after
+    this interval). Work not done now is done later at the least-energy point, costing
     ``J * e_min`` per step; going one segment faster along the frontier now costs ``I * s``
     per extra step (``s`` the segment's marginal energy per step). The policy runs at the
     fastest point whose segments all satisfy ``I * s <= J * e_min`` (and at least at the
@@ -392,8 +396,7 @@ class ThresholdPolicy(_BasePolicy):
     point after the pause.
 
     Args:
-        lookahead_s: how far ahead ``J`` looks, after the current interval; default one
-            interval.
+        lookahead_s: how far ahead ``J`` looks, after the current interval.
         pause_margin: how much dirtier than ``J`` now must be to pause.
         **kwargs: as for :func:`make_policy`.
     """
@@ -406,7 +409,7 @@ class ThresholdPolicy(_BasePolicy):
         allow_pause: bool = False,
         interval_s: float = 3600.0,
         reserve_fraction: float = 0.02,
-        lookahead_s: float | None = None,
+        lookahead_s: float = _DAY_S,
         pause_margin: float = 0.1,
         forecaster: DailyProfileForecaster | None = None,
         history_s: float = 7 * _DAY_S,
@@ -418,7 +421,7 @@ class ThresholdPolicy(_BasePolicy):
             forecaster=forecaster,
             history_s=history_s,
         )
-        self.lookahead_s = interval_s if lookahead_s is None else lookahead_s
+        self.lookahead_s = lookahead_s
         self.pause_margin = pause_margin
 
     def _choose(
@@ -432,10 +435,12 @@ class ThresholdPolicy(_BasePolicy):
         idle_power_w: float,
     ) -> tuple[float, bool, str]:
         start_s = now_s + self.interval_s
-        edges = np.array([start_s, start_s + self.lookahead_s], dtype=np.float64)
-        ahead = float(
-            self._outlook.means(now_s, intensity_now, forecast, edges, self.interval_s)[0]
-        )
+        end_s = min(start_s + self.lookahead_s, now_s + time_left_s)
+        ahead = intensity_now
+        if end_s > start_s:
+            edges = np.array([start_s, end_s], dtype=np.float64)
+            means = self._outlook.means(now_s, intensity_now, forecast, edges, self.interval_s)
+            ahead = float(means[0])
         slowest = hull[-1]
         if (
             self.allow_pause
@@ -538,7 +543,7 @@ def make_policy(
     reserve_fraction: float = 0.02,
     static_point: OperatingPoint | None = None,
     forecaster: DailyProfileForecaster | None = None,
-    lookahead_s: float | None = None,
+    lookahead_s: float = _DAY_S,
     pause_margin: float = 0.1,
 ) -> Policy:
     """Build a policy by name, checking every option at once.
@@ -551,7 +556,7 @@ def make_policy(
             before the deadline (absorbs step-time noise).
         static_point: ``static`` only: the point the energy optimizer selected.
         forecaster: ``threshold``/``forecast``: what continues a short forecast.
-        lookahead_s: ``threshold`` only: how far ahead to compare (default one interval).
+        lookahead_s: ``threshold`` only: how far ahead to compare (default one day).
         pause_margin: ``threshold`` only: how much dirtier now must be to pause.
 
     Returns:
@@ -572,8 +577,8 @@ def make_policy(
         problems.append(f"interval_s: must be a number > 0; got {interval_s!r}")
     if not (0.0 <= reserve_fraction < 1.0):
         problems.append(f"reserve_fraction: must be in [0, 1); got {reserve_fraction!r}")
-    if lookahead_s is not None and not (math.isfinite(lookahead_s) and lookahead_s > 0):
-        problems.append(f"lookahead_s: must be a number > 0 or None; got {lookahead_s!r}")
+    if not (math.isfinite(lookahead_s) and lookahead_s > 0):
+        problems.append(f"lookahead_s: must be a number > 0; got {lookahead_s!r}")
     if not (math.isfinite(pause_margin) and pause_margin >= 0):
         problems.append(f"pause_margin: must be a number >= 0; got {pause_margin!r}")
     if problems:

@@ -31,9 +31,9 @@ class Collective(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def sum_and_max(self, to_sum: Sequence[float], to_max: Sequence[float]) -> tuple[
-        list[float], list[float]
-    ]:
+    def sum_and_max(
+        self, to_sum: Sequence[float], to_max: Sequence[float]
+    ) -> tuple[list[float], list[float]]:
         """Element-wise sum of ``to_sum`` and max of ``to_max`` over all ranks (one call)."""
         ...
 

@@ -288,9 +288,7 @@ def _build(cls: type[Any], section: Any, name: str, problems: list[str]) -> Any:
     values: dict[str, Any] = {}
     for key, value in section.items():
         if key not in fields:
-            problems.append(
-                f"{name}.{key}: unknown key; allowed keys: {', '.join(sorted(fields))}"
-            )
+            problems.append(f"{name}.{key}: unknown key; allowed keys: {', '.join(sorted(fields))}")
             continue
         default = fields[key].default
         converted = _convert(value, default, f"{name}.{key}", problems)
@@ -373,9 +371,13 @@ def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
             "use a non-empty list of positive watts"
         )
     if section.warmup_steps < 0:
-        problems.append(f"power_limit.warmup_steps: {section.warmup_steps} is not allowed; use >= 0")
+        problems.append(
+            f"power_limit.warmup_steps: {section.warmup_steps} is not allowed; use >= 0"
+        )
     if section.settle_steps < 0:
-        problems.append(f"power_limit.settle_steps: {section.settle_steps} is not allowed; use >= 0")
+        problems.append(
+            f"power_limit.settle_steps: {section.settle_steps} is not allowed; use >= 0"
+        )
 
 
 def _build_carbon(section: Any, problems: list[str]) -> CarbonConfig | None:

@@ -26,7 +26,9 @@ Every rank makes the same calls at the same steps, so collectives never mismatch
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from lightning_energy.collectives import Collective, default_collective
@@ -34,6 +36,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.device.base import DeviceSet, gpu_info
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
 from lightning_energy.measure import EnergyMeter
+from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 
 __all__ = ["EnergyController", "RunSummary"]
 
@@ -42,6 +45,10 @@ log = logging.getLogger(__name__)
 _WINDOW = "profile-window"
 _INTERVAL = "log-interval"
 _STATE_VERSION = 1
+_J_PER_KWH = 3.6e6
+# Assumed power of an idle GPU, as a share of the least-power measured point, until a
+# pause measures it (used only to weigh pausing against slow running).
+_IDLE_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,10 @@ class RunSummary:
             the highest profiled limit (from the measured profile; 0 when unknown).
         slowdown: time per step at the chosen limit / at the highest profiled limit.
         observe_only: True when GPU settings could not be changed.
+        carbon: with a ``carbon:`` section: grams emitted by this process's GPUs; on rank 0
+            also the same job run carbon-unaware (the selector's limit, no pacing) and at
+            full power, from the end of profiling on the intensities observed (cumulative
+            series in ``baselines``), and the deadline and whether it was met.
     """
 
     steps: int
@@ -68,6 +79,7 @@ class RunSummary:
     energy_saved_j: float
     slowdown: float
     observe_only: bool
+    carbon: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -119,6 +131,14 @@ class EnergyController:
         self._summary: RunSummary | None = None
         self._is_setup = False
         self._torn_down = False
+        self._pacer: CarbonPacer | None = None
+        self._job_start = utc_now()
+        self._total_steps: int | None = None
+        self._static_limit_w: float | None = None
+        self._intensity: float | None = None
+        self._scale: float | None = None
+        self._emissions_g = 0.0
+        self._profile_end: tuple[datetime, int, float] | None = None
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
         self.decisions: list[dict[str, Any]] = []
@@ -160,6 +180,17 @@ class EnergyController:
         self._guard.acquire()
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
+        self._job_start = utc_now()
+        if self.config.carbon is not None and self.collective.rank == 0:
+            self._pacer = CarbonPacer(
+                self.config.carbon, now=self.now, virtual_clock=devices.backend == "simulated"
+            )
+            self._pacer.start()
+        if self.config.carbon is not None:
+            pacer = self._pacer
+            self._intensity = self.collective.broadcast(
+                pacer.intensity_g_per_kwh() if pacer is not None else None
+            )
         self._meter.begin(_INTERVAL)
         self._is_setup = True
         self._torn_down = False
@@ -205,6 +236,8 @@ class EnergyController:
                 self._close_interval()
         if self._devices is not None:
             self._end_s = self._devices.clock()
+        if self._pacer is not None:
+            self._pacer.stop()
         summary = self._build_summary()
         if self._guard is not None:
             self._guard.restore()
@@ -263,12 +296,17 @@ class EnergyController:
             self.setup()
         if self._window is None and self._optimizing():
             self._open_window()
-        if self._window is not None and not self._measuring:
-            if self._window_steps >= self._window.settle_steps and self._window.measure_steps:
-                assert self._meter is not None
-                self._meter.begin(_WINDOW)
-                self._measuring = True
-                self._window_steps = 0
+        window = self._window
+        if (
+            window is not None
+            and not self._measuring
+            and window.measure_steps
+            and self._window_steps >= window.settle_steps
+        ):
+            assert self._meter is not None
+            self._meter.begin(_WINDOW)
+            self._measuring = True
+            self._window_steps = 0
 
     def on_step_end(self) -> None:
         """Call after every training (optimizer) step."""
@@ -293,6 +331,8 @@ class EnergyController:
                 self._window = None
         if self._interval_steps >= self.config.log_every_n_steps:
             self._close_interval()
+            if self.config.carbon is not None:
+                self._pace()
             assert self._meter is not None
             self._meter.begin(_INTERVAL)
 
@@ -345,6 +385,8 @@ class EnergyController:
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
+        self._static_limit_w = chosen
+        self._profile_end = (self.now(), self._step, self._emissions_g)
         self._apply(chosen, f"profile complete; selector {self._selector.describe()}")
 
     def _apply(self, power_limit_w: float | None, reason: str) -> None:
@@ -366,6 +408,7 @@ class EnergyController:
         log.debug("decision at step %d: %s=%s (%s)", self._step, kind, value, reason)
 
     def _close_interval(self) -> None:
+        """Close the logging interval: metrics, timeline and carbon accounting."""
         assert self._meter is not None
         m = self._meter.end(_INTERVAL)
         self._energy_j += m.energy_j
@@ -376,18 +419,133 @@ class EnergyController:
             "energy/power_limit_w": float(self.current_power_limit_w() or 0.0),
             "energy/total_j": self._energy_j,
         }
-        self.timeline.append(
-            {
-                "step": self._step,
-                "time_s": self.devices.clock() - self._start_s,
-                "duration_s": m.duration_s,
-                "steps": self._interval_steps,
-                "energy_j": m.energy_j,
-                "power_w": m.average_power_w,
-                "power_limit_w": self.current_power_limit_w(),
-            }
-        )
+        entry: dict[str, Any] = {
+            "step": self._step,
+            "time_s": self.devices.clock() - self._start_s,
+            "duration_s": m.duration_s,
+            "steps": self._interval_steps,
+            "energy_j": m.energy_j,
+            "power_w": m.average_power_w,
+            "power_limit_w": self.current_power_limit_w(),
+        }
+        if self._intensity is not None:
+            entry.update(self._account_carbon(m.energy_j))
+        self.timeline.append(entry)
         self._interval_steps = 0
+
+    # ------------------------------------------------------------------ carbon
+    def now(self) -> datetime:
+        """The job's current time: its start plus the device-clock seconds elapsed.
+
+        On a real GPU this is the wall clock; on a simulated GPU it follows the virtual
+        clock, so carbon traces replay at the simulated job's speed.
+        """
+        elapsed_s = self.devices.clock() - self._start_s if self._is_setup else 0.0
+        return self._job_start + timedelta(seconds=elapsed_s)
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Declare how many training steps the job will run (carbon pacing needs it)."""
+        self._total_steps = total_steps
+
+    def _account_carbon(self, energy_j: float) -> dict[str, float | None]:
+        """Grams emitted during the interval just closed, at the intensity then in force."""
+        assert self._intensity is not None
+        grams = energy_j / _J_PER_KWH * self._intensity
+        self._emissions_g += grams
+        self.metrics["carbon/intensity_g_per_kwh"] = self._intensity
+        self.metrics["carbon/emissions_g"] = self._emissions_g
+        if self._scale is not None:
+            self.metrics["carbon/scale"] = self._scale
+        return {
+            "intensity_g_per_kwh": self._intensity,
+            "emissions_g": grams,
+            "scale": self._scale,
+        }
+
+    def _carbon_summary(self) -> dict[str, Any]:
+        carbon: dict[str, Any] = {"emissions_g": self._emissions_g}
+        pacer = self._pacer
+        if pacer is None:
+            return carbon
+        carbon.update(pacer.summary(self.now()))
+        profile = self._profile_by_limit()
+        if self._profile_end is None or self._static_limit_w not in profile:
+            return carbon
+        when, step, grams_before = self._profile_end
+        steps = max(self._step - step, 0)
+        ranks = self.collective.world_size
+        baselines = {}
+        for name, limit in (("carbon_unaware", self._static_limit_w), ("full_power", max(profile))):
+            t, e = profile[limit]
+            series = pacer.emissions_at_pace(when, steps, t, e / ranks)
+            baselines[name] = [(s, grams_before + g) for s, g in series[:: max(steps // 200, 1)]]
+            carbon[f"{name}_emissions_g"] = grams_before + (series[-1][1] if series else 0.0)
+            if pacer.deadline is not None:
+                finish = when + timedelta(seconds=steps * t)
+                carbon[f"{name}_meets_deadline"] = finish <= pacer.deadline
+        carbon["baselines"] = baselines
+        return carbon
+
+    def _profile_by_limit(self) -> dict[float, tuple[float, float]]:
+        """Measured (time, energy) per step by power limit, once the profile is complete."""
+        optimizer = self._optimizers.get(self._workload)
+        if optimizer is None or not optimizer.done:
+            return {}
+        return {
+            m.power_limit_w: (m.time_per_step_s, m.energy_per_step_j) for m in optimizer.profile()
+        }
+
+    def _pace_update(self) -> PaceUpdate | None:
+        """Rank 0: the pacing decision until the next boundary."""
+        if self._pacer is None:
+            return None
+        profile = self._profile_by_limit()
+        frontier = [(t, e, f"{p:g} W") for p, (t, e) in sorted(profile.items(), reverse=True)]
+        if frontier and self._total_steps is not None:
+            self._pacer.fix_deadline(self._total_steps, min(t for t, _, _ in frontier))
+        remaining = None
+        if self._total_steps is not None and self._pacer.pacing:
+            remaining = max(self._total_steps - self._step, 0)
+        idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
+        return self._pacer.update(remaining, frontier, idle_w)
+
+    def _pace(self) -> None:
+        """At a logging boundary: agree on the carbon pace and apply it (every rank)."""
+        update: PaceUpdate | None = self.collective.broadcast(self._pace_update())
+        if update is None:
+            return
+        self._intensity = update.intensity_g_per_kwh
+        profile = self._profile_by_limit()
+        if update.scale is None or not profile or self._guard.observe_only:
+            return
+        if update.scale != self._scale:
+            self._scale = update.scale
+            from lightning_energy.optimize.selectors import make_selector
+
+            target_s = update.scale * min(t for t, _ in profile.values())
+            limit = self._optimizer().reselect(make_selector("target_time", target_time_s=target_s))
+            self._apply(limit, f"carbon pace x{update.scale:.3f}: {update.reason}")
+        if update.pause:
+            self._pause(update)
+
+    def _pause(self, first: PaceUpdate) -> None:
+        """Wait at the lowest power limit until rank 0's policy resumes training."""
+        lo, _ = self._power_limit_range()
+        before = self._power_limit_w
+        self._apply(lo, f"paused: {first.reason}")
+        assert self.config.carbon is not None
+        wait_s = self.config.carbon.poll_interval_s
+        update: PaceUpdate | None = first
+        while update is not None and update.pause:
+            if self.devices.run_step is not None:
+                for gpu in self.devices.gpus:
+                    gpu.idle(wait_s)  # type: ignore[attr-defined]
+            else:
+                time.sleep(wait_s)
+            update = self.collective.broadcast(self._pace_update())
+            if update is not None:
+                self._intensity = update.intensity_g_per_kwh
+        self._apply(before, "resumed")
 
     # ------------------------------------------------------------------ queries
     def current_power_limit_w(self) -> float | None:
@@ -431,6 +589,7 @@ class EnergyController:
                 saved_j = (top["energy_per_step_j"] - at[0]["energy_per_step_j"]) / ranks
                 saved_j *= steps_after
                 slowdown = at[0]["time_per_step_s"] / top["time_per_step_s"]
+        carbon = self._carbon_summary() if self.config.carbon is not None else None
         return RunSummary(
             steps=self._step,
             energy_j=self._energy_j,
@@ -440,6 +599,7 @@ class EnergyController:
             energy_saved_j=saved_j,
             slowdown=slowdown,
             observe_only=self.observe_only,
+            carbon=carbon,
         )
 
     def _profiled_steps(self) -> int:

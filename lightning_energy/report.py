@@ -290,41 +290,63 @@ def format_report(report: Mapping[str, Any]) -> str:
     rows.append(
         ("energy saved vs. full power", f"{_energy(saved_j)} ({_share(saved_j, energy_j)})")
     )
-    rows.append(("slowdown vs. full power", f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %"))
-    rows.extend(_carbon_rows(report.get("carbon")))
+    rows.append(
+        ("slowdown vs. full power", f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %")
+    )
+    rows.extend(_carbon_rows(report.get("carbon"), energy_j))
     if summary.get("observe_only"):
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
-def _carbon_rows(carbon: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tuple[str, str]]:
     if not carbon:
         return []
     rows: list[tuple[str, str]] = []
-    where = " ".join(str(carbon[k]) for k in ("provider", "region") if carbon.get(k))
-    if where:
-        rows.append(("grid", where))
-    mean = carbon.get("mean_intensity_g_per_kwh")
-    if mean is not None:
-        rows.append(("mean carbon intensity", f"{float(mean):.0f} gCO2eq/kWh"))
+    grid = f"{carbon.get('region') or 'unknown region'} via {carbon.get('provider', '?')}"
+    if carbon.get("policy"):
+        grid += f", {carbon['policy']} policy"
+    rows.append(("carbon intensity from", grid))
+    deadline = carbon.get("deadline")
+    if deadline:
+        met = carbon.get("deadline_met")
+        status = "" if met is None else (" met" if met else " MISSED")
+        rows.append(("deadline", f"{_utc_minutes(str(deadline))}{status}"))
     emitted = carbon.get("emissions_g")
     if emitted is None:
         return rows
     emitted = float(emitted)
+    if energy_j > 0:
+        rows.append(("mean intensity", f"{emitted / (energy_j / _J_PER_KWH):.0f} gCO2eq/kWh"))
     rows.append(("emissions", _grams(emitted)))
-    for key, label in (
-        ("carbon_unaware_emissions_g", "vs. carbon-unaware"),
-        ("full_power_emissions_g", "vs. full power"),
-    ):
-        baseline = carbon.get(key)
-        if baseline is not None:
-            baseline = float(baseline)
-            saved = baseline - emitted
-            rows.append(
-                (label, f"{_grams(baseline)} -> saved {_grams(saved)} ({_share(saved, baseline, base=True)})")
-            )
+    for name, label in (("carbon_unaware", "vs. carbon-unaware"), ("full_power", "vs. full power")):
+        baseline = carbon.get(f"{name}_emissions_g")
+        if baseline is None:
+            continue
+        baseline = float(baseline)
+        saved = baseline - emitted
+        share = _share(abs(saved), baseline, base=True)
+        outcome = (
+            f"saved {_grams(saved)} ({share})"
+            if saved >= 0
+            else f"emitted {_grams(-saved)} more ({share})"
+        )
+        late = (
+            " (it would miss the deadline)" if carbon.get(f"{name}_meets_deadline") is False else ""
+        )
+        rows.append((label, f"{_grams(baseline)}; this run {outcome}{late}"))
     return rows
+
+
+def _utc_minutes(text: str) -> str:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return text
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc)
+    return f"{moment:%Y-%m-%d %H:%M} UTC"
 
 
 def _gpus(devices: Sequence[Mapping[str, Any]]) -> str:

@@ -89,15 +89,15 @@ def main() -> None:
             if args.checkpoint_dir:
                 accelerator.save_state(args.checkpoint_dir)
     except RuntimeError as exc:
-        assert controller is not None
-        emit(
-            "failed",
-            accelerator,
-            error=str(exc),
-            gpu_power_limit_w=controller.devices.gpus[0].power_limit_w(),
-            pre_job_power_limit_w=energy.summary.pre_job_power_limit_w if energy.summary else None,
-            decisions=[d["reason"] for d in controller.decisions],
-        )
+        if controller is not None and energy.summary is not None:  # the GPU is restored
+            emit(
+                "failed",
+                accelerator,
+                error=str(exc),
+                gpu_power_limit_w=controller.devices.gpus[0].power_limit_w(),
+                pre_job_power_limit_w=energy.summary.pre_job_power_limit_w,
+                decisions=[d["reason"] for d in controller.decisions],
+            )
         raise
     summary = energy.summary
     emit(

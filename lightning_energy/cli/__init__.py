@@ -24,7 +24,16 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS: tuple[str, ...] = ("recover", "carbon", "history")
+COMMANDS: tuple[str, ...] = (
+    "demo",
+    "report",
+    "profile",
+    "plan",
+    "carbon",
+    "history",
+    "recover",
+    "doctor",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

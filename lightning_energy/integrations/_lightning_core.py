@@ -9,6 +9,7 @@ imports neither: it only translates trainer hooks into controller calls.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,6 +70,18 @@ def format_summary(summary: RunSummary) -> str:
     ]
     if summary.observe_only:
         rows.append(("mode", "observe-only (GPU settings unchanged)"))
+    carbon = summary.carbon or {}
+    if "emissions_g" in carbon:
+        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))
+    for key, label in (
+        ("carbon_unaware_emissions_g", "CO2eq if carbon-unaware"),
+        ("full_power_emissions_g", "CO2eq at full power"),
+    ):
+        if key in carbon:
+            rows.append((label, f"{carbon[key]:.1f} g"))
+    if carbon.get("deadline_met") is not None:
+        met = "met" if carbon["deadline_met"] else "MISSED"
+        rows.append(("deadline", f"{carbon['deadline']} ({met})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -150,14 +163,19 @@ class EnergyCallbackCore:
             self._pending_state = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Declare the workload so a change of batch size or model is profiled again."""
+        """Declare the workload and the job's length (carbon pacing plans to the end)."""
         self._declare_workload(trainer, pl_module)
+        if self.controller is not None:
+            total = trainer.estimated_stepping_batches
+            self.controller.set_total_steps(int(total) if math.isfinite(total) else None)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Re-check the workload at every epoch (a datamodule may change its batch size)."""
         self._declare_workload(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Open a step."""
         if self.controller is not None:
             self.controller.on_step_start()

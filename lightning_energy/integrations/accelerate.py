@@ -109,10 +109,10 @@ def attach_energy(
         raise EnergyError("energy optimisation is already attached to this Accelerator")
     resolved = _config_from_env() if config is None else build_config(config, {})
     energy = AcceleratorEnergy(accelerator, resolved, optimizer=optimizer)
+    energy.start()
     # Registered even when inactive, so checkpoints keep the same layout whether the
     # variable is set or not and stay loadable when it is switched on or off.
     accelerator.register_for_checkpointing(energy)
-    energy.start()
     return energy
 
 
@@ -256,6 +256,11 @@ class AcceleratorEnergy:
         if self.controller is not None:
             self.controller.set_workload(key)
 
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Declare how many optimizer steps the whole job runs (carbon pacing plans to it)."""
+        if self.controller is not None:
+            self.controller.set_total_steps(total_steps)
+
     # ------------------------------------------------------------------ end
     def close(self) -> RunSummary | None:
         """Unhook, restore every GPU and log the run summary. Idempotent.
@@ -278,14 +283,7 @@ class AcceleratorEnergy:
         self.summary = controller.teardown()
         self._step_open = False
         accelerator = self.accelerator
-        values = {
-            "energy/summary/energy_j": self.summary.energy_j,
-            "energy/summary/energy_saved_j": self.summary.energy_saved_j,
-            "energy/summary/slowdown": self.summary.slowdown,
-        }
-        if self.summary.power_limit_w is not None:
-            values["energy/summary/power_limit_w"] = self.summary.power_limit_w
-        accelerator.log(values, step=controller.steps)
+        accelerator.log(_summary_values(self.summary), step=controller.steps)
         if accelerator.is_main_process:
             log.info("energy summary:\n%s", format_summary(self.summary))
             if self.config is not None and self.config.report:
@@ -340,6 +338,21 @@ class _EndTraining:
     def __call__(self) -> None:
         self.energy.close()
         self.original()
+
+
+def _summary_values(summary: RunSummary) -> dict[str, float]:
+    """The run summary as tracker values (``energy/summary/*``, ``carbon/summary/*``)."""
+    values = {
+        "energy/summary/energy_j": summary.energy_j,
+        "energy/summary/energy_saved_j": summary.energy_saved_j,
+        "energy/summary/slowdown": summary.slowdown,
+    }
+    if summary.power_limit_w is not None:
+        values["energy/summary/power_limit_w"] = summary.power_limit_w
+    for key, value in (summary.carbon or {}).items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values[f"carbon/summary/{key}"] = float(value)
+    return values
 
 
 def _broadcast(obj: Any, src: int) -> Any:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_energy.errors import ConfigError, EnergyError
+from lightning_energy.errors import ConfigError, EnergyError, StoreError
 from lightning_energy.integrations._lightning_core import EnergyCallbackCore
 from lightning_energy.measure import EnergyMeter
 from lightning_energy.optimize.batch_size import BatchSizeOptimizer, JobSpec, Trial
@@ -172,12 +172,13 @@ class BatchSizeCallbackCore:
         assert controller is not None
         self._reset_run()
         spec = self._spec(trainer, controller)  # every rank: invalid settings fail everywhere
-        choice: tuple[int, dict[str, Any] | None, str | None] | None = None
+        choice: tuple[int, dict[str, Any] | None, tuple[str, str] | None] | None = None
         if trainer.is_global_zero:
             choice = self._choose(spec)
         batch_size, profile, error = trainer.strategy.broadcast(choice, src=0)
-        if error is not None:
-            raise ConfigError(error)
+        if error is not None:  # raised on every rank, so no rank waits for the others
+            kind, message = error
+            raise ConfigError(message) if kind == "config" else StoreError(message)
         self.batch_size = batch_size
         self._set_batch_size(trainer, pl_module, batch_size)
         if profile is not None:
@@ -294,7 +295,7 @@ class BatchSizeCallbackCore:
             max_power_limit_w=max(g.power_limit_constraints_w()[1] for g in gpus),
         )
 
-    def _choose(self, spec: JobSpec) -> tuple[int, dict[str, Any] | None, str | None]:
+    def _choose(self, spec: JobSpec) -> tuple[int, dict[str, Any] | None, tuple[str, str] | None]:
         """Rank 0: the batch size for this run, its saved power-limit profile, or an error."""
         try:
             if isinstance(self._store_arg, Store):
@@ -308,11 +309,10 @@ class BatchSizeCallbackCore:
             batch_size = self.optimizer.next_batch_size()
             profile = self.optimizer.load_power_profile(batch_size)
         except ConfigError as exc:
-            # Raised on every rank after the broadcast, so no rank waits forever.
-            return self.default_batch_size, None, "; ".join(exc.problems)
+            return self.default_batch_size, None, ("config", "; ".join(exc.problems))
         except EnergyError as exc:
             if self.strict:
-                return self.default_batch_size, None, f"strict: tuning store unavailable: {exc}"
+                return self.default_batch_size, None, ("store", f"tuning store unavailable: {exc}")
             log.warning(
                 "tuning store unavailable (%s); this run uses the default batch size %d and "
                 "is not recorded",

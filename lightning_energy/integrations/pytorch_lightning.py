@@ -26,7 +26,7 @@ __all__ = [
 
 
 class EnergyCallback(EnergyCallbackCore, Callback):
-    """``pytorch_lightning`` twin of :class:`lightning_energy.integrations.lightning.EnergyCallback`."""
+    """The ``pytorch_lightning`` twin of ``integrations.lightning.EnergyCallback``."""
 
 
 class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):

@@ -125,7 +125,7 @@ class EnergyTrainerCallback(TrainerCallback, ExportableState):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Open this rank's GPU, resume a saved profile and declare the workload."""
+        """Open this rank's GPU, resume a saved profile, declare the workload and its length."""
         if self.controller is not None and self.summary is None:
             self.controller.teardown()  # a previous train() call raised outside ``with``
         self.summary = None
@@ -135,6 +135,7 @@ class EnergyTrainerCallback(TrainerCallback, ExportableState):
             saved = self._saved_state(state)
             if saved:
                 self.controller.load_state_dict(saved)
+        self.controller.set_total_steps(state.max_steps if state.max_steps > 0 else None)
         model = kwargs.get("model")
         params = sum(p.numel() for p in model.parameters()) if model is not None else 0
         self.controller.set_workload(

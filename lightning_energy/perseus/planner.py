@@ -147,6 +147,9 @@ class PerseusPlanner:
         variants: perturbed copies per plan and round of the local search.
         rounds: perturbation rounds for the plans asked for one by one (and the ends and
             anchors of the frontier).
+        exact_max_options: instances whose options (Pareto-optimal clocks, summed over all
+            instructions) are at most this many are solved exactly by mixed-integer
+            programming; larger ones by relaxation, rounding and local search.
         seed: seed of the perturbations; plans are reproducible.
 
     Raises:
@@ -161,6 +164,7 @@ class PerseusPlanner:
         *,
         variants: int = 24,
         rounds: int = 3,
+        exact_max_options: int = 48,
         seed: int = 0,
     ) -> None:
         problems = [
@@ -175,6 +179,7 @@ class PerseusPlanner:
         self.variants = variants
         self.rounds = rounds
         self._solver = Solver(profile, schedule, seed=seed)
+        self.exact = self._solver.num_options <= exact_max_options
         self._min_time_s = self._solver.min_iteration_time_s()
         self._relaxed: dict[float | None, LPSolution] = {}
 
@@ -224,6 +229,8 @@ class PerseusPlanner:
         the energy-optimal time get the energy-optimal plan (running slower would only
         waste energy).
         """
+        if self.exact:
+            return self._exact_point(max(float(target_s), self._min_time_s))
         deadline = min(max(float(target_s), self._min_time_s), self.energy_optimal_time_s())
         solution = self.relaxation(deadline)
         sel, t, e = self._solver.plan_batch(
@@ -240,7 +247,45 @@ class PerseusPlanner:
 
     def plan_energy_optimal(self) -> FrontierPoint:
         """The least-energy plan (found) at any iteration time."""
+        if self.exact:
+            return self._exact_point(None)
         return self.plan_for_time(self.energy_optimal_time_s())
+
+    def _exact_point(self, deadline_s: float | None) -> FrontierPoint:
+        """The optimal plan within ``deadline_s`` (None: any), by branch and bound.
+
+        The MILP meets its bounds up to the solver's feasibility tolerance; a plan that
+        overshoots the deadline by that much is re-solved with the deadline pulled in.
+        """
+        limit = deadline_s
+        margin_s = 0.0
+        for _ in range(8):
+            sel = self._solver.exact(limit)
+            if sel is None:
+                break
+            time_s, energy_j = self._evaluate_one(sel)
+            if deadline_s is None or time_s <= deadline_s + 1e-12:
+                return self._point(sel, time_s, energy_j, energy_j)
+            margin_s = max(2 * margin_s, 2 * (time_s - deadline_s), 1e-7 * deadline_s)
+            limit = deadline_s - margin_s
+        # Only reachable at the minimum time with a tolerance problem: all-fastest is exact.
+        sel = self._solver.fastest()
+        return self._point(sel, *self._evaluate_one(sel))
+
+    def _exact_frontier(self, progress: ProgressCallback | None) -> Frontier:
+        """Every Pareto-optimal plan, from the energy optimum down to the minimum time
+        (epsilon-constraint method: each plan bounds the next one's time strictly below)."""
+        points = [self._exact_point(None)]
+        while points[-1].iteration_time_s > self._min_time_s * (1 + 1e-12):
+            last = points[-1].iteration_time_s
+            # Steps of 1e-6 relative clear the solver's feasibility tolerance.
+            point = self._exact_point(last * (1 - 1e-6))
+            if point.iteration_time_s >= last:
+                break
+            points.append(point)
+            if progress is not None:
+                progress(len(points), len(points) + 1)
+        return Frontier(points, self.baseline())
 
     # --------------------------------------------------------------- frontier
     def frontier(
@@ -276,6 +321,8 @@ class PerseusPlanner:
             problems.append(f"anchors={anchors!r}: must be >= 0")
         if problems:
             raise ConfigError(problems, source="frontier")
+        if self.exact:
+            return self._exact_frontier(progress)
         t_min = self._min_time_s
         step = time_step_s if time_step_s is not None else min(1e-3, t_min / 1000)
         total = anchors + 2 + 1 + self.rounds

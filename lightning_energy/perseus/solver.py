@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 from numpy.typing import NDArray
-from scipy.optimize import linprog
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from lightning_energy.errors import EnergyError, ProfileError
 from lightning_energy.perseus.profile import InstructionProfile, PipelineProfile
@@ -150,6 +150,7 @@ class Solver:
         self.num_nodes = len(node_class)
         self._dag = _LevelledDAG(schedule, self.node_class, self.tables)
         self._lp: _HullLP | None = None
+        self._milp: _ExactMILP | None = None
 
     # ---------------------------------------------------------------- helpers
     def fastest(self) -> IntArray:
@@ -303,6 +304,22 @@ class Solver:
             if progress is not None:
                 progress()
         return best, best_t, best_e
+
+    @property
+    def num_options(self) -> int:
+        """Total number of (Pareto-optimal) options over all nodes."""
+        return int(self._dag.class_size[self.node_class].sum())
+
+    def exact(self, deadline_s: float | None) -> IntArray | None:
+        """The least-energy selection with iteration time at most ``deadline_s`` (None: any),
+        by mixed-integer programming (HiGHS branch and bound); for small instances.
+
+        Returns:
+            The selection, or None when no plan meets the deadline.
+        """
+        if self._milp is None:
+            self._milp = _ExactMILP(self)
+        return self._milp.solve(deadline_s)
 
     def plan_batch(
         self,
@@ -527,3 +544,93 @@ class _HullLP:
         relaxed_cost = float(self.base_cost.sum() + self.cost @ x[: self.num_vars])
         energy = relaxed_cost + solver.blocked_power_w * solver.num_devices * deadline_s
         return LPSolution(float(deadline_s), durations, x[:n].copy(), energy)
+
+
+class _ExactMILP:
+    """The discrete problem as a mixed-integer program.
+
+    Variables: node start times, one binary per (node, option), the iteration time.
+    Each node takes exactly one option; ``start_a + time_a <= start_b`` on every edge and
+    ``start + time <= T`` on sinks; the objective is the energy
+    ``sum(effective cost) + blocked_power * devices * T``, with ``T <= deadline``.
+    """
+
+    def __init__(self, solver: Solver) -> None:
+        self.solver = solver
+        dag = solver._dag
+        n = solver.num_nodes
+        sizes = dag.class_size[solver.node_class]
+        first = n + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self.first = first
+        self.num_binary = int(sizes.sum())
+        self.num_vars = n + self.num_binary + 1
+        t_col = self.num_vars - 1
+        costs = np.concatenate([solver.tables[c].costs_j for c in range(len(solver.tables))])
+        self.objective = np.zeros(self.num_vars)
+        for node in range(n):
+            k = np.arange(sizes[node])
+            self.objective[first[node] + k] = costs[dag.node_start[node] + k]
+        self.objective[t_col] = solver.blocked_power_w * solver.num_devices
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        lower: list[float] = []
+        upper: list[float] = []
+
+        def finish_terms(row: int, node: int) -> None:
+            k = np.arange(sizes[node])
+            rows.extend([row, *([row] * len(k))])
+            cols.extend([node, *(first[node] + k).tolist()])
+            vals.extend([1.0, *dag.times[dag.node_start[node] + k].tolist()])
+
+        for node in range(n):
+            row = len(lower)
+            k = np.arange(sizes[node])
+            rows.extend([row] * len(k))
+            cols.extend((first[node] + k).tolist())
+            vals.extend([1.0] * len(k))
+            lower.append(1.0)
+            upper.append(1.0)
+        for a, b in solver.schedule.edges:
+            row = len(lower)
+            finish_terms(row, a)
+            rows.append(row)
+            cols.append(b)
+            vals.append(-1.0)
+            lower.append(-np.inf)
+            upper.append(0.0)
+        for node in range(n):
+            if not solver.schedule.successors[node]:
+                row = len(lower)
+                finish_terms(row, node)
+                rows.append(row)
+                cols.append(t_col)
+                vals.append(-1.0)
+                lower.append(-np.inf)
+                upper.append(0.0)
+        matrix = sp.csr_matrix((vals, (rows, cols)), shape=(len(lower), self.num_vars))
+        self.constraints = LinearConstraint(matrix, np.asarray(lower), np.asarray(upper))
+        self.integrality = np.zeros(self.num_vars)
+        self.integrality[n : n + self.num_binary] = 1
+        self.sizes = sizes
+
+    def solve(self, deadline_s: float | None) -> IntArray | None:
+        n = self.solver.num_nodes
+        upper = np.full(self.num_vars, np.inf)
+        upper[n : n + self.num_binary] = 1.0
+        if deadline_s is not None:
+            upper[-1] = deadline_s
+        result = milp(
+            self.objective,
+            integrality=self.integrality,
+            bounds=Bounds(np.zeros(self.num_vars), upper),
+            constraints=self.constraints,
+            options={"mip_rel_gap": 1e-9},
+        )
+        if result.x is None:
+            return None
+        x = result.x
+        return np.asarray(
+            [int(np.argmax(x[self.first[i] : self.first[i] + self.sizes[i]])) for i in range(n)],
+            dtype=np.int64,
+        )

@@ -107,7 +107,8 @@ def test_profile_completes_metrics_reach_trackers_and_end_training_restores(
     tracker = EnergyTracker(tmp_path / "energy.jsonl")
     accelerator = Accelerator(cpu=True, log_with=[tracker])
     accelerator.init_trackers("test")
-    energy = attach_energy(accelerator, _config(tmp_path))
+    report = tmp_path / "report.json"
+    energy = attach_energy(accelerator, {**_config(tmp_path), "report": str(report)})
     model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=60))
     _train(accelerator, model, optimizer, loader)
     controller = energy.controller
@@ -128,6 +129,21 @@ def test_profile_completes_metrics_reach_trackers_and_end_training_restores(
     lines = (tmp_path / "energy.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == tracker.history
     assert all(key.startswith("energy/") for r in tracker.history for key in r if key != "step")
+    assert json.loads(report.read_text())  # the run report is written at the end
+
+
+def test_carbon_values_reach_the_trackers(tmp_path: Path) -> None:
+    tracker = EnergyTracker()
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers("test")
+    config = {**_config(tmp_path), "carbon": {"provider": "trace", "region": "DE"}}
+    with attach_energy(accelerator, config) as energy:
+        energy.set_total_steps(10)
+        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=10))
+        _train(accelerator, model, optimizer, loader)
+    assert [record["step"] for record in tracker.history] == [5, 10, 10]
+    assert all(record["carbon/intensity_g_per_kwh"] > 0 for record in tracker.history[:2])
+    assert tracker.history[-1]["carbon/summary/emissions_g"] > 0
 
 
 def test_save_state_load_state_resumes_without_profiling(tmp_path: Path) -> None:

@@ -200,7 +200,9 @@ def test_power_limits_outside_the_gpu_range_fail_before_any_change(tmp_path: Pat
         _fit(ns, callback, tmp_path, steps=5)
 
 
-def test_strategy_by_name_attaches_the_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_strategy_by_name_attaches_the_callback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import lightning.pytorch as ns
     import yaml
 

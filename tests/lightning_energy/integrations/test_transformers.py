@@ -134,13 +134,28 @@ def test_example_logs_energy_keys_and_resumes_from_its_checkpoint(
 def test_steps_are_optimizer_steps_under_gradient_accumulation(
     example: ModuleType, tmp_path: Path
 ) -> None:
-    callback = EnergyTrainerCallback(_config())
+    callback = EnergyTrainerCallback(_config(), report=str(tmp_path / "report.json"))
     trainer = _trainer(example, tmp_path, callback, max_steps=5, gradient_accumulation_steps=3)
     trainer.train()
+    assert json.loads((tmp_path / "report.json").read_text())
     assert callback.controller is not None and callback.controller.steps == 5
     assert trainer.state.global_step == 5
     assert callback.summary is not None
     assert callback.controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+
+
+def test_carbon_section_adds_carbon_keys_to_the_logs(example: ModuleType, tmp_path: Path) -> None:
+    config = {**_config(), "carbon": {"provider": "trace", "region": "DE"}}
+    callback = EnergyTrainerCallback(config)
+    trainer = _trainer(example, tmp_path, callback, max_steps=12)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logged] == [5, 10]
+    for entry in logged:
+        assert entry["carbon/intensity_g_per_kwh"] > 0
+        assert entry["carbon/emissions_g"] > 0
+    assert callback.summary is not None and callback.summary.carbon is not None
+    assert callback.summary.carbon["emissions_g"] >= logged[-1]["carbon/emissions_g"]
 
 
 @pytest.mark.slow

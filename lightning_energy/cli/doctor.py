@@ -1,0 +1,353 @@
+"""``lightning-energy doctor``: can this machine save energy, and if not, what to fix.
+
+One line per check, ``OK``, ``WARN`` or ``FAIL``, each failure with its fix:
+
+- NVML: the ``pynvml`` module imports and NVML initialises (no driver: the simulated GPU
+  is used instead, which is fine for trying things out);
+- GPUs: every visible GPU with its power-limit range, default and current limit;
+- permissions: setting each GPU's current power limit back to itself (nothing changes) is
+  allowed, or why not (no root/CAP_SYS_ADMIN, MIG);
+- configuration: ``--config FILE`` (or ``$LIGHTNING_ENERGY_CONFIG``) is valid;
+- carbon: the configured provider answers a ``latest`` request within ``--timeout``
+  seconds and accepts the credentials (which are never printed);
+- leases: the lease directory is writable, and no killed job left a GPU changed.
+
+Examples::
+
+    lightning-energy doctor
+    lightning-energy doctor --config energy.yaml
+    lightning-energy doctor --config energy.yaml --json
+
+Exit codes: 0 nothing failed (warnings allowed), 1 a check failed, 2 the configuration is
+invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
+from lightning_energy.errors import (
+    ConfigError,
+    DeviceError,
+    EnergyError,
+    NoPermissionError,
+    NotSupportedError,
+)
+
+__all__ = ["Check", "register", "run", "run_checks"]
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+_DRIVER_FIX = (
+    "install the NVIDIA driver (it provides libnvidia-ml.so) and the nvidia-ml-py package "
+    "(installed with lightning-energy); in a container use the NVIDIA Container Toolkit "
+    "(`docker run --gpus all`)"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of one check.
+
+    Attributes:
+        name: what was checked (``nvml``, ``gpu 0``, ``permissions``, ``config``,
+            ``carbon``, ``leases``).
+        status: ``OK``, ``WARN`` or ``FAIL``.
+        message: what was found.
+        fix: what to do about it (None when nothing is needed).
+    """
+
+    name: str
+    status: str
+    message: str
+    fix: str | None = None
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``doctor`` subcommand."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check NVML, GPUs, permissions, configuration, carbon provider and leases",
+        description="Check what lightning-energy needs on this machine and say how to fix "
+        "what is missing. Nothing is changed.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"YAML configuration to check (default: ${CONFIG_ENV_VAR} when set)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="timeout of the carbon provider request (default: 5)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every check and print the results; returns the exit code."""
+    if not args.timeout > 0:
+        print(f"error: --timeout must be > 0; got {args.timeout:g}", file=sys.stderr)
+        return EXIT_USAGE
+    checks, config_ok = run_checks(args.config, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.status:<4}  {c.name:<{width}}  {c.message}")
+            if c.fix:
+                print(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    if not config_ok:
+        return EXIT_USAGE
+    return EXIT_FAILURE if any(c.status == FAIL for c in checks) else EXIT_OK
+
+
+def run_checks(config_path: str | None, *, timeout_s: float = 5.0) -> tuple[list[Check], bool]:
+    """Run every check.
+
+    Args:
+        config_path: the configuration file to check (None: ``$LIGHTNING_ENERGY_CONFIG``
+            when set, else the defaults).
+        timeout_s: timeout of the carbon provider request.
+
+    Returns:
+        The checks in order, and whether the configuration was valid.
+    """
+    checks: list[Check] = []
+    config, config_check = _load(config_path)
+    checks.extend(_nvml_checks(config))
+    checks.append(config_check)
+    if config is not None and config.carbon is not None:
+        checks.append(_carbon_check(config, timeout_s))
+    checks.extend(_lease_checks(config))
+    return checks, config_check.status != FAIL
+
+
+def _load(path: str | None) -> tuple[EnergyConfig | None, Check]:
+    source = path or os.environ.get(CONFIG_ENV_VAR, "").strip() or None
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        return None, Check("config", FAIL, str(exc), "correct the keys listed above")
+    if config is None:
+        return EnergyConfig(), Check("config", OK, "no configuration file: the defaults apply")
+    carbon = f", carbon: {config.carbon.provider} {config.carbon.region}" if config.carbon else ""
+    return config, Check(
+        "config",
+        OK,
+        f"{source} is valid (device backend {config.device.backend}, selector "
+        f"{config.power_limit.selector}{carbon})",
+    )
+
+
+# --------------------------------------------------------------------------- NVML
+def _nvml_checks(config: EnergyConfig | None) -> Iterator[Check]:
+    from lightning_energy.device.nvml import NVMLSession, nvml_gpus
+
+    backend = config.device.backend if config is not None else "auto"
+    try:
+        session = NVMLSession()
+    except DeviceError as exc:
+        if backend == "simulated":
+            yield Check("nvml", OK, f"not available ({exc}); not needed: the backend is simulated")
+        elif backend == "nvml":
+            yield Check(
+                "nvml", FAIL, f"not available ({exc}) but device.backend is nvml", _DRIVER_FIX
+            )
+        else:
+            yield Check(
+                "nvml",
+                WARN,
+                f"not available ({exc}): lightning-energy will use the simulated GPU "
+                "(device.backend: auto), which replays measured traces; real GPUs are "
+                "neither measured nor changed",
+                _DRIVER_FIX + " to drive real GPUs",
+            )
+        return
+    try:
+        try:
+            gpus = nvml_gpus()
+        except DeviceError as exc:
+            yield Check(
+                "nvml",
+                FAIL,
+                f"NVML initialised but the GPUs cannot be listed: {exc}",
+                "check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`",
+            )
+            return
+        if not gpus:
+            status = FAIL if backend == "nvml" else WARN
+            yield Check(
+                "nvml",
+                status,
+                "NVML works but no GPU is visible"
+                + ("" if backend == "nvml" else ": the simulated GPU will be used"),
+                "check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`",
+            )
+            return
+        yield Check("nvml", OK, f"NVML initialised; {len(gpus)} GPU(s) visible")
+        try:
+            for gpu in gpus:
+                yield from _gpu_checks(gpu)
+        finally:
+            for gpu in gpus:
+                gpu.close()
+    finally:
+        session.release()
+
+
+def _gpu_checks(gpu: Any) -> Iterator[Check]:
+    from lightning_energy.device.guard import PERMISSION_HELP
+
+    name = f"gpu {gpu.index}"
+    try:
+        lo, hi = gpu.power_limit_constraints_w()
+        default_w = gpu.default_power_limit_w()
+        current_w = gpu.power_limit_w()
+    except DeviceError as exc:
+        yield Check(
+            name,
+            FAIL,
+            f"{gpu.name}: cannot read the power limits: {exc}",
+            "check the GPU with `nvidia-smi -q -d POWER`",
+        )
+        return
+    mig = " (MIG)" if gpu.is_mig else ""
+    yield Check(
+        name,
+        OK,
+        f"{gpu.name}{mig} {gpu.uuid}: power limit {current_w:.0f} W, range {lo:.0f}-{hi:.0f} W, "
+        f"default {default_w:.0f} W",
+    )
+    try:
+        gpu.set_power_limit_w(current_w)
+    except NoPermissionError:
+        yield Check(
+            f"{name} perms",
+            FAIL,
+            "no permission to change the power limit: jobs will run observe-only "
+            "(energy measured, nothing saved)",
+            PERMISSION_HELP,
+        )
+    except NotSupportedError as exc:
+        yield Check(f"{name} perms", WARN, f"settings cannot be changed ({exc}): observe-only")
+    except DeviceError as exc:
+        yield Check(
+            f"{name} perms",
+            FAIL,
+            f"setting the power limit failed: {exc}",
+            "check the driver with `nvidia-smi -q -d POWER`",
+        )
+    else:
+        yield Check(f"{name} perms", OK, "may change the power limit (checked without changing it)")
+
+
+# --------------------------------------------------------------------------- carbon
+def _carbon_check(config: EnergyConfig, timeout_s: float) -> Check:
+    from carbon.config import build_provider
+    from carbon.errors import (
+        AuthError,
+        CarbonError,
+        ProviderUnavailableError,
+        QuotaError,
+        RegionNotInPlanError,
+    )
+
+    carbon = config.carbon
+    assert carbon is not None
+    where = f"{carbon.provider} {carbon.region or ''}".strip()
+    http: dict[str, Any] = {}
+    if carbon.provider in ("electricitymaps", "watttime", "uk"):
+        http = {"timeout_s": (timeout_s, timeout_s), "max_retries": 0}
+    credential = {
+        "electricitymaps": f" (token from ${carbon.token_env or 'ELECTRICITYMAPS_TOKEN'} accepted)",
+        "watttime": " (credentials accepted)",
+    }.get(carbon.provider, "")
+    provider: Any = None
+    try:
+        provider = build_provider(carbon, **http)
+        point = provider.latest()
+    except AuthError as exc:
+        return Check(
+            "carbon",
+            FAIL,
+            f"{where}: credentials rejected: {exc}",
+            "check the token/credentials in the environment variables named in the "
+            "carbon section (see docs/carbon.md)",
+        )
+    except RegionNotInPlanError as exc:
+        return Check(
+            "carbon",
+            FAIL,
+            f"{where}: {exc}",
+            "choose a region your plan covers, or upgrade the plan (docs/carbon.md)",
+        )
+    except QuotaError as exc:
+        return Check(
+            "carbon",
+            WARN,
+            f"{where}: rate limited: {exc}",
+            "poll less often (carbon.poll_interval_s) or use a bigger plan",
+        )
+    except ProviderUnavailableError as exc:
+        return Check(
+            "carbon",
+            FAIL,
+            f"{where}: unreachable: {exc}",
+            "check the network/proxy from this machine; during training an outage "
+            "falls back to the last value, then carbon.fallback",
+        )
+    except CarbonError as exc:
+        return Check("carbon", FAIL, f"{where}: {exc}", "see docs/troubleshooting.md")
+    finally:
+        close = getattr(provider, "close", None)
+        if callable(close):
+            close()
+    return Check(
+        "carbon",
+        OK,
+        f"{where}: {point.intensity_g_per_kwh:.0f} gCO2eq/kWh at "
+        f"{point.time:%Y-%m-%d %H:%M} UTC{credential}",
+    )
+
+
+# --------------------------------------------------------------------------- leases
+def _lease_checks(config: EnergyConfig | None) -> Iterator[Check]:
+    from lightning_energy.device.lease import LEASE_DIR_ENV, resolve_lease_dir
+    from lightning_energy.device.recovery import recover
+
+    lease_dir = resolve_lease_dir(config.device.lease_dir if config is not None else None)
+    fix = f"set {LEASE_DIR_ENV} (or device.lease_dir) to a writable directory on a local disk"
+    try:
+        lease_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=lease_dir, prefix=".doctor-"):
+            pass
+    except OSError as exc:
+        yield Check("leases", FAIL, f"{lease_dir} is not writable: {exc.strerror or exc}", fix)
+        return
+    yield Check("leases", OK, f"{lease_dir} is writable")
+    try:
+        stale = [r for r in recover(lease_dir, dry_run=True) if r.status == "would_restore"]
+    except EnergyError as exc:
+        yield Check("leases", WARN, f"the leases in {lease_dir} cannot be read: {exc}")
+        return
+    if stale:
+        gpus = ", ".join(r.gpu_uuid for r in stale)
+        yield Check(
+            "leases",
+            WARN,
+            f"{len(stale)} GPU(s) left changed by jobs that were killed: {gpus}",
+            "run `lightning-energy recover` (the next job on those GPUs also repairs them)",
+        )

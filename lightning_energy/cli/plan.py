@@ -1,0 +1,203 @@
+"""``lightning-energy plan``: plan per-instruction GPU clocks for a pipeline (Perseus).
+
+Reads a pipeline profile (``stage,instruction,frequency,time,energy`` CSV), computes the
+iteration time-energy frontier of the schedule, prints a summary of it and writes the plan
+for no slowdown (default), a target iteration time, or the energy optimum as JSON::
+
+    lightning-energy plan --profile profile.csv --schedule 1f1b --microbatches 8 \\
+        --p2p-power-w 70 --target-time 1.9 --output plan.json
+
+Exit codes: 0 ok, 2 bad arguments or a malformed profile, 1 planning failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_energy.cli import EXIT_OK
+from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.perseus.plan import Plan
+from lightning_energy.perseus.planner import FrontierPoint, PerseusPlanner
+from lightning_energy.perseus.profile import PipelineProfile
+from lightning_energy.perseus.schedule import SCHEDULES, build_schedule
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger(__name__)
+
+#: Power an A100 draws while blocked on a pipeline send/recv (the shipped profiles' value).
+DEFAULT_P2P_POWER_W = 70.0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``plan`` subcommand."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan per-instruction GPU clocks for pipeline parallelism (Perseus)",
+        description="Compute the iteration time-energy frontier of a pipeline schedule from "
+        "a profile and write the frequency plan for no slowdown, a target iteration time or "
+        "the energy optimum.",
+    )
+    parser.add_argument("--profile", required=True, type=Path, metavar="FILE", help="profile CSV")
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)"
+    )
+    parser.add_argument(
+        "--microbatches", required=True, type=int, metavar="M", help="microbatches per iteration"
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="stages per GPU (interleaved_1f1b; the profile lists all virtual stages)",
+    )
+    parser.add_argument(
+        "--p2p-power-w",
+        type=float,
+        default=DEFAULT_P2P_POWER_W,
+        metavar="W",
+        help=f"power drawn while blocked on bubbles/send/recv (default {DEFAULT_P2P_POWER_W} W)",
+    )
+    goal = parser.add_mutually_exclusive_group()
+    goal.add_argument(
+        "--target-time", type=float, metavar="S", help="plan for this iteration time (s)"
+    )
+    goal.add_argument(
+        "--no-slowdown", action="store_true", help="plan for the fastest iteration (default)"
+    )
+    goal.add_argument(
+        "--energy-optimal", action="store_true", help="plan for the least energy at any time"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("perseus_plan.json"),
+        metavar="FILE",
+        help="where to write the plan (default perseus_plan.json)",
+    )
+    parser.add_argument(
+        "--time-step-s", type=float, default=None, metavar="S", help="frontier grid spacing"
+    )
+    parser.add_argument("--rows", type=int, default=8, help="frontier rows to print (default 8)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run)
+
+
+def _progress_bar(enabled: bool) -> tuple[Any, Any]:
+    """A tqdm bar on stderr (only on a terminal) and the callback that advances it."""
+    if not enabled or not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=1, desc="planning", unit="step", file=sys.stderr, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return bar, update
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print the frontier summary and the chosen plan, write the plan JSON."""
+    problems = []
+    if args.microbatches < 1:
+        problems.append(f"--microbatches={args.microbatches}: must be >= 1")
+    if args.target_time is not None and not args.target_time > 0:
+        problems.append(f"--target-time={args.target_time}: must be > 0 seconds")
+    if problems:
+        raise ConfigError(problems, source="command line")
+    try:
+        profile = PipelineProfile.from_csv(args.profile, blocked_power_w=args.p2p_power_w)
+        schedule = build_schedule(
+            args.schedule,
+            profile.num_stages,
+            args.microbatches,
+            virtual_stages=args.virtual_stages,
+        )
+        planner = PerseusPlanner(profile, schedule)
+    except ProfileError as exc:
+        raise ConfigError(str(exc), source=str(args.profile)) from exc
+    bar, callback = _progress_bar(not args.no_progress and not args.json)
+    try:
+        frontier = planner.frontier(time_step_s=args.time_step_s, progress=callback)
+        if args.target_time is not None:
+            if args.target_time < planner.min_iteration_time_s:
+                log.warning(
+                    "Target %.4f s is below the fastest iteration time %.4f s: planning for no "
+                    "slowdown.",
+                    args.target_time,
+                    planner.min_iteration_time_s,
+                )
+            candidates = [planner.plan_for_time(args.target_time), frontier.at(args.target_time)]
+        elif args.energy_optimal:
+            candidates = [planner.plan_energy_optimal(), frontier.energy_optimal]
+        else:
+            candidates = [planner.plan_no_slowdown(), frontier.fastest]
+    finally:
+        if bar is not None:
+            bar.close()
+    chosen = min(candidates, key=lambda p: (p.energy_j, p.iteration_time_s))
+    baseline = frontier.baseline
+    metadata = dict(chosen.plan.metadata or {})
+    metadata["baseline_energy_j"] = baseline.energy_j
+    metadata["baseline_iteration_time_s"] = baseline.iteration_time_s
+    if args.target_time is not None:
+        metadata["target_time_s"] = args.target_time
+    Plan(schedule, chosen.plan.frequencies_mhz, metadata).save(args.output)
+    rows = frontier.summary(args.rows)
+    if args.json:
+        print(json.dumps(_summary(args, baseline, chosen, rows, len(frontier)), indent=2))
+        return EXIT_OK
+    print(
+        f"{schedule.name}: {schedule.num_stages} stages on {schedule.num_devices} GPUs, "
+        f"{schedule.num_microbatches} microbatches, blocked power {profile.blocked_power_w:g} W"
+    )
+    print(
+        f"baseline (all {profile.frequencies_mhz[0]} MHz): {baseline.iteration_time_s:.4f} s, "
+        f"{baseline.energy_j:.1f} J per iteration"
+    )
+    print(f"frontier: {len(frontier)} plans")
+    print(f"  {'time (s)':>10} {'slowdown':>9} {'energy (J)':>11} {'saving':>7}")
+    for time_s, energy_j, saving in rows:
+        slowdown = time_s / baseline.iteration_time_s - 1
+        print(f"  {time_s:10.4f} {slowdown:9.2%} {energy_j:11.1f} {saving:7.1%}")
+    gap = "" if chosen.gap is None else f", within {chosen.gap:.2%} of the lower bound"
+    print(
+        f"plan: {chosen.iteration_time_s:.4f} s, {chosen.energy_j:.1f} J "
+        f"({1 - chosen.energy_j / baseline.energy_j:.1%} less energy{gap}) -> {args.output}"
+    )
+    return EXIT_OK
+
+
+def _summary(
+    args: argparse.Namespace,
+    baseline: FrontierPoint,
+    chosen: FrontierPoint,
+    rows: list[tuple[float, float, float]],
+    points: int,
+) -> dict[str, Any]:
+    return {
+        "profile": str(args.profile),
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "baseline": {"iteration_time_s": baseline.iteration_time_s, "energy_j": baseline.energy_j},
+        "frontier": {
+            "points": points,
+            "rows": [{"iteration_time_s": t, "energy_j": e, "saving": s} for t, e, s in rows],
+        },
+        "plan": {
+            "iteration_time_s": chosen.iteration_time_s,
+            "energy_j": chosen.energy_j,
+            "lower_bound_j": chosen.lower_bound_j,
+            "path": str(args.output),
+        },
+    }

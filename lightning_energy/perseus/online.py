@@ -1,0 +1,372 @@
+"""Online profiling: plan without an offline step.
+
+During the first iterations every pipeline rank runs all its instructions at a few clocks,
+one clock per iteration, and measures each instruction's time and energy (and the power
+its GPU draws while blocked). Then every rank fits, per ``(stage, instruction)``, a model of
+time and power against the clock, rank 0 gathers the fits, predicts the profile at every
+supported clock in the profiled range, plans, and broadcasts the plan; all ranks switch to
+it at the same iteration. When the target iteration time changes (the carbon policy's),
+rank 0 re-plans from the same profile and the new plan is broadcast the same way.
+
+Models (per instruction; the simulated GPU's physics follows the same shape):
+
+* time: ``t(f) = a / f + b`` (the compute-bound part scales with 1/f, the memory-bound
+  part does not), least squares over the profiled clocks;
+* power: ``P(f) = c0 + c1 f + c2 f^2`` (linear with two clocks), least squares; energy is
+  ``P(f) t(f)``.
+
+Example (every rank, after building its :class:`~.runtime.PipelineRuntime`)::
+
+    online = OnlinePerseus(runtime, gpu, supported_clocks_mhz=gpu.supported_sm_clocks_mhz())
+    for batch in data:
+        online.on_iteration_start()
+        pipeline.step(batch)
+        online.on_iteration_end()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from lightning_energy.device.base import GPU
+from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.perseus.plan import Plan
+from lightning_energy.perseus.planner import PerseusPlanner
+from lightning_energy.perseus.profile import PipelineProfile
+from lightning_energy.perseus.runtime import InstructionMeter, PipelineRuntime
+from lightning_energy.perseus.schedule import Instruction
+
+__all__ = ["ClockModel", "OnlinePerseus", "default_profile_clocks", "fit_profile"]
+
+log = logging.getLogger(__name__)
+
+#: One measurement: ``(freq_mhz, time_s, energy_j)``.
+Sample = tuple[int, float, float]
+
+
+@dataclass(frozen=True)
+class ClockModel:
+    """Fitted time and power of one piece of work against the SM clock.
+
+    Attributes:
+        time_coef: ``(a, b)`` of ``t(f) = a / f + b``.
+        power_coef: ``(c0, c1, c2)`` of ``P(f) = c0 + c1 f + c2 f^2``.
+        min_mhz: lowest clock profiled.
+        max_mhz: highest clock profiled.
+    """
+
+    time_coef: tuple[float, float]
+    power_coef: tuple[float, float, float]
+    min_mhz: int
+    max_mhz: int
+
+    @classmethod
+    def fit(cls, samples: Sequence[Sample]) -> ClockModel:
+        """Least-squares fit from measurements at two clocks or more.
+
+        Raises:
+            ProfileError: fewer than two distinct clocks, or non-positive measurements.
+        """
+        freqs = np.asarray([s[0] for s in samples], dtype=np.float64)
+        times = np.asarray([s[1] for s in samples], dtype=np.float64)
+        energies = np.asarray([s[2] for s in samples], dtype=np.float64)
+        distinct = np.unique(freqs)
+        if len(distinct) < 2:
+            raise ProfileError(f"fitting needs two clocks or more, got {distinct.tolist()}")
+        if np.any(times <= 0) or np.any(energies <= 0):
+            raise ProfileError("fitting needs positive times and energies")
+        a, b = np.linalg.lstsq(np.column_stack([1.0 / freqs, np.ones_like(freqs)]), times)[0]
+        degree = 2 if len(distinct) >= 3 else 1
+        basis = np.column_stack([freqs**k for k in range(degree + 1)])
+        coef = np.linalg.lstsq(basis, energies / times)[0]
+        power = (float(coef[0]), float(coef[1]), float(coef[2]) if degree == 2 else 0.0)
+        return cls((float(a), float(b)), power, int(distinct[0]), int(distinct[-1]))
+
+    def time_s(self, freq_mhz: float) -> float:
+        """Predicted time at ``freq_mhz``."""
+        a, b = self.time_coef
+        return a / freq_mhz + b
+
+    def power_w(self, freq_mhz: float) -> float:
+        """Predicted average power at ``freq_mhz``."""
+        c0, c1, c2 = self.power_coef
+        return c0 + c1 * freq_mhz + c2 * freq_mhz**2
+
+    def energy_j(self, freq_mhz: float) -> float:
+        """Predicted energy at ``freq_mhz``."""
+        return self.power_w(freq_mhz) * self.time_s(freq_mhz)
+
+
+def default_profile_clocks(supported_mhz: Sequence[int], count: int = 4) -> list[int]:
+    """``count`` clocks from the maximum down to 60 % of it, evenly spaced, snapped to
+    supported clocks (lower clocks are rarely worth it: slower and often costlier).
+
+    Raises:
+        ConfigError: no supported clock, or ``count < 2``.
+    """
+    if not supported_mhz or count < 2:
+        raise ConfigError(
+            f"supported_mhz={list(supported_mhz)[:3]}..., count={count}: need clocks and count >= 2"
+        )
+    clocks = sorted(set(supported_mhz), reverse=True)
+    top = clocks[0]
+    picks: list[int] = []
+    for target in np.linspace(top, 0.6 * top, count):
+        best = min(clocks, key=lambda f: abs(f - target))
+        if best not in picks:
+            picks.append(best)
+    return picks
+
+
+def fit_profile(
+    samples: Mapping[tuple[int, str], Sequence[Sample]],
+    clocks_mhz: Sequence[int],
+    *,
+    blocked_power_w: float,
+) -> PipelineProfile:
+    """Predict a profile at ``clocks_mhz`` (within each entry's profiled range).
+
+    Args:
+        samples: measurements per ``(stage, instruction)``.
+        clocks_mhz: the clocks to predict (the GPU's supported ones).
+        blocked_power_w: measured power while blocked.
+
+    Raises:
+        ProfileError: an entry cannot be fitted, or no clock lies in the profiled range.
+    """
+    models = {key: ClockModel.fit(values) for key, values in samples.items()}
+    low = max(m.min_mhz for m in models.values())
+    high = min(m.max_mhz for m in models.values())
+    keep = sorted({f for f in clocks_mhz if low <= f <= high}, reverse=True)
+    if not keep:
+        raise ProfileError(f"no clock in the profiled range {low}-{high} MHz")
+    rows = []
+    for (stage, kind), model in sorted(models.items()):
+        for f in keep:
+            time_s, energy_j = model.time_s(f), model.energy_j(f)
+            if time_s <= 0 or energy_j <= 0:
+                raise ProfileError(f"stage {stage} {kind} at {f} MHz: the fit is not positive")
+            rows.append((stage, kind, f, time_s, energy_j))
+    return PipelineProfile.from_rows(rows, blocked_power_w=blocked_power_w, source="(online)")
+
+
+class OnlinePerseus:
+    """Profiles a pipeline online, plans, switches to the plan, re-plans on new targets.
+
+    Every rank of the pipeline creates one and calls :meth:`on_iteration_start` /
+    :meth:`on_iteration_end` around every iteration, at the same iterations (they hold
+    collectives over ``group``).
+
+    Args:
+        runtime: this rank's runtime (applies clocks, measures instructions).
+        gpu: this rank's GPU (energy counter, synchronisation).
+        supported_clocks_mhz: clocks the plan may use.
+        profile_clocks_mhz: clocks to profile (default :func:`default_profile_clocks`).
+        warmup_iterations: iterations at the maximum clock before profiling (allocation,
+            compilation and caches make the first ones unrepresentative).
+        iterations_per_clock: profiled iterations per clock.
+        target_time_s: iteration time to plan for (None: no slowdown).
+        group: the process group of the pipeline ranks (None: the default group).
+        clock: seconds in the GPU's time base (simulated GPUs: their virtual clock).
+        planner_options: keyword arguments for :class:`PerseusPlanner`.
+
+    Raises:
+        ConfigError: bad counts or clocks.
+    """
+
+    def __init__(
+        self,
+        runtime: PipelineRuntime,
+        gpu: GPU,
+        *,
+        supported_clocks_mhz: Sequence[int],
+        profile_clocks_mhz: Sequence[int] | None = None,
+        warmup_iterations: int = 1,
+        iterations_per_clock: int = 1,
+        target_time_s: float | None = None,
+        group: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
+        planner_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        problems = []
+        if warmup_iterations < 0:
+            problems.append(f"warmup_iterations={warmup_iterations}: must be >= 0")
+        if iterations_per_clock < 1:
+            problems.append(f"iterations_per_clock={iterations_per_clock}: must be >= 1")
+        clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
+        if len(set(clocks)) < 2:
+            problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        if problems:
+            raise ConfigError(problems, source="OnlinePerseus")
+        self.runtime = runtime
+        self.gpu = gpu
+        self.supported_clocks_mhz = list(supported_clocks_mhz)
+        self.profile_clocks_mhz = clocks
+        self.warmup_iterations = warmup_iterations
+        self.iterations_per_clock = iterations_per_clock
+        self.group = group
+        self.clock = clock
+        self.planner_options = dict(planner_options or {})
+        self.iteration = 0
+        #: The fitted profile and its planner (rank 0 only; it plans for every rank).
+        self.profile: PipelineProfile | None = None
+        self.planner: PerseusPlanner | None = None
+        self._planned = False
+        self._target_s = target_time_s
+        self._pending_target: tuple[float | None] | None = None
+        self._samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
+        self._blocked: list[tuple[float, float]] = []  # (blocked energy, blocked time)
+        self._iter_instr: list[tuple[float, float]] = []
+        self._iter_start: tuple[float, float] | None = None
+        self._meter = InstructionMeter(gpu, self._record, clock)
+
+    @property
+    def phase(self) -> str:
+        """``"warmup"``, ``"profiling"`` or ``"planned"``."""
+        if self._planned:
+            return "planned"
+        if self.iteration < self.warmup_iterations:
+            return "warmup"
+        return "profiling"
+
+    @property
+    def target_time_s(self) -> float | None:
+        """The iteration time planned for (None: no slowdown)."""
+        return self._target_s
+
+    def set_target_time(self, target_s: float | None) -> None:
+        """Plan for ``target_s`` from the next iteration boundary (rank 0's value counts)."""
+        self._pending_target = (target_s,)
+
+    def _profiling_clock(self) -> int | None:
+        k = (self.iteration - self.warmup_iterations) // self.iterations_per_clock
+        if 0 <= k < len(self.profile_clocks_mhz):
+            return self.profile_clocks_mhz[k]
+        return None
+
+    def _record(self, inst: Instruction, time_s: float, energy_j: float) -> None:
+        freq = self.runtime.planned_mhz(inst)
+        if freq is not None:
+            self._samples[(inst.stage, inst.kind)].append((freq, time_s, energy_j))
+        self._iter_instr.append((time_s, energy_j))
+
+    def on_iteration_start(self) -> None:
+        """Set this iteration's clocks (profiling) and start measuring."""
+        if self.phase == "planned":
+            return
+        if self.phase == "warmup":
+            self.runtime.set_fixed_clock(max(self.supported_clocks_mhz))
+            return
+        freq = self._profiling_clock()
+        self.runtime.set_fixed_clock(freq)
+        self.runtime.measure_with(self._meter)
+        self._iter_instr = []
+        self.gpu.synchronize()
+        self._iter_start = (self.clock(), self.gpu.energy_j())
+
+    def on_iteration_end(self) -> None:
+        """Close the iteration; after the last profiled one, plan and switch (collective).
+
+        Raises:
+            ProfileError: the measurements cannot be fitted.
+        """
+        simulated = self.runtime.end_iteration()
+        if self.phase == "profiling" and self._iter_start is not None:
+            self.gpu.synchronize()
+            t0, e0 = self._iter_start
+            iter_s, iter_j = self.clock() - t0, self.gpu.energy_j() - e0
+            if simulated is not None:
+                iter_s = simulated[0]
+            busy_s = sum(t for t, _ in self._iter_instr)
+            busy_j = sum(e for _, e in self._iter_instr)
+            if iter_s - busy_s > 1e-9:
+                self._blocked.append((iter_j - busy_j, iter_s - busy_s))
+            self._iter_start = None
+        self.iteration += 1
+        profiled = self.warmup_iterations + self.iterations_per_clock * len(self.profile_clocks_mhz)
+        if not self._planned and self.iteration >= profiled:
+            self.runtime.measure_with(None)
+            self.runtime.set_fixed_clock(None)
+            self._plan_from_samples()
+        elif self._planned:
+            self._maybe_replan()
+
+    # ------------------------------------------------------------ collectives
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=_src(self.group), group=self.group)
+        return box[0]
+
+    def _plan_from_samples(self) -> None:
+        gathered = self._gather((dict(self._samples), self._blocked))
+        text = None
+        if self._rank() == 0:
+            samples: dict[tuple[int, str], list[Sample]] = {}
+            blocked = []
+            for rank_samples, rank_blocked in gathered:
+                samples.update(rank_samples)
+                blocked.extend(rank_blocked)
+            energy = sum(e for e, _ in blocked)
+            seconds = sum(t for _, t in blocked)
+            blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
+            self.profile = fit_profile(
+                samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
+            )
+            self.planner = PerseusPlanner(
+                self.profile, self.runtime.schedule, **self.planner_options
+            )
+            text = self._plan_text()
+            log.info(
+                "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
+                "switching to the plan.",
+                len(samples),
+                self.profile_clocks_mhz,
+                blocked_power_w,
+            )
+        self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
+        self._planned = True
+
+    def _plan_text(self) -> str:
+        assert self.planner is not None
+        if self._target_s is None:
+            point = self.planner.plan_no_slowdown()
+        else:
+            point = self.planner.plan_for_time(self._target_s)
+        return point.plan.to_json()
+
+    def _maybe_replan(self) -> None:
+        change = self._broadcast(self._pending_target if self._rank() == 0 else None)
+        self._pending_target = None
+        if change is None or change[0] == self._target_s:
+            return
+        self._target_s = change[0]
+        text = self._plan_text() if self._rank() == 0 else None
+        self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
+        log.info("Perseus: re-planned for target iteration time %s s.", self._target_s)
+
+
+def _src(group: Any) -> int:
+    """Global rank of the group's rank 0."""
+    if group is None:
+        return 0
+    return int(dist.get_global_rank(group, 0))

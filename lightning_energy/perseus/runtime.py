@@ -1,0 +1,590 @@
+"""Apply a frequency plan in ``torch.distributed.pipelining``: per-instruction clocks.
+
+Pieces, one per concern:
+
+* :class:`ClockController`: a dedicated thread (``lightning-energy-perseus-clock``) that
+  locks the GPU clock through the :class:`~lightning_energy.device.guard.GPUGuard`. The
+  training thread only enqueues the next clock; on CUDA it also records an event on the
+  current stream and the thread waits for the GPU to reach it before changing the clock, so
+  the change lands at the instruction boundary and never stalls the CPU issuing kernels.
+* :class:`PipelineRuntime`: one per pipeline rank. Before each forward/backward of each
+  microbatch it asks the controller for the planned clock; it records what ran, measures
+  instructions while profiling, and resets the clocks at the end and on failure (also the
+  guard's job on exit and SIGTERM).
+* :class:`PerseusPipelineStage`: a ``PipelineStage`` that calls the runtime around every
+  ``forward_one_chunk`` / ``backward_one_chunk``. It works with every schedule of
+  ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B...).
+* :class:`PipelineSimulation`: with simulated GPUs (no GPU, CPU + gloo), each instruction's
+  GPU time and energy come from the simulated GPU at the locked clock, and the ranks'
+  virtual clocks follow the pipeline dependencies (a stage waits for the virtual time its
+  input was produced), so a simulated iteration takes the planned iteration time and its
+  bubbles draw the blocked power.
+
+Example (one rank, inside an initialised process group)::
+
+    guard = GPUGuard([gpu])
+    with PipelineRuntime(schedule, rank, ClockController(guard), plan=plan) as runtime:
+        stage = PerseusPipelineStage(module, rank, num_stages, device, runtime=runtime)
+        pipeline = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+        for batch in data:
+            pipeline.step(batch)
+            runtime.end_iteration()
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_energy.device.base import GPU
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.device.physics import PhysicsModel
+from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.errors import ConfigError, EnergyError
+from lightning_energy.perseus.plan import Plan
+from lightning_energy.perseus.profile import BACKWARD, FORWARD, PipelineProfile
+from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+
+__all__ = [
+    "ClockController",
+    "ExecutedInstruction",
+    "PerseusPipelineStage",
+    "PipelineRuntime",
+    "PipelineSimulation",
+    "StageWork",
+    "simulated_profile",
+]
+
+log = logging.getLogger(__name__)
+
+_THREAD_NAME = "lightning-energy-perseus-clock"
+
+
+class ClockController:
+    """Locks one GPU's SM clock from a dedicated thread, in request order.
+
+    Args:
+        guard: the guard every change goes through (restores the GPU at the end).
+        gpu_position: position of the GPU in the guard's list.
+        wait_for_device: on CUDA, apply a change only when the GPU reaches the point of
+            the stream where it was requested (a recorded event); otherwise at once.
+    """
+
+    def __init__(self, guard: GPUGuard, gpu_position: int = 0, *, wait_for_device: bool = True):
+        self.guard = guard
+        self.gpu_position = gpu_position
+        self._wait = wait_for_device and torch.cuda.is_available()
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._current: int | None = None
+        self._requested: int | None = None
+        self._error: BaseException | None = None
+        self.changes = 0
+
+    @property
+    def current_mhz(self) -> int | None:
+        """The clock last applied by this controller (None: none yet, or reset)."""
+        return self._current
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def request(self, freq_mhz: int) -> None:
+        """Ask for ``freq_mhz`` from the current point of the GPU stream on; never blocks.
+
+        Raises:
+            EnergyError: an earlier change failed in strict mode (re-raised here).
+        """
+        self._raise_pending()
+        if freq_mhz == self._requested:
+            return
+        self.start()
+        marker = None
+        if self._wait:
+            marker = torch.cuda.Event()
+            marker.record()
+        self._requested = freq_mhz
+        self._queue.put((freq_mhz, marker))
+
+    def flush(self) -> None:
+        """Block until every requested change is applied (simulated GPUs, tests, the end).
+
+        Raises:
+            EnergyError: a change failed in strict mode.
+        """
+        if self._thread is not None:
+            self._queue.join()
+        self._raise_pending()
+
+    def reset(self) -> None:
+        """Flush, then put the GPU's clocks back to their pre-job state."""
+        self.flush()
+        self.guard.reset_clocks([self.gpu_position])
+        self._current = None
+        self._requested = None
+
+    def stop(self) -> None:
+        """Apply what is queued, stop the thread (idempotent)."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                freq, marker = item
+                if marker is not None:
+                    marker.synchronize()
+                if freq != self._current:
+                    self.guard.lock_clocks_mhz(freq, freq, gpus=[self.gpu_position])
+                    self._current = freq
+                    self.changes += 1
+            except BaseException as exc:  # handed to the training thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+
+@dataclass(frozen=True)
+class ExecutedInstruction:
+    """One instruction as it ran on this rank.
+
+    Attributes:
+        instruction: what ran.
+        freq_mhz: the clock locked while it ran (None: unchanged).
+        time_s: its GPU time, when measured (simulated, or while profiling).
+        energy_j: its GPU energy, when measured.
+    """
+
+    instruction: Instruction
+    freq_mhz: int | None
+    time_s: float | None = None
+    energy_j: float | None = None
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Simulated GPU work of one instruction kind on one stage.
+
+    Attributes:
+        t0_s: its time at the maximum clock.
+        compute_bound_share: the share of that time that scales with the clock.
+    """
+
+    t0_s: float
+    compute_bound_share: float = 1.0
+
+
+@dataclass
+class PipelineSimulation:
+    """GPU time, energy and cross-rank timing of a pipeline on simulated GPUs.
+
+    Every rank runs one simulated GPU on its own virtual clock. Finishing an instruction
+    sends its virtual finish time to the rank of the dependent stage (through a gloo
+    group); starting one waits (idle, at the GPU's idle power) until its input's time.
+    :meth:`end_iteration` aligns all ranks on the slowest one, as the optimizer step does.
+
+    Args:
+        gpu: this rank's simulated GPU.
+        works: the work of each ``(stage, kind)`` run by this rank.
+        group: the process group over the pipeline ranks (gloo); None: the default group.
+    """
+
+    gpu: SimulatedGPU
+    works: Mapping[tuple[int, str], StageWork]
+    group: Any = None
+    _inbox: dict[Instruction, float] = field(default_factory=dict)
+    _sends: list[Any] = field(default_factory=list)
+    _iteration_start_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._iteration_start_s = self.gpu.clock.now()
+
+    def _tag(self, schedule: PipelineSchedule, inst: Instruction) -> int:
+        kind = 0 if inst.kind == FORWARD else 1
+        return 1 + 2 * (inst.stage * schedule.num_microbatches + inst.microbatch) + kind
+
+    def _producer(self, schedule: PipelineSchedule, inst: Instruction) -> Instruction | None:
+        """The instruction of another stage whose output ``inst`` consumes."""
+        if inst.kind == FORWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage < schedule.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, BACKWARD)
+        return None
+
+    def _consumer(self, schedule: PipelineSchedule, inst: Instruction) -> Instruction | None:
+        if inst.kind == FORWARD and inst.stage < schedule.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, BACKWARD)
+        return None
+
+    def wait_for_input(self, schedule: PipelineSchedule, rank: int, inst: Instruction) -> None:
+        """Idle until the virtual time the input of ``inst`` was produced."""
+        producer = self._producer(schedule, inst)
+        if producer is None:
+            return
+        if schedule.device_of(producer.stage) == rank:
+            ready_s = self._inbox.pop(producer)
+        else:
+            buf = torch.zeros(1, dtype=torch.float64)
+            src = schedule.device_of(producer.stage)
+            dist.recv(
+                buf,
+                src=_global_rank(self.group, src),
+                group=self.group,
+                tag=self._tag(schedule, producer),
+            )
+            ready_s = float(buf.item())
+        wait_s = ready_s - self.gpu.clock.now()
+        if wait_s > 0:
+            self.gpu.idle(wait_s)
+
+    def run(self, inst: Instruction) -> tuple[float, float]:
+        """Run the instruction's GPU work at the locked clock: ``(time_s, energy_j)``."""
+        work = self.works[(inst.stage, inst.kind)]
+        energy_before = self.gpu.energy_j()
+        time_s = self.gpu.run_work(work.t0_s, work.compute_bound_share)
+        return time_s, self.gpu.energy_j() - energy_before
+
+    def publish(self, schedule: PipelineSchedule, rank: int, inst: Instruction) -> None:
+        """Tell the consumer of ``inst``'s output when it was produced."""
+        consumer = self._consumer(schedule, inst)
+        if consumer is None:
+            return
+        now_s = self.gpu.clock.now()
+        dst = schedule.device_of(consumer.stage)
+        if dst == rank:
+            self._inbox[inst] = now_s
+            return
+        buf = torch.tensor([now_s], dtype=torch.float64)
+        self._sends.append(
+            dist.isend(
+                buf,
+                dst=_global_rank(self.group, dst),
+                group=self.group,
+                tag=self._tag(schedule, inst),
+            )
+        )
+
+    def end_iteration(self) -> tuple[float, float]:
+        """Align every rank on the slowest; ``(iteration_time_s, energy_j of this GPU)``."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+        end = torch.tensor([self.gpu.clock.now()], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(end, op=dist.ReduceOp.MAX, group=self.group)
+        wait_s = float(end.item()) - self.gpu.clock.now()
+        if wait_s > 0:
+            self.gpu.idle(wait_s)
+        iteration_s = float(end.item()) - self._iteration_start_s
+        self._iteration_start_s = float(end.item())
+        return iteration_s, self.gpu.energy_j()
+
+
+def simulated_profile(
+    model: PhysicsModel,
+    works: Mapping[tuple[int, str], StageWork],
+    clocks_mhz: Sequence[int] | None = None,
+) -> PipelineProfile:
+    """The profile simulated GPUs of ``model`` would measure for ``works``.
+
+    Args:
+        model: the physics model (e.g. ``physics_preset("a100")``).
+        works: the work of every ``(stage, kind)``.
+        clocks_mhz: clocks to profile (default: all the model supports).
+
+    Returns:
+        Time and energy at each clock, blocked power = the model's idle power.
+    """
+    clocks = list(clocks_mhz) if clocks_mhz is not None else list(model.sm_clocks_mhz)
+    rows = []
+    for (stage, kind), work in sorted(works.items()):
+        for freq in clocks:
+            time_s = model.work_time_s(work.t0_s, work.compute_bound_share, freq)
+            power_w = model.work_power_w(work.compute_bound_share, freq)
+            rows.append((stage, kind, freq, time_s, time_s * power_w))
+    return PipelineProfile.from_rows(rows, blocked_power_w=model.idle_power_w)
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (the default group: itself)."""
+    if group is None:
+        return group_rank
+    return int(dist.get_global_rank(group, group_rank))
+
+
+class PipelineRuntime:
+    """Applies a plan on one pipeline rank and records what ran.
+
+    Args:
+        schedule: the pipeline schedule the stages run.
+        rank: this rank's position in the pipeline (its device in the schedule).
+        controller: applies the clocks.
+        plan: the plan to apply (None: leave the clock alone until one is set).
+        simulation: simulated GPU time and cross-rank timing (simulated GPUs only).
+        record: keep every executed instruction in :attr:`trace`.
+
+    Raises:
+        ConfigError: the plan is for another schedule, or ``rank`` is out of range.
+    """
+
+    def __init__(
+        self,
+        schedule: PipelineSchedule,
+        rank: int,
+        controller: ClockController,
+        *,
+        plan: Plan | None = None,
+        simulation: PipelineSimulation | None = None,
+        record: bool = True,
+    ) -> None:
+        if not 0 <= rank < schedule.num_devices:
+            raise ConfigError(f"rank={rank}: the schedule has {schedule.num_devices} devices")
+        self.schedule = schedule
+        self.rank = rank
+        self.controller = controller
+        self.simulation = simulation
+        self.record = record
+        self.trace: list[ExecutedInstruction] = []
+        self._plan: Plan | None = None
+        self._fixed_mhz: int | None = None
+        self._meter: InstructionMeter | None = None
+        self._closed = False
+        self._order = set(schedule.device_orders[rank])
+        if plan is not None:
+            self.set_plan(plan)
+
+    # ----------------------------------------------------------------- plans
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (None while profiling or before one is set)."""
+        return self._plan
+
+    def set_plan(self, plan: Plan) -> None:
+        """Apply ``plan`` from the next instruction on.
+
+        Raises:
+            ConfigError: the plan is for another schedule.
+        """
+        if plan.schedule.device_orders != self.schedule.device_orders:
+            raise ConfigError(
+                f"the plan is for {plan.schedule.name} with {plan.schedule.num_stages} stages "
+                f"and {plan.schedule.num_microbatches} microbatches, the pipeline runs "
+                f"{self.schedule.name} with {self.schedule.num_stages} and "
+                f"{self.schedule.num_microbatches}"
+            )
+        self._plan = plan
+        self._fixed_mhz = None
+
+    def set_fixed_clock(self, freq_mhz: int | None) -> None:
+        """Run every instruction at ``freq_mhz`` (profiling); None: back to the plan."""
+        self._fixed_mhz = freq_mhz
+
+    def measure_with(self, meter: InstructionMeter | None) -> None:
+        """Measure every instruction with ``meter`` (None: stop measuring)."""
+        self._meter = meter
+
+    def planned_mhz(self, inst: Instruction) -> int | None:
+        """The clock ``inst`` runs at: the fixed profiling clock, else the plan's."""
+        if self._fixed_mhz is not None:
+            return self._fixed_mhz
+        if self._plan is not None:
+            return self._plan.frequency_mhz(inst)
+        return None
+
+    # ------------------------------------------------------------------ hooks
+    def before(self, inst: Instruction) -> None:
+        """Called just before ``inst`` runs on this rank.
+
+        Raises:
+            ConfigError: ``inst`` does not run on this rank in the schedule.
+        """
+        if inst not in self._order:
+            raise ConfigError(f"{inst} does not run on pipeline rank {self.rank}")
+        freq = self.planned_mhz(inst)
+        if freq is not None:
+            self.controller.request(freq)
+        if self.simulation is not None:
+            # The simulated GPU runs "on the stream" in this thread: the clock change and
+            # the input must be there before its work starts.
+            self.controller.flush()
+            self.simulation.wait_for_input(self.schedule, self.rank, inst)
+        elif self._meter is not None:
+            self._meter.start(inst)
+
+    def after(self, inst: Instruction) -> None:
+        """Called just after ``inst`` ran on this rank."""
+        time_s: float | None = None
+        energy_j: float | None = None
+        if self.simulation is not None:
+            time_s, energy_j = self.simulation.run(inst)
+            self.simulation.publish(self.schedule, self.rank, inst)
+        elif self._meter is not None:
+            time_s, energy_j = self._meter.stop(inst)
+        if self._meter is not None and self.simulation is not None:
+            self._meter.add(inst, time_s, energy_j)
+        if self.record:
+            if self.simulation is not None:
+                # What the simulated GPU was actually locked to while the work ran.
+                locked = self.simulation.gpu.locked_clocks_mhz()
+                freq = None if locked is None else locked[1]
+            else:
+                freq = self.planned_mhz(inst)
+            self.trace.append(ExecutedInstruction(inst, freq, time_s, energy_j))
+
+    def end_iteration(self) -> tuple[float, float] | None:
+        """Close an iteration. Simulated: align the ranks and return this rank's
+        ``(iteration_time_s, cumulative energy_j)``; real GPUs: None."""
+        if self.simulation is not None:
+            return self.simulation.end_iteration()
+        return None
+
+    # --------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Reset the clocks to their pre-job state and stop the controller (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.controller.reset()
+        finally:
+            self.controller.stop()
+
+    def __enter__(self) -> PipelineRuntime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.close()
+        except EnergyError:
+            if exc is None:
+                raise
+            log.exception("Resetting the GPU clocks after a failure failed")
+
+
+class InstructionMeter:
+    """Measures instructions: ``start``/``stop`` around each on a real GPU (synchronising
+    it, so only while profiling), or ``add`` for times measured elsewhere (simulation).
+
+    Args:
+        gpu: the GPU whose energy counter to read.
+        clock: seconds in the GPU's time base.
+        sink: receives ``(instruction, time_s, energy_j)``.
+    """
+
+    def __init__(
+        self,
+        gpu: GPU,
+        sink: Callable[[Instruction, float, float], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.gpu = gpu
+        self.sink = sink
+        self.clock = clock
+        self._start: tuple[float, float] | None = None
+
+    def start(self, inst: Instruction) -> None:
+        """Synchronise and read the clock and the energy counter."""
+        self.gpu.synchronize()
+        self._start = (self.clock(), self.gpu.energy_j())
+
+    def stop(self, inst: Instruction) -> tuple[float, float]:
+        """Synchronise, read again, report and return ``(time_s, energy_j)``."""
+        if self._start is None:
+            raise ConfigError(f"{inst}: stop() without start()")
+        self.gpu.synchronize()
+        t0, e0 = self._start
+        self._start = None
+        time_s, energy_j = self.clock() - t0, self.gpu.energy_j() - e0
+        self.sink(inst, time_s, energy_j)
+        return time_s, energy_j
+
+    def add(self, inst: Instruction, time_s: float | None, energy_j: float | None) -> None:
+        """Report a measurement taken elsewhere."""
+        if time_s is not None and energy_j is not None:
+            self.sink(inst, time_s, energy_j)
+
+
+class PerseusPipelineStage(PipelineStage):
+    """A ``PipelineStage`` whose forwards and backwards run at the planned clocks.
+
+    Takes ``PipelineStage``'s arguments plus ``runtime``; every schedule of
+    ``torch.distributed.pipelining`` drives it unchanged.
+
+    Args:
+        submodule: the stage's module.
+        stage_index: the stage (virtual stage for interleaved schedules).
+        num_stages: all stages of the pipeline.
+        device: the stage's device.
+        runtime: this rank's :class:`PipelineRuntime`.
+        **kwargs: passed to ``PipelineStage`` (``input_args``, ``group``, ...).
+    """
+
+    def __init__(
+        self,
+        submodule: torch.nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        runtime: PipelineRuntime,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, **kwargs)
+        self.perseus_runtime = runtime
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        inst = Instruction(self.stage_index, fwd_chunk_id, FORWARD)
+        self.perseus_runtime.before(inst)
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.perseus_runtime.after(inst)
+        return output
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        inst = Instruction(self.stage_index, bwd_chunk_id, BACKWARD)
+        self.perseus_runtime.before(inst)
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.perseus_runtime.after(inst)

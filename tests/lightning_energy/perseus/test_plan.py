@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.errors import ProfileError
+from lightning_energy.perseus import Instruction, PipelineProfile, Plan, evaluate, one_f_one_b
+
+# Baseline energies in the profiles' README (every instruction at 1410 MHz).
+README_BASELINE_J = {"S4_M8": 1921.9, "S8_M16": 3804.0, "S8_M32": 7367.2}
+
+
+@pytest.mark.parametrize("name", sorted(README_BASELINE_J))
+def test_evaluate_matches_the_readme_baseline(data_dir: Path, name: str) -> None:
+    stages, microbatches = (int(x[1:]) for x in name.split("_"))
+    profile = PipelineProfile.from_csv(
+        data_dir / "perseus_profiles" / f"profile_{name}.csv", blocked_power_w=70.0
+    )
+    result = evaluate(Plan.uniform(one_f_one_b(stages, microbatches), 1410), profile)
+    assert result.energy_j == pytest.approx(README_BASELINE_J[name], abs=0.05)
+    assert result.compute_energy_j + result.blocked_energy_j == pytest.approx(result.energy_j)
+
+
+def test_blocked_energy_counts_every_idle_device_second() -> None:
+    rows = [
+        (s, kind, 1000, t, 10.0 * t)
+        for s in range(2)
+        for kind, t in (("forward", 1.0), ("backward", 2.0))
+    ]
+    profile = PipelineProfile.from_rows(rows, blocked_power_w=5.0)
+    result = evaluate(Plan.uniform(one_f_one_b(2, 1), 1000), profile)
+    # F0 F1 B1 B0 in sequence: T = 6 s, each device busy 3 s and idle 3 s.
+    assert result.iteration_time_s == pytest.approx(6.0)
+    assert result.compute_energy_j == pytest.approx(60.0)
+    assert result.blocked_energy_j == pytest.approx(5.0 * (2 * 6.0 - 6.0))
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    schedule = one_f_one_b(2, 3)
+    freqs = tuple(1410 - 15 * (i % 5) for i in range(len(schedule.nodes)))
+    plan = Plan(schedule, freqs, {"energy_j": 12.5})
+    path = tmp_path / "sub" / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.metadata == {"energy_j": 12.5}
+    assert loaded.frequency_mhz(Instruction(1, 2, "backward")) == plan.frequency_mhz(
+        Instruction(1, 2, "backward")
+    )
+    assert [i for i, _ in loaded.device_plan(1)] == list(schedule.device_orders[1])
+    assert json.loads(path.read_text())["schedule"]["name"] == "1f1b"
+
+
+def test_malformed_plans_are_rejected(tmp_path: Path) -> None:
+    schedule = one_f_one_b(2, 2)
+    good = Plan.uniform(schedule, 1200).to_dict()
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        Plan.from_json("[1, 2")
+    with pytest.raises(ProfileError, match="format"):
+        Plan.from_dict({**good, "format": "python"})
+    with pytest.raises(ProfileError, match="version"):
+        Plan.from_dict({**good, "version": 99})
+    bad = json.loads(json.dumps(good))
+    bad["frequencies_mhz"][0]["forward"][0] = "__import__('os')"
+    with pytest.raises(ProfileError, match="not an integer clock"):
+        Plan.from_dict(bad)
+    short = json.loads(json.dumps(good))
+    short["frequencies_mhz"][1]["backward"] = [1200]
+    with pytest.raises(ProfileError, match="missing"):
+        Plan.from_dict(short)
+    with pytest.raises(ProfileError, match="cannot read"):
+        Plan.load(tmp_path / "nope.json")
+    with pytest.raises(ProfileError, match="clocks for"):
+        Plan(schedule, (1200,))
+    with pytest.raises(ProfileError, match="not positive"):
+        Plan(schedule, (0,) * len(schedule.nodes))
+
+
+def test_evaluate_rejects_a_clock_the_profile_lacks() -> None:
+    rows = [(s, k, 1410, 0.1, 1.0) for s in range(2) for k in ("forward", "backward")]
+    profile = PipelineProfile.from_rows(rows, blocked_power_w=70.0)
+    with pytest.raises(ProfileError, match="1200 MHz is not in the profile"):
+        evaluate(Plan.uniform(one_f_one_b(2, 2), 1200), profile)

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.errors import ProfileError
+from lightning_energy.perseus import PipelineProfile
+
+
+def _rows() -> list[tuple[int, str, int, float, float]]:
+    return [
+        (stage, kind, f, t * 1410 / f, 18.0 * f / 1410)
+        for stage in range(2)
+        for kind, t in (("forward", 0.05), ("backward", 0.1))
+        for f in (1410, 1200)
+    ]
+
+
+def test_shipped_profiles_load(data_dir: Path) -> None:
+    for name, stages in (("S4_M8", 4), ("S8_M16", 8), ("S8_M32", 8)):
+        profile = PipelineProfile.from_csv(
+            data_dir / "perseus_profiles" / f"profile_{name}.csv", blocked_power_w=70.0
+        )
+        assert profile.num_stages == stages
+        assert profile.instructions == ("forward", "backward")
+        assert profile.frequencies_mhz[0] == 1410
+        assert profile.frequencies_mhz[-1] == 510
+        assert len(profile.frequencies_mhz) == 61
+
+
+def test_csv_round_trip(tmp_path: Path) -> None:
+    profile = PipelineProfile.from_rows(_rows(), blocked_power_w=60.0)
+    path = tmp_path / "p.csv"
+    profile.to_csv(path)
+    again = PipelineProfile.from_csv(path, blocked_power_w=60.0)
+    assert again.rows() == profile.rows()
+    assert again.entry(1, "backward").at(1200) == profile.entry(1, "backward").at(1200)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    rows = _rows()
+    rows.append(rows[0])  # duplicate
+    rows = [r for r in rows if not (r[0] == 1 and r[1] == "forward" and r[2] == 1200)]
+    rows.append((3, "forward", 1410, 0.05, 18.0))  # stage 2 missing
+    rows.append((0, "forward", 1000, -0.1, 0.0))  # non-positive
+    with pytest.raises(ProfileError) as info:
+        PipelineProfile.from_rows(rows, blocked_power_w=-5.0)
+    message = str(info.value)
+    assert "duplicate row" in message
+    assert "stages [2] missing" in message
+    assert "stage 1 forward: frequencies [1200, 1000] MHz missing" in message
+    assert "time=-0.1" in message and "energy=0.0" in message
+    assert "stage 3 backward: missing" in message
+    assert "blocked_power_w=-5.0" in message
+
+
+def test_csv_errors(tmp_path: Path) -> None:
+    bad_header = tmp_path / "h.csv"
+    bad_header.write_text("stage,instruction,freq,time,energy\n0,forward,1410,1,1\n")
+    with pytest.raises(ProfileError, match="columns \\['frequency'\\] missing"):
+        PipelineProfile.from_csv(bad_header, blocked_power_w=70.0)
+    bad_value = tmp_path / "v.csv"
+    bad_value.write_text("stage,instruction,frequency,time,energy\n0,forward,1410,fast,1\n")
+    with pytest.raises(ProfileError, match="line 2: not numeric"):
+        PipelineProfile.from_csv(bad_value, blocked_power_w=70.0)
+    with pytest.raises(ProfileError, match="cannot read"):
+        PipelineProfile.from_csv(tmp_path / "missing.csv", blocked_power_w=70.0)
+
+
+def test_entry_and_frequency_lookup_errors() -> None:
+    profile = PipelineProfile.from_rows(_rows(), blocked_power_w=70.0)
+    with pytest.raises(ProfileError, match="not in the profile"):
+        profile.entry(5, "forward")
+    with pytest.raises(ProfileError, match="900 MHz is not in the profile"):
+        profile.entry(0, "forward").at(900)
+
+
+def test_restricted_keeps_only_given_clocks() -> None:
+    profile = PipelineProfile.from_rows(_rows(), blocked_power_w=70.0)
+    assert profile.restricted([1200, 999]).frequencies_mhz == (1200,)
+    with pytest.raises(ProfileError, match="none of the clocks"):
+        profile.restricted([1])

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.errors import ConfigError
+from lightning_energy.perseus import Instruction, Plan, evaluate, one_f_one_b
+from lightning_energy.perseus.runtime import ClockController, PipelineRuntime, simulated_profile
+
+from . import pipeline_worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
+    port = free_port()
+    root = Path(__file__).resolve().parents[3]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.lightning_energy.perseus.pipeline_worker",
+             str(rank), "2", str(port), str(tmp_path), str(tmp_path / "leases")],
+            cwd=root,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        assert proc.wait(timeout=240) == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name in pipeline_worker.CASES:
+        plan = Plan.from_dict(ranks[0][name]["plan"])
+        model_profile = simulated_profile(
+            pipeline_worker.physics_preset("a100"),
+            pipeline_worker.works(plan.schedule.num_stages),
+            range(1410, 885, -15),
+        )
+        expected = evaluate(plan, model_profile)
+        for result in (r[name] for r in ranks):
+            # The DAG's device order is the order torch.distributed.pipelining executed.
+            assert result["order"] == result["expected_order"], name
+            # Each instruction ran at its planned clock: it was locked before the work.
+            assert result["clocks"] == result["planned"], name
+            assert result["locked_during"] is not None
+            assert result["locked_after"] is None  # reset at the end
+            # The simulated iteration takes the planned iteration time.
+            assert result["iteration_s"] == pytest.approx(expected.iteration_time_s, rel=1e-9)
+        assert len(set(ranks[0][name]["planned"])) > 1  # a real per-instruction plan
+        energy = sum(r[name]["energy_j"] for r in ranks)
+        assert energy == pytest.approx(expected.energy_j, rel=1e-9), name
+
+
+def test_clock_controller_applies_requests_in_order(tmp_path: Path) -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        controller = ClockController(guard)
+        for freq in (1200, 1200, 1005, 1410):
+            controller.request(freq)
+        controller.flush()
+        assert gpu.locked_clocks_mhz() == (1410, 1410)
+        assert controller.changes == 3  # the repeated request is dropped
+        controller.reset()
+        assert gpu.locked_clocks_mhz() is None
+        controller.stop()
+
+
+def test_runtime_resets_clocks_on_failure(tmp_path: Path) -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    schedule = one_f_one_b(1, 2)
+    plan = Plan.uniform(schedule, 1005)
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        with pytest.raises(RuntimeError, match="boom"):
+            with PipelineRuntime(schedule, 0, ClockController(guard), plan=plan) as runtime:
+                runtime.before(Instruction(0, 0, "forward"))
+                runtime.controller.flush()
+                assert gpu.locked_clocks_mhz() == (1005, 1005)
+                raise RuntimeError("boom")
+        assert gpu.locked_clocks_mhz() is None
+        assert runtime.trace == []
+
+
+def test_runtime_rejects_foreign_plans_and_instructions(tmp_path: Path) -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        with PipelineRuntime(one_f_one_b(2, 2), 0, ClockController(guard)) as runtime:
+            with pytest.raises(ConfigError, match="the plan is for"):
+                runtime.set_plan(Plan.uniform(one_f_one_b(2, 3), 1410))
+            with pytest.raises(ConfigError, match="does not run on pipeline rank 0"):
+                runtime.before(Instruction(1, 0, "forward"))
+        with pytest.raises(ConfigError, match="rank=2"):
+            PipelineRuntime(one_f_one_b(2, 2), 2, ClockController(guard))

@@ -1,0 +1,229 @@
+"""Run reports (JSON) and their plots, from controllers driving simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.device import SimulatedSpec, open_devices
+from lightning_energy.errors import EnergyError, GPULostError
+from lightning_energy.plots import render_plots
+from lightning_energy.report import (
+    REPORT_VERSION,
+    ReportError,
+    build_report,
+    chosen_power_limits_w,
+    format_report,
+    load_report,
+    save_report,
+    write_report,
+)
+
+STEPS = 240
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _config(tmp_path: Path, carbon: dict[str, Any] | None = None) -> EnergyConfig:
+    data: dict[str, Any] = {
+        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "power_limit": {
+            "power_limits_w": [300, 250, 200, 150],
+            "warmup_steps": 2,
+            "settle_steps": 1,
+        },
+        "log_every_n_steps": 5,
+    }
+    if carbon is not None:
+        data["carbon"] = carbon
+    return EnergyConfig.from_mapping(data)
+
+
+def _run(config: EnergyConfig, steps: int = STEPS) -> EnergyController:
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    controller.set_total_steps(steps)
+    for _ in range(steps):
+        controller.on_step_start()
+        controller.on_step_end()
+    controller.teardown()
+    return controller
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> EnergyController:
+    return _run(_config(tmp_path))
+
+
+@pytest.fixture
+def carbon_aware(tmp_path: Path) -> EnergyController:
+    section = {"provider": "trace", "region": "CISO", "policy": "forecast", "max_slowdown": 1.5}
+    return _run(_config(tmp_path, section))
+
+
+def test_report_holds_every_section(plain: EnergyController, tmp_path: Path) -> None:
+    path = write_report(plain, tmp_path / "runs" / "run.json")
+    report = load_report(path)
+    assert report["version"] == REPORT_VERSION
+    assert set(report) == {
+        "version",
+        "created",
+        "config",
+        "devices",
+        "timeline",
+        "profile",
+        "decisions",
+        "summary",
+    }
+    assert report["config"]["power_limit"]["power_limits_w"] == [300.0, 250.0, 200.0, 150.0]
+    (device,) = report["devices"]
+    assert device["name"] == "NVIDIA A40 (simulated)"
+    assert (device["min_power_limit_w"], device["max_power_limit_w"]) == (100.0, 300.0)
+    assert sum(entry["steps"] for entry in report["timeline"]) == STEPS
+    assert {"power_limit_w", "energy_j", "power_w", "time_s"} <= set(report["timeline"][0])
+    assert sorted(m["power_limit_w"] for m in report["profile"]) == [150.0, 200.0, 250.0, 300.0]
+    assert report["summary"]["steps"] == STEPS
+    assert report["summary"]["energy_j"] == pytest.approx(
+        sum(e["energy_j"] for e in report["timeline"])
+    )
+    reasons = [d["reason"] for d in report["decisions"]]
+    assert any(r.startswith("profile complete") for r in reasons)
+
+
+def test_chosen_limits_skip_profiling_windows(plain: EnergyController) -> None:
+    report = build_report(plain)
+    chosen = chosen_power_limits_w(report)
+    assert chosen == [plain.teardown().power_limit_w]
+    profiled = {d["value"] for d in report["decisions"] if d["reason"].endswith(" window")}
+    assert len(profiled) == 4  # every candidate was applied for profiling
+
+
+def test_carbon_aware_report_has_intensity_grams_and_baselines(
+    carbon_aware: EnergyController,
+) -> None:
+    report = build_report(carbon_aware)
+    carbon = report["carbon"]
+    assert "carbon" not in report["summary"]
+    timeline = report["timeline"]
+    assert all(e["intensity_g_per_kwh"] > 0 for e in timeline)
+    assert carbon["emissions_g"] == pytest.approx(sum(e["emissions_g"] for e in timeline))
+    assert any(e["scale"] is not None and e["scale"] >= 1.0 for e in timeline)
+    assert carbon["region"] == "CISO" and carbon["provider"] == "trace"
+    assert carbon["full_power_emissions_g"] > 0 and carbon["carbon_unaware_emissions_g"] > 0
+    assert set(carbon["baselines"]) == {"carbon_unaware", "full_power"}
+    table = format_report(report)
+    assert "CISO via trace, forecast policy" in table
+    assert "vs. carbon-unaware" in table and "vs. full power" in table
+    assert "gCO2eq/kWh" in table
+
+
+def test_credentials_never_reach_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MY_EM_TOKEN", "s3cret-token-value")
+    section = {"provider": "electricitymaps", "region": "DE", "token_env": "MY_EM_TOKEN"}
+    controller = EnergyController(_config(tmp_path, section), install_signal_handlers=False)
+    path = write_report(controller, tmp_path / "run.json")  # a run that never started
+    text = path.read_text()
+    assert "s3cret-token-value" not in text
+    assert json.loads(text)["config"]["carbon"]["token_env"] == "MY_EM_TOKEN"
+
+
+def test_unreadable_gpus_are_reported_by_identity(tmp_path: Path) -> None:
+    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
+    controller = EnergyController(
+        _config(tmp_path), devices=devices, install_signal_handlers=False
+    )
+    controller.setup()
+    controller.teardown()
+    devices.gpus[0].inject_fault("power_limit_constraints", GPULostError)  # type: ignore[attr-defined]
+    (device,) = build_report(controller)["devices"]
+    assert device == {"index": 0, "name": "NVIDIA A40 (simulated)", "uuid": devices.gpus[0].uuid}
+
+
+def test_save_is_atomic_and_json_safe(tmp_path: Path) -> None:
+    report = {
+        "version": REPORT_VERSION,
+        "created": "2025-01-01T00:00:00+00:00",
+        "config": {},
+        "devices": [],
+        "timeline": [{"power_w": float("nan"), "energy_j": float("inf"), "steps": 5}],
+        "profile": [],
+        "decisions": [],
+        "summary": {"limits": (1.0, 2.0)},
+    }
+    path = save_report(report, tmp_path / "a" / "b" / "run.json")
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temporary left
+    loaded = load_report(path)
+    assert loaded["timeline"][0] == {"power_w": None, "energy_j": None, "steps": 5}
+    assert loaded["summary"]["limits"] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read the report"),
+        ("{not json", "is not a JSON report"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"version": 99}', "report version 99 cannot be read"),
+        ('{"version": 1, "created": "x", "timeline": {}}', "'timeline' should be a list"),
+    ],
+)
+def test_bad_report_files_are_explained(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ReportError, match=message) as info:
+        load_report(path)
+    assert isinstance(info.value, EnergyError)
+
+
+def test_missing_sections_are_all_named(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    path.write_text('{"version": 1, "created": "now"}')
+    with pytest.raises(ReportError) as info:
+        load_report(path)
+    for key in ("config", "devices", "timeline", "profile", "decisions", "summary"):
+        assert f"'{key}' is missing" in str(info.value)
+
+
+def test_table_of_a_run_without_carbon(plain: EnergyController) -> None:
+    table = format_report(build_report(plain))
+    lines = dict(line.strip().split("  ", 1) for line in table.splitlines())
+    assert lines["GPUs"].strip() == "1x NVIDIA A40 (simulated)"
+    assert lines["steps"].strip() == str(STEPS)
+    assert lines["pre-job power limit"].strip() == "300 W"
+    assert "carbon intensity from" not in lines
+
+
+def _pngs(paths: list[Path]) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in paths}
+
+
+def test_plots_of_a_carbon_aware_run(carbon_aware: EnergyController, tmp_path: Path) -> None:
+    images = _pngs(render_plots(build_report(carbon_aware), tmp_path / "plots"))
+    assert set(images) == {"power.png", "frontier.png", "emissions.png"}
+    assert all(data.startswith(PNG_MAGIC) and len(data) > 10_000 for data in images.values())
+
+
+def test_plots_without_carbon_and_of_an_empty_run(plain: EnergyController, tmp_path: Path) -> None:
+    report = build_report(plain)
+    plain_images = _pngs(render_plots(report, tmp_path / "plain"))
+    empty = {**report, "timeline": [], "profile": [], "decisions": []}
+    empty_images = _pngs(render_plots(empty, tmp_path / "empty"))
+    for name, data in empty_images.items():
+        assert data.startswith(PNG_MAGIC)
+        assert data != plain_images[name]
+
+
+def test_plots_into_an_unwritable_place_fail_clearly(
+    plain: EnergyController, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ReportError, match="cannot create the folder"):
+        render_plots(build_report(plain), blocker / "plots")
