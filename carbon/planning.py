@@ -37,9 +37,11 @@ import numpy as np
 import numpy.typing as npt
 
 from carbon.errors import CarbonConfigError
-from carbon.types import as_utc
+from carbon.forecast import DailyProfileForecaster
+from carbon.types import IntensityPoint, as_utc
 
 __all__ = [
+    "IntensityOutlook",
     "OperatingPoint",
     "Schedule",
     "deadline_from_max_slowdown",
@@ -373,3 +375,82 @@ def _plan_without_pause(
     total, steps, energy = best
     pad = durations.size - steps.size
     return Schedule(np.pad(steps, (0, pad)), np.pad(energy, (0, pad)), total, True)
+
+
+class IntensityOutlook:
+    """The intensity to expect over coming intervals: the current value, then a forecast,
+    then, past its end, a daily profile fitted on the intensities seen and the forecast.
+
+    Args:
+        forecaster: continues a short or missing forecast.
+        history_s: how much recorded history to keep for it.
+
+    Example:
+        >>> out = IntensityOutlook(DailyProfileForecaster(), history_s=7 * 86400.0)
+        >>> out.means(0.0, 100.0, [], np.array([0.0, 3600.0, 7200.0]), 3600.0).tolist()
+        [100.0, 100.0]
+    """
+
+    def __init__(self, forecaster: DailyProfileForecaster, history_s: float) -> None:
+        self._forecaster = forecaster
+        self._history_s = history_s
+        self._history: dict[float, float] = {}
+        self._oldest_s = math.inf
+
+    def record(self, time_s: float, intensity_g_per_kwh: float) -> None:
+        """Remember an observed intensity (epoch seconds); old ones are dropped."""
+        self._history[time_s] = intensity_g_per_kwh
+        self._oldest_s = min(self._oldest_s, time_s)
+        horizon = time_s - self._history_s
+        if self._oldest_s < horizon - 0.1 * self._history_s:
+            self._history = {t: v for t, v in self._history.items() if t >= horizon}
+            self._oldest_s = min(self._history)
+
+    def means(
+        self,
+        now_s: float,
+        intensity_now_g_per_kwh: float,
+        forecast: Sequence[IntensityPoint],
+        edges_s: FloatArray,
+        step_s: float,
+    ) -> FloatArray:
+        """Mean expected intensity over each ``[edges_s[i], edges_s[i + 1])``.
+
+        Each value holds until the next one: the current intensity from ``now_s``, then the
+        forecast points after ``now_s`` (the last one for the forecast's typical spacing),
+        then profile predictions every ``step_s``.
+
+        Args:
+            now_s: the current time, epoch seconds.
+            intensity_now_g_per_kwh: the current intensity.
+            forecast: forecast points, any order (those at or before now are ignored).
+            edges_s: increasing interval edges, from ``now_s`` on.
+            step_s: spacing of the profile predictions (and of a one-point forecast).
+
+        Returns:
+            One mean per interval.
+        """
+        ahead = sorted(
+            (p.time.timestamp(), p.intensity_g_per_kwh)
+            for p in forecast
+            if p.time.timestamp() > now_s
+        )
+        knot_t = np.array([now_s] + [t for t, _ in ahead], dtype=np.float64)
+        knot_v = np.array([intensity_now_g_per_kwh] + [v for _, v in ahead], dtype=np.float64)
+        spacing = float(np.median(np.diff(knot_t[1:]))) if len(ahead) > 1 else step_s
+        known_until = knot_t[-1] + spacing
+        if known_until < edges_s[-1]:
+            ext_t = np.arange(known_until, edges_s[-1], step_s, dtype=np.float64)
+            self._fit(knot_t, knot_v)
+            knot_t = np.concatenate([knot_t, ext_t])
+            knot_v = np.concatenate([knot_v, self._forecaster.predict_arrays(ext_t)])
+        cum = np.concatenate([[0.0], np.cumsum(knot_v[:-1] * np.diff(knot_t))])
+        k = np.searchsorted(knot_t, edges_s, side="right") - 1
+        integral = cum[k] + knot_v[k] * (edges_s - knot_t[k])
+        return np.diff(integral) / np.diff(edges_s)
+
+    def _fit(self, knot_t: FloatArray, knot_v: FloatArray) -> None:
+        past = [(t, v) for t, v in self._history.items() if t < knot_t[0]]
+        times = np.concatenate([np.array([t for t, _ in past], dtype=np.float64), knot_t])
+        values = np.concatenate([np.array([v for _, v in past], dtype=np.float64), knot_v])
+        self._forecaster.fit_arrays(times, values)

@@ -9,9 +9,9 @@ then picks the least-energy setting that meets the target. Three policies, by na
 - ``static``: carbon-unaware; the point the energy optimizer selected, or by default the
   least-energy constant pace that meets the deadline.
 - ``threshold``: in the spirit of Chase (Yang et al., 2023): compare the current intensity
-  with the forecast for the next interval; speed up while the extra energy of going faster
-  now, at today's intensity, costs less than doing that work later at the least-energy
-  point; pause (when allowed) while now is clearly dirtier than what comes next.
+  with the mean forecast of what comes next (a day by default); speed up while the extra
+  energy of going faster now, at the current intensity, costs less than doing that work
+  later at the least-energy point; pause (when allowed) while now is clearly dirtier.
 - ``forecast``: plan every interval up to the deadline to emit the least carbon
   (:func:`~carbon.planning.plan_steps`), re-planned at every call; a missing or short
   forecast is continued by a daily-profile forecaster learnt from the intensities seen.
@@ -37,7 +37,7 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -47,8 +47,11 @@ import numpy.typing as npt
 from carbon.errors import CarbonConfigError
 from carbon.forecast import DailyProfileForecaster
 from carbon.planning import (
+    IntensityOutlook,
     OperatingPoint,
+    Schedule,
     deadline_from_max_slowdown,
+    energy_per_step_j,
     frontier_from_profile,
     plan_steps,
 )
@@ -152,91 +155,67 @@ class Policy(Protocol):
         ...
 
 
-class _Outlook:
-    """The intensity the policies expect: the current value, then the forecast, then a
-    daily profile learnt from what was seen (history and forecast)."""
+@dataclass(frozen=True)
+class _Situation:
+    """What a policy decides from, with the deadline reserve already taken off."""
 
-    def __init__(self, forecaster: DailyProfileForecaster, history_s: float) -> None:
-        self._forecaster = forecaster
-        self._history_s = history_s
-        self._history: dict[float, float] = {}
-        self._oldest_s = math.inf
+    steps: int
+    now_s: float
+    time_left_s: float
+    intensity_now: float
+    forecast: Sequence[IntensityPoint]
+    hull: tuple[OperatingPoint, ...]
+    idle_power_w: float
 
-    def record(self, time_s: float, value: float) -> None:
-        self._history[time_s] = value
-        self._oldest_s = min(self._oldest_s, time_s)
-        horizon = time_s - self._history_s
-        if self._oldest_s < horizon - 0.1 * self._history_s:
-            self._history = {t: v for t, v in self._history.items() if t >= horizon}
-            self._oldest_s = min(self._history)
+    @property
+    def r_max(self) -> float:
+        """Steps per second at full speed."""
+        return 1.0 / self.hull[0].time_per_step_s
 
-    def means(
-        self,
-        now_s: float,
-        intensity_now: float,
-        forecast: Sequence[IntensityPoint],
-        edges_s: FloatArray,
-        step_s: float,
-    ) -> FloatArray:
-        """Mean expected intensity over each ``[edges_s[i], edges_s[i + 1])``."""
-        ahead = sorted(
-            (p.time.timestamp(), p.intensity_g_per_kwh)
-            for p in forecast
-            if p.time.timestamp() > now_s
-        )
-        knot_t = np.array([now_s] + [t for t, _ in ahead], dtype=np.float64)
-        knot_v = np.array([intensity_now] + [v for _, v in ahead], dtype=np.float64)
-        spacing = float(np.median(np.diff(knot_t[1:]))) if len(ahead) > 1 else step_s
-        known_until = knot_t[-1] + spacing
-        if known_until < edges_s[-1]:
-            ext_t = np.arange(known_until, edges_s[-1], step_s, dtype=np.float64)
-            self._fit(knot_t, knot_v)
-            knot_t = np.concatenate([knot_t, ext_t])
-            knot_v = np.concatenate([knot_v, self._forecaster.predict_arrays(ext_t)])
-        cum = np.concatenate([[0.0], np.cumsum(knot_v[:-1] * np.diff(knot_t))])
-        k = np.searchsorted(knot_t, edges_s, side="right") - 1
-        integral = cum[k] + knot_v[k] * (edges_s - knot_t[k])
-        return np.diff(integral) / np.diff(edges_s)
+    @property
+    def r_eff(self) -> float:
+        """Steps per second at the least-energy point."""
+        return 1.0 / self.hull[-1].time_per_step_s
 
-    def _fit(self, knot_t: FloatArray, knot_v: FloatArray) -> None:
-        past = [(t, v) for t, v in self._history.items() if t < knot_t[0]]
-        times = np.concatenate([np.array([t for t, _ in past], dtype=np.float64), knot_t])
-        values = np.concatenate([np.array([v for _, v in past], dtype=np.float64), knot_v])
-        self._forecaster.fit_arrays(times, values)
+    @property
+    def pace(self) -> float:
+        """The least-energy constant rate that finishes in time."""
+        return max(self.steps / self.time_left_s, self.r_eff)
 
 
+@dataclass(kw_only=True, eq=False)
 class _BasePolicy(ABC):
-    """Shared machinery: the frontier, the history, and the deadline guard."""
+    """Shared machinery: the frontier, the history, and the deadline guard.
+
+    Attributes (all keyword arguments of the constructors; see :func:`make_policy`):
+        allow_pause: whether the policy may pause the job.
+        interval_s: time between two decisions, and the planning step.
+        reserve_fraction: share of the full-speed time of the remaining work kept in
+            reserve before the deadline.
+        forecaster: continues short forecasts; by default a
+            :class:`~carbon.forecast.DailyProfileForecaster` whose level persists for a day.
+        history_s: how much history to keep for the forecaster.
+    """
 
     name: ClassVar[str] = ""
+    allow_pause: bool = False
+    interval_s: float = 3600.0
+    reserve_fraction: float = 0.02
+    forecaster: DailyProfileForecaster | None = field(default=None, repr=False)
+    history_s: float = field(default=7 * _DAY_S, repr=False)
+    _outlook: IntensityOutlook = field(init=False, repr=False)
+    _hull_key: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
+    _hull: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
 
-    def __init__(
-        self,
-        *,
-        allow_pause: bool,
-        interval_s: float,
-        reserve_fraction: float,
-        forecaster: DailyProfileForecaster | None,
-        history_s: float,
-    ) -> None:
-        self.allow_pause = allow_pause
-        self.interval_s = interval_s
-        self.reserve_fraction = reserve_fraction
-        self._outlook = _Outlook(forecaster or DailyProfileForecaster(), history_s)
-        self._hull_key: tuple[OperatingPoint, ...] = ()
-        self._hull: tuple[OperatingPoint, ...] = ()
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(allow_pause={self.allow_pause}, "
-            f"interval_s={self.interval_s:g}, reserve_fraction={self.reserve_fraction:g})"
-        )
+    def __post_init__(self) -> None:
+        forecaster = self.forecaster or DailyProfileForecaster(level_decay_s=_DAY_S)
+        self._outlook = IntensityOutlook(forecaster, self.history_s)
 
     def observe(self, points: Sequence[IntensityPoint]) -> None:
         """Learn from past intensities (the forecast extension fits on them).
 
         Args:
-            points: measured or estimated intensities, any order.
+            points: measured or estimated intensities, any order (forecasts are ignored).
         """
         for p in sorted(points, key=lambda p: p.time):
             if p.kind is not PointKind.FORECAST:
@@ -270,53 +249,33 @@ class _BasePolicy(ABC):
         now_s = progress.now.timestamp()
         self._outlook.record(now_s, intensity_now_g_per_kwh)
         steps = progress.remaining_steps
-        fastest, slowest = hull[0], hull[-1]
+        fastest_s = hull[0].time_per_step_s
         if steps == 0:
-            return _decision(hull, 1.0 / slowest.time_per_step_s, False, "done: no steps left")
-        time_left_s = progress.time_left_s - self.reserve_fraction * steps * fastest.time_per_step_s
-        if time_left_s <= steps * fastest.time_per_step_s:
-            return _decision(
-                hull, 1.0 / fastest.time_per_step_s, False, "behind schedule: full speed"
-            )
-        rate, pause, reason = self._choose(
+            return _decision(hull, 1.0 / hull[-1].time_per_step_s, False, "done: no steps left")
+        time_left_s = progress.time_left_s - self.reserve_fraction * steps * fastest_s
+        if time_left_s <= steps * fastest_s:
+            return _decision(hull, 1.0 / fastest_s, False, "behind schedule: full speed")
+        situation = _Situation(
             steps, now_s, time_left_s, intensity_now_g_per_kwh, forecast, hull, idle_power_w
         )
-        decision = self._guard(steps, time_left_s, rate, pause and self.allow_pause, reason, hull)
+        rate, pause, reason = self._choose(situation)
+        decision = self._guard(situation, rate, pause and self.allow_pause, reason)
         logger.debug("%s policy: %s", self.name, decision)
         return decision
 
     @abstractmethod
-    def _choose(
-        self,
-        steps: int,
-        now_s: float,
-        time_left_s: float,
-        intensity_now: float,
-        forecast: Sequence[IntensityPoint],
-        hull: tuple[OperatingPoint, ...],
-        idle_power_w: float,
-    ) -> tuple[float, bool, str]:
+    def _choose(self, s: _Situation) -> tuple[float, bool, str]:
         """The policy's wish: a rate in steps/s, whether to pause, and why."""
 
-    def _guard(
-        self,
-        steps: int,
-        time_left_s: float,
-        rate: float,
-        pause: bool,
-        reason: str,
-        hull: tuple[OperatingPoint, ...],
-    ) -> PacingDecision:
+    def _guard(self, s: _Situation, rate: float, pause: bool, reason: str) -> PacingDecision:
         """Go at least as fast as needed for full speed to still finish after this
         interval, within the frontier's range of rates."""
-        r_max = 1.0 / hull[0].time_per_step_s
-        r_eff = 1.0 / hull[-1].time_per_step_s
-        span_s = min(self.interval_s, time_left_s)
-        needed = (steps - r_max * (time_left_s - span_s)) / span_s
+        span_s = min(self.interval_s, s.time_left_s)
+        needed = (s.steps - s.r_max * (s.time_left_s - span_s)) / span_s
         if needed > (0.0 if pause else rate):
-            rate = min(max(needed, r_eff), r_max)
-            return _decision(hull, rate, False, f"{reason}; sped up to keep the deadline")
-        return _decision(hull, min(max(rate, r_eff), r_max), pause, reason)
+            rate = min(max(needed, s.r_eff), s.r_max)
+            return _decision(s.hull, rate, False, f"{reason}; sped up to keep the deadline")
+        return _decision(s.hull, min(max(rate, s.r_eff), s.r_max), pause, reason)
 
     def _frontier(self, frontier: Sequence[OperatingPoint]) -> tuple[OperatingPoint, ...]:
         key = tuple(frontier)
@@ -324,10 +283,6 @@ class _BasePolicy(ABC):
             self._hull = frontier_from_profile(key)
             self._hull_key = key
         return self._hull
-
-    def _pace(self, steps: int, time_left_s: float, hull: tuple[OperatingPoint, ...]) -> float:
-        """The least-energy constant rate that finishes in ``time_left_s``."""
-        return max(steps / time_left_s, 1.0 / hull[-1].time_per_step_s)
 
 
 def _decision(
@@ -338,50 +293,27 @@ def _decision(
     return PacingDecision(scale, pause, reason, scale * fastest_s)
 
 
+@dataclass(kw_only=True, eq=False)
 class StaticPolicy(_BasePolicy):
     """Carbon-unaware: a fixed operating point, sped up only to keep the deadline.
 
-    Args:
+    Attributes:
         static_point: the point the energy optimizer selected; ``None`` means the
-            least-energy constant pace that meets the deadline.
-        **kwargs: as for :func:`make_policy`.
+            least-energy constant pace that meets the deadline. The policy never pauses.
     """
 
     name: ClassVar[str] = "static"
+    static_point: OperatingPoint | None = None
 
-    def __init__(
-        self,
-        *,
-        static_point: OperatingPoint | None = None,
-        allow_pause: bool = False,
-        interval_s: float = 3600.0,
-        reserve_fraction: float = 0.02,
-    ) -> None:
-        super().__init__(
-            allow_pause=allow_pause,
-            interval_s=interval_s,
-            reserve_fraction=reserve_fraction,
-            forecaster=None,
-            history_s=0.0,
-        )
-        self.static_point = static_point
-
-    def _choose(
-        self,
-        steps: int,
-        now_s: float,
-        time_left_s: float,
-        intensity_now: float,
-        forecast: Sequence[IntensityPoint],
-        hull: tuple[OperatingPoint, ...],
-        idle_power_w: float,
-    ) -> tuple[float, bool, str]:
-        if self.static_point is not None:
-            label = self.static_point.label or f"{self.static_point.time_per_step_s:g} s/step"
-            return 1.0 / self.static_point.time_per_step_s, False, f"static: selected {label}"
-        return self._pace(steps, time_left_s, hull), False, "static: least-energy pace"
+    def _choose(self, s: _Situation) -> tuple[float, bool, str]:
+        point = self.static_point
+        if point is not None:
+            label = point.label or f"{point.time_per_step_s:g} s/step"
+            return 1.0 / point.time_per_step_s, False, f"static: selected {label}"
+        return s.pace, False, "static: least-energy pace"
 
 
+@dataclass(kw_only=True, eq=False)
 class ThresholdPolicy(_BasePolicy):
     """Chase-like: weigh the current intensity against the forecast of what comes next.
 
@@ -395,144 +327,98 @@ class ThresholdPolicy(_BasePolicy):
     ``I > (1 + pause_margin) * J`` and the job would still finish at its least-energy
     point after the pause.
 
-    Args:
+    Attributes:
         lookahead_s: how far ahead ``J`` looks, after the current interval.
         pause_margin: how much dirtier than ``J`` now must be to pause.
-        **kwargs: as for :func:`make_policy`.
     """
 
     name: ClassVar[str] = "threshold"
+    lookahead_s: float = _DAY_S
+    pause_margin: float = 0.1
 
-    def __init__(
-        self,
-        *,
-        allow_pause: bool = False,
-        interval_s: float = 3600.0,
-        reserve_fraction: float = 0.02,
-        lookahead_s: float = _DAY_S,
-        pause_margin: float = 0.1,
-        forecaster: DailyProfileForecaster | None = None,
-        history_s: float = 7 * _DAY_S,
-    ) -> None:
-        super().__init__(
-            allow_pause=allow_pause,
-            interval_s=interval_s,
-            reserve_fraction=reserve_fraction,
-            forecaster=forecaster,
-            history_s=history_s,
-        )
-        self.lookahead_s = lookahead_s
-        self.pause_margin = pause_margin
-
-    def _choose(
-        self,
-        steps: int,
-        now_s: float,
-        time_left_s: float,
-        intensity_now: float,
-        forecast: Sequence[IntensityPoint],
-        hull: tuple[OperatingPoint, ...],
-        idle_power_w: float,
-    ) -> tuple[float, bool, str]:
-        start_s = now_s + self.interval_s
-        end_s = min(start_s + self.lookahead_s, now_s + time_left_s)
-        ahead = intensity_now
+    def _choose(self, s: _Situation) -> tuple[float, bool, str]:
+        now = s.intensity_now
+        start_s = s.now_s + self.interval_s
+        end_s = min(start_s + self.lookahead_s, s.now_s + s.time_left_s)
+        ahead = now
         if end_s > start_s:
             edges = np.array([start_s, end_s], dtype=np.float64)
-            means = self._outlook.means(now_s, intensity_now, forecast, edges, self.interval_s)
-            ahead = float(means[0])
-        slowest = hull[-1]
+            ahead = float(self._outlook.means(s.now_s, now, s.forecast, edges, self.interval_s)[0])
+        slowest = s.hull[-1]
         if (
             self.allow_pause
-            and intensity_now > (1.0 + self.pause_margin) * ahead
-            and steps * slowest.time_per_step_s <= time_left_s - self.interval_s
+            and now > (1.0 + self.pause_margin) * ahead
+            and s.steps * slowest.time_per_step_s <= s.time_left_s - self.interval_s
         ):
-            return 0.0, True, f"threshold: pause, now {intensity_now:.0f} > ahead {ahead:.0f} g/kWh"
-        rates = np.array([1.0 / p.time_per_step_s for p in reversed(hull)])
-        powers = np.array([p.power_w for p in reversed(hull)])
+            return 0.0, True, f"threshold: pause, now {now:.0f} > ahead {ahead:.0f} g/kWh"
+        rates = np.array([1.0 / p.time_per_step_s for p in reversed(s.hull)])
+        powers = np.array([p.power_w for p in reversed(s.hull)])
         marginal = np.diff(powers) / np.diff(rates)
-        worth = int(np.sum(intensity_now * marginal <= ahead * slowest.energy_per_step_j))
-        rate = max(float(rates[worth]), self._pace(steps, time_left_s, hull))
-        return rate, False, f"threshold: now {intensity_now:.0f}, ahead {ahead:.0f} g/kWh"
+        worth = int(np.sum(now * marginal <= ahead * slowest.energy_per_step_j))
+        rate = max(float(rates[worth]), s.pace)
+        return rate, False, f"threshold: now {now:.0f}, ahead {ahead:.0f} g/kWh"
 
 
+@dataclass(kw_only=True, eq=False)
 class ForecastPolicy(_BasePolicy):
     """Plan every interval up to the deadline for the least carbon; re-plan at each call.
 
     The intervals are ``interval_s`` long from now to the deadline (less the reserve); their
     intensities are the current value, the forecast, and past its end a daily profile
-    fitted on the intensities seen (:meth:`observe` and every call) and the forecast. The
-    plan (:func:`~carbon.planning.plan_steps`) fills the cleanest intervals with the most
-    efficient work first. The first interval of the plan is what to do now: its pace, or,
-    when the plan does less than half an interval of least-energy work there and more
-    later, a pause.
+    fitted on the intensities seen (:meth:`observe` and every call) and the forecast
+    (:class:`~carbon.planning.IntensityOutlook`). The plan
+    (:func:`~carbon.planning.plan_steps`) fills the cleanest intervals with the most
+    efficient work first. The first interval of the plan is what to do now: its pace; or,
+    when the plan pauses for part of it, whichever of pausing all of it or working all of
+    it at the least-energy point is cheaper when followed by the best plan for the rest.
+    When the plan would emit less than ``min_saving`` (a share) below the steady
+    least-energy pace that meets the deadline, that steady pace is kept: a gain that small
+    is within the forecast's error and not worth changing settings for.
 
-    Args:
-        forecaster: continues short forecasts; a fresh
-            :class:`~carbon.forecast.DailyProfileForecaster` by default.
-        history_s: how much history to keep for it.
-        **kwargs: as for :func:`make_policy`.
+    Attributes:
+        min_saving: the predicted share of emissions a plan must save to be followed.
     """
 
     name: ClassVar[str] = "forecast"
+    min_saving: float = 0.002
 
-    def __init__(
-        self,
-        *,
-        allow_pause: bool = False,
-        interval_s: float = 3600.0,
-        reserve_fraction: float = 0.02,
-        forecaster: DailyProfileForecaster | None = None,
-        history_s: float = 7 * _DAY_S,
-    ) -> None:
-        super().__init__(
-            allow_pause=allow_pause,
-            interval_s=interval_s,
-            reserve_fraction=reserve_fraction,
-            forecaster=forecaster,
-            history_s=history_s,
+    def _choose(self, s: _Situation) -> tuple[float, bool, str]:
+        offsets = np.append(np.arange(0.0, s.time_left_s, self.interval_s), s.time_left_s)
+        edges = offsets + s.now_s
+        intensity = self._outlook.means(
+            s.now_s, s.intensity_now, s.forecast, edges, self.interval_s
         )
-
-    def _choose(
-        self,
-        steps: int,
-        now_s: float,
-        time_left_s: float,
-        intensity_now: float,
-        forecast: Sequence[IntensityPoint],
-        hull: tuple[OperatingPoint, ...],
-        idle_power_w: float,
-    ) -> tuple[float, bool, str]:
-        edges = np.append(np.arange(0.0, time_left_s, self.interval_s), time_left_s) + now_s
-        intensity = self._outlook.means(now_s, intensity_now, forecast, edges, self.interval_s)
         durations = np.diff(edges)
-        plan = plan_steps(
-            intensity,
-            durations,
-            steps,
-            hull,
-            allow_pause=self.allow_pause,
-            idle_power_w=idle_power_w,
-        )
-        span_s = float(durations[0])
-        planned = float(plan.steps[0])
-        slowest = hull[-1]
-        r_eff = 1.0 / slowest.time_per_step_s
-        reason = f"forecast: {planned:.0f} steps planned now, {plan.emissions_g:.0f} g to go"
-        if planned >= r_eff * span_s * (1.0 - 1e-9) or steps <= r_eff * span_s:
-            return max(planned / span_s, r_eff), False, reason
-        if not self.allow_pause:
-            return r_eff, False, reason
-        # Part of this interval is planned as a pause: compare pausing all of it with working
-        # all of it at the least-energy point, each followed by the best plan for the rest.
-        rest = (intensity[1:], durations[1:])
-        after_pause = plan_steps(*rest, steps, hull, allow_pause=True, idle_power_w=idle_power_w)
-        after_run = plan_steps(
-            *rest, steps - r_eff * span_s, hull, allow_pause=True, idle_power_w=idle_power_w
-        )
-        pause_g = intensity[0] * idle_power_w * span_s / _J_PER_KWH + after_pause.emissions_g
-        run_g = intensity[0] * slowest.power_w * span_s / _J_PER_KWH + after_run.emissions_g
-        return r_eff, after_pause.feasible and pause_g < run_g, reason
+
+        def replan(first: int, steps: float) -> Schedule:
+            return plan_steps(
+                intensity[first:],
+                durations[first:],
+                steps,
+                s.hull,
+                allow_pause=self.allow_pause,
+                idle_power_w=s.idle_power_w,
+            )
+
+        plan = replan(0, s.steps)
+        pace_power_w = s.pace * energy_per_step_j(s.hull, 1.0 / s.pace)
+        working_s = np.clip(s.steps / s.pace - offsets[:-1], 0.0, durations)
+        steady_g = float(intensity @ working_s) * pace_power_w / _J_PER_KWH
+        if steady_g - plan.emissions_g <= self.min_saving * steady_g:
+            return s.pace, False, "forecast: steady pace, a plan would save too little"
+        span_s, planned = float(durations[0]), float(plan.steps[0])
+        detail = f"{planned:.0f} steps planned now, {plan.emissions_g:.0f} g to go"
+        if planned >= s.r_eff * span_s * (1.0 - 1e-9) or not self.allow_pause:
+            return max(planned / span_s, s.r_eff), False, f"forecast: {detail}"
+        # The plan pauses for part of this interval: pause all of it, or work at the least-
+        # energy point (all of it, or until done), whichever is cheaper with the best rest.
+        run_s = min(span_s, s.steps / s.r_eff)
+        after_pause, after_run = replan(1, s.steps), replan(1, s.steps - s.r_eff * run_s)
+        now_g_per_j = intensity[0] / _J_PER_KWH
+        pause_g = now_g_per_j * s.idle_power_w * span_s + after_pause.emissions_g
+        run_g = now_g_per_j * s.hull[-1].power_w * run_s + after_run.emissions_g
+        pause = after_pause.feasible and pause_g < run_g
+        return s.r_eff, pause, f"forecast: {'pause, ' if pause else ''}{detail}"
 
 
 def make_policy(
@@ -545,6 +431,7 @@ def make_policy(
     forecaster: DailyProfileForecaster | None = None,
     lookahead_s: float = _DAY_S,
     pause_margin: float = 0.1,
+    min_saving: float = 0.002,
 ) -> Policy:
     """Build a policy by name, checking every option at once.
 
@@ -558,6 +445,8 @@ def make_policy(
         forecaster: ``threshold``/``forecast``: what continues a short forecast.
         lookahead_s: ``threshold`` only: how far ahead to compare (default one day).
         pause_margin: ``threshold`` only: how much dirtier now must be to pause.
+        min_saving: ``forecast`` only: the predicted share of emissions a plan must save
+            before the policy leaves the steady least-energy pace.
 
     Returns:
         The policy.
@@ -581,6 +470,8 @@ def make_policy(
         problems.append(f"lookahead_s: must be a number > 0; got {lookahead_s!r}")
     if not (math.isfinite(pause_margin) and pause_margin >= 0):
         problems.append(f"pause_margin: must be a number >= 0; got {pause_margin!r}")
+    if not (0.0 <= min_saving < 1.0):
+        problems.append(f"min_saving: must be in [0, 1); got {min_saving!r}")
     if problems:
         raise CarbonConfigError(problems)
     if key == "static":
@@ -604,4 +495,5 @@ def make_policy(
         interval_s=interval_s,
         reserve_fraction=reserve_fraction,
         forecaster=forecaster,
+        min_saving=min_saving,
     )

@@ -28,6 +28,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,10 @@ class DeviceConfig:
         noise_std: relative Gaussian noise of simulated measurements.
         seed: seed of the simulated noise.
         slowdowns: per-GPU slowdown factors of simulated GPUs (a straggler > 1).
+        step_time_s: physics presets (``a100``/``h100``): seconds per step at full clock.
+        start: simulated GPUs: the date and time (ISO 8601, UTC when no offset) the
+            virtual clock starts at, e.g. to replay a chosen day of a carbon trace
+            (None: now).
         lease_dir: where GPU leases are kept (None: the per-user state directory).
     """
 
@@ -80,6 +85,8 @@ class DeviceConfig:
     noise_std: float = 0.0
     seed: int = 0
     slowdowns: tuple[float, ...] = ()
+    step_time_s: float | None = None
+    start: str | None = None
     lease_dir: str | None = None
 
     def simulated_spec(self) -> SimulatedSpec:
@@ -95,7 +102,15 @@ class DeviceConfig:
             noise_std=self.noise_std,
             seed=self.seed,
             slowdowns=self.slowdowns,
+            step_time_s=self.step_time_s,
         )
+
+    def start_time(self) -> datetime | None:
+        """``start`` as an aware UTC datetime (None when unset)."""
+        if self.start is None:
+            return None
+        value = datetime.fromisoformat(self.start)
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
 
 
 @dataclass(frozen=True)
@@ -354,6 +369,31 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
         )
     if device.batch_size is not None and device.batch_size < 1:
         problems.append(f"device.batch_size: {device.batch_size} is not allowed; use >= 1")
+    if device.step_time_s is not None and device.step_time_s <= 0:
+        problems.append(f"device.step_time_s: {device.step_time_s} is not allowed; use > 0")
+    if device.start is not None:
+        try:
+            device.start_time()
+        except ValueError:
+            problems.append(
+                f"device.start: {device.start!r} is not allowed; use an ISO 8601 date and "
+                "time such as 2023-06-01T00:00:00Z"
+            )
+    if problems or device.backend == "nvml":
+        return
+    # The simulated GPU is used whenever no real one is found: check it now, not mid-fit.
+    from lightning_energy.errors import ProfileError
+
+    try:
+        device.simulated_spec().model()
+    except ConfigError as exc:
+        problems.extend(f"device: {p}" for p in exc.problems)
+    except ProfileError as exc:
+        problems.append(
+            f"device.gpu {device.gpu!r} (workload {device.workload!r}, batch_size "
+            f"{device.batch_size!r}): {exc}; allowed gpu: a40, v100, a100, h100 or the path "
+            "of a Zeus-format power trace CSV"
+        )
 
 
 def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:

@@ -33,9 +33,9 @@ from typing import Any
 
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
-from lightning_energy.device.base import DeviceSet, gpu_info
+from lightning_energy.device.base import DeviceSet, GPUInfo, gpu_info
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
-from lightning_energy.measure import EnergyMeter
+from lightning_energy.measure import EnergyMeter, Measurement
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 
 __all__ = ["EnergyController", "RunSummary"]
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _WINDOW = "profile-window"
 _INTERVAL = "log-interval"
+_AFTER_PROFILE = "after-profile"
 _STATE_VERSION = 1
 _J_PER_KWH = 3.6e6
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
@@ -61,9 +62,11 @@ class RunSummary:
         duration_s: device-clock time from setup to teardown.
         power_limit_w: the power limit in force at the end (None: never changed).
         pre_job_power_limit_w: the limit each GPU had before the job.
-        energy_saved_j: estimated energy saved vs. running every step after profiling at
-            the highest profiled limit (from the measured profile; 0 when unknown).
-        slowdown: time per step at the chosen limit / at the highest profiled limit.
+        energy_saved_j: energy measured over the steps after profiling, subtracted from
+            the same steps at the highest profiled limit (per the measured profile; 0
+            before the profile completes).
+        slowdown: the time those steps took over their time at the highest profiled
+            limit (pauses included).
         observe_only: True when GPU settings could not be changed.
         carbon: with a ``carbon:`` section: grams emitted by this process's GPUs; on rank 0
             also the same job run carbon-unaware (the selector's limit, no pacing) and at
@@ -139,8 +142,10 @@ class EnergyController:
         self._scale: float | None = None
         self._emissions_g = 0.0
         self._profile_end: tuple[datetime, int, float] | None = None
+        self._after_profile: Measurement | None = None
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
+        self.device_info: list[GPUInfo] = []
         self.decisions: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,14 +183,13 @@ class EnergyController:
             install_signal_handlers=self._install_signal_handlers,
         )
         self._guard.acquire()
+        self.device_info = [gpu_info(g) for g in devices.gpus]
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
-        self._job_start = utc_now()
+        simulated = devices.backend == "simulated"
+        self._job_start = (simulated and self.config.device.start_time()) or utc_now()
         if self.config.carbon is not None and self.collective.rank == 0:
-            self._pacer = CarbonPacer(
-                self.config.carbon, now=self.now, virtual_clock=devices.backend == "simulated"
-            )
-            self._pacer.start()
+            self._pacer = self._start_pacer(self.config.carbon, simulated)
         if self.config.carbon is not None:
             pacer = self._pacer
             self._intensity = self.collective.broadcast(
@@ -196,6 +200,16 @@ class EnergyController:
         self._torn_down = False
         if self._guard.observe_only:
             self._decide("observe-only", None, self._guard.observe_only_reason or "")
+
+    def _start_pacer(self, config: Any, simulated: bool) -> CarbonPacer:
+        from carbon.errors import CarbonConfigError
+
+        try:
+            pacer = CarbonPacer(config, now=self.now, virtual_clock=simulated)
+        except CarbonConfigError as exc:
+            raise ConfigError([f"carbon.{p}" for p in exc.problems], self.config.source) from exc
+        pacer.start()
+        return pacer
 
     def _open_devices(self) -> DeviceSet:
         from lightning_energy.device import open_devices
@@ -230,8 +244,11 @@ class EnergyController:
         if self._summary is not None and self._torn_down:
             return self._summary
         self._torn_down = True
+        self._after_profile = None
         if self._meter is not None:
             self._meter.cancel(_WINDOW)
+            if self._meter.is_open(_AFTER_PROFILE):
+                self._after_profile = self._meter.end(_AFTER_PROFILE)
             if self._meter.is_open(_INTERVAL):
                 self._close_interval()
         if self._devices is not None:
@@ -258,9 +275,12 @@ class EnergyController:
             return
         self.interrupt("workload change")
         self._workload = key
+        self._profile_end = None
+        if self._meter is not None:
+            self._meter.cancel(_AFTER_PROFILE)
         optimizer = self._optimizers.get(key)
         if optimizer is not None and optimizer.done:
-            self._apply(optimizer.chosen_power_limit_w, f"reuse profile of workload {key}")
+            self._use_profile(optimizer.chosen_power_limit_w, f"reuse profile of workload {key}")
 
     def _optimizer(self) -> Any:
         optimizer = self._optimizers.get(self._workload)
@@ -385,9 +405,16 @@ class EnergyController:
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
+        self._use_profile(chosen, f"profile complete; selector {self._selector.describe()}")
+
+    def _use_profile(self, chosen: float | None, reason: str) -> None:
+        """Apply the profile's choice and start measuring the steps that run at it."""
         self._static_limit_w = chosen
         self._profile_end = (self.now(), self._step, self._emissions_g)
-        self._apply(chosen, f"profile complete; selector {self._selector.describe()}")
+        assert self._meter is not None
+        self._meter.cancel(_AFTER_PROFILE)
+        self._meter.begin(_AFTER_PROFILE)
+        self._apply(chosen, reason)
 
     def _apply(self, power_limit_w: float | None, reason: str) -> None:
         if power_limit_w is None or power_limit_w == self._power_limit_w:
@@ -578,33 +605,27 @@ class EnergyController:
         duration_s = (self._end_s or self._start_s) - self._start_s
         pre = self._guard.pre_job_power_limit_w(0) if self._guard is not None else None
         saved_j, slowdown = 0.0, 1.0
-        profile = self.profile()
-        chosen = self._power_limit_w
-        if profile and chosen is not None:
-            top = max(profile, key=lambda m: m["power_limit_w"])
-            at = [m for m in profile if m["power_limit_w"] == chosen]
-            if at:
-                steps_after = max(self._step - self._profiled_steps(), 0)
-                ranks = self.collective.world_size
-                saved_j = (top["energy_per_step_j"] - at[0]["energy_per_step_j"]) / ranks
-                saved_j *= steps_after
-                slowdown = at[0]["time_per_step_s"] / top["time_per_step_s"]
-        carbon = self._carbon_summary() if self.config.carbon is not None else None
+        profile = self._profile_by_limit()
+        after = self._after_profile
+        if profile and after is not None and self._profile_end is not None:
+            # Every step after profiling, measured, against the same steps at the highest
+            # profiled limit (this process's share of the job-wide profile).
+            steps = self._step - self._profile_end[1]
+            t_top, e_top = profile[max(profile)]
+            if steps > 0:
+                saved_j = steps * e_top / self.collective.world_size - after.energy_j
+                slowdown = after.duration_s / (steps * t_top)
         return RunSummary(
             steps=self._step,
             energy_j=self._energy_j,
             duration_s=duration_s,
-            power_limit_w=chosen,
+            power_limit_w=self._power_limit_w,
             pre_job_power_limit_w=pre,
             energy_saved_j=saved_j,
             slowdown=slowdown,
             observe_only=self.observe_only,
-            carbon=carbon,
+            carbon=self._carbon_summary() if self.config.carbon is not None else None,
         )
-
-    def _profiled_steps(self) -> int:
-        optimizer = self._optimizers.get(self._workload)
-        return int(optimizer.profiled_steps()) if optimizer is not None else 0
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -649,4 +670,4 @@ class EnergyController:
         if self._is_setup:
             optimizer = self._optimizer()
             if optimizer.done:
-                self._apply(optimizer.chosen_power_limit_w, "resumed from checkpoint")
+                self._use_profile(optimizer.chosen_power_limit_w, "resumed from checkpoint")

@@ -396,13 +396,14 @@ def _emissions_over_time(
         times = np.array([float(t) for t, _ in series]) / div
         grams = np.array([float(g) for _, g in series]) / g_div
         total = float(carbon.get(f"{key}_emissions_g", grams[-1] * g_div)) / g_div
+        late = ", misses the deadline" if carbon.get(f"{key}_meets_deadline") is False else ""
         ax.plot(
             times,
             grams,
             color=color,
             linestyle=style,
             linewidth=2,
-            label=f"{label} ({total:,.2f} {g_unit})",
+            label=f"{label} ({total:,.2f} {g_unit}{late})",
         )
     deadline_s = _deadline_s(report)
     if deadline_s is not None:

@@ -37,15 +37,14 @@ import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 from lightning_energy.controller import EnergyController
-from lightning_energy.device.base import gpu_info
-from lightning_energy.errors import DeviceError, EnergyError
+from lightning_energy.errors import EnergyError
 
 __all__ = [
     "REPORT_VERSION",
@@ -113,19 +112,8 @@ def build_report(controller: EnergyController) -> dict[str, Any]:
 
 
 def _devices(controller: EnergyController) -> list[dict[str, Any]]:
-    """``gpu_info`` of every GPU; identity only for GPUs that can no longer be queried.
-
-    Real GPUs are closed by teardown (NVML may be shut down), so their limits may be
-    unreadable by the time the report is written.
-    """
-    out: list[dict[str, Any]] = []
-    for gpu in controller.devices.gpus:
-        try:
-            out.append(dataclasses.asdict(gpu_info(gpu)))
-        except DeviceError as exc:
-            log.debug("GPU %d cannot be queried for the report: %s", gpu.index, exc)
-            out.append({"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid})
-    return out
+    """Identity and limits of every GPU, as recorded when the controller set up."""
+    return [dataclasses.asdict(info) for info in controller.device_info]
 
 
 def _jsonable(value: Any) -> Any:
@@ -162,16 +150,18 @@ def save_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
         ReportError: the file cannot be written.
     """
     target = Path(path)
+    # A name of our own rather than mkstemp's, so the file gets the umask's usual
+    # permissions (mkstemp creates it readable by its owner only).
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with tmp.open("x", encoding="utf-8") as f:
                 json.dump(_jsonable(report), f, indent=2, allow_nan=False)
                 f.write("\n")
             os.replace(tmp, target)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
     except OSError as exc:
         raise ReportError(f"cannot write the report {target}: {exc.strerror or exc}") from exc
@@ -304,10 +294,11 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
     if not carbon:
         return []
     rows: list[tuple[str, str]] = []
-    grid = f"{carbon.get('region') or 'unknown region'} via {carbon.get('provider', '?')}"
-    if carbon.get("policy"):
-        grid += f", {carbon['policy']} policy"
-    rows.append(("carbon intensity from", grid))
+    if carbon.get("provider"):
+        grid = f"{carbon.get('region') or 'no region'} via {carbon['provider']}"
+        if carbon.get("policy"):
+            grid += f", {carbon['policy']} policy"
+        rows.append(("carbon intensity from", grid))
     deadline = carbon.get("deadline")
     if deadline:
         met = carbon.get("deadline_met")

@@ -268,6 +268,7 @@ def _carbon_check(config: EnergyConfig, timeout_s: float) -> Check:
     carbon = config.carbon
     assert carbon is not None
     where = f"{carbon.provider} {carbon.region or ''}".strip()
+    region = f"region {carbon.region}" if carbon.region else "no region"  # errors name the provider
     http: dict[str, Any] = {}
     if carbon.provider in ("electricitymaps", "watttime", "uk"):
         http = {"timeout_s": (timeout_s, timeout_s), "max_retries": 0}
@@ -283,7 +284,7 @@ def _carbon_check(config: EnergyConfig, timeout_s: float) -> Check:
         return Check(
             "carbon",
             FAIL,
-            f"{where}: credentials rejected: {exc}",
+            f"{region}: {exc}",
             "check the token/credentials in the environment variables named in the "
             "carbon section (see docs/carbon.md)",
         )
@@ -291,26 +292,26 @@ def _carbon_check(config: EnergyConfig, timeout_s: float) -> Check:
         return Check(
             "carbon",
             FAIL,
-            f"{where}: {exc}",
+            f"{region}: {exc}",
             "choose a region your plan covers, or upgrade the plan (docs/carbon.md)",
         )
     except QuotaError as exc:
         return Check(
             "carbon",
             WARN,
-            f"{where}: rate limited: {exc}",
+            f"{region}: rate limited: {exc}",
             "poll less often (carbon.poll_interval_s) or use a bigger plan",
         )
     except ProviderUnavailableError as exc:
         return Check(
             "carbon",
             FAIL,
-            f"{where}: unreachable: {exc}",
+            f"{region}: unreachable: {exc}",
             "check the network/proxy from this machine; during training an outage "
             "falls back to the last value, then carbon.fallback",
         )
     except CarbonError as exc:
-        return Check("carbon", FAIL, f"{where}: {exc}", "see docs/troubleshooting.md")
+        return Check("carbon", FAIL, f"{region}: {exc}", "see docs/troubleshooting.md")
     finally:
         close = getattr(provider, "close", None)
         if callable(close):

@@ -38,6 +38,8 @@ __all__ = ["MAX_STEPS_ENV", "register", "run"]
 #: Lightning reads ``Trainer`` defaults from ``PL_TRAINER_<ARGUMENT>`` variables.
 MAX_STEPS_ENV = "PL_TRAINER_MAX_STEPS"
 _DEFAULT_STEPS = 300
+_STDERR_FD = 2  # the command's stdout goes to our stderr with --json (a file descriptor:
+# sys.stderr may be an object without one)
 _SELECTORS = ("energy", "time", "cost", "max_slowdown")
 
 
@@ -67,8 +69,8 @@ def register(subparsers: Any) -> None:
         type=_positive_int,
         default=_DEFAULT_STEPS,
         metavar="N",
-        help=f"training steps to run (default: {_DEFAULT_STEPS}; profiling the default 9 "
-        "limits needs about 100-180)",
+        help=f"training steps to run (default: {_DEFAULT_STEPS}; profiling 9 candidate "
+        "limits takes about 100-180)",
     )
     parser.add_argument(
         "--config",
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         }
         try:
             completed = subprocess.run(
-                command, env=env, stdout=sys.stderr if args.json else None, check=False
+                command, env=env, stdout=_STDERR_FD if args.json else None, check=False
             )
         except FileNotFoundError:
             print(f"error: command not found: {command[0]}", file=sys.stderr)

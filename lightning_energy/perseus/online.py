@@ -44,7 +44,7 @@ from lightning_energy.perseus.profile import PipelineProfile
 from lightning_energy.perseus.runtime import InstructionMeter, PipelineRuntime
 from lightning_energy.perseus.schedule import Instruction
 
-__all__ = ["ClockModel", "OnlinePerseus", "default_profile_clocks", "fit_profile"]
+__all__ = ["ClockModel", "OnlinePerseus", "Sample", "default_profile_clocks", "fit_profile"]
 
 log = logging.getLogger(__name__)
 

@@ -58,6 +58,7 @@ from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
 __all__ = [
     "ClockController",
     "ExecutedInstruction",
+    "InstructionMeter",
     "PerseusPipelineStage",
     "PipelineRuntime",
     "PipelineSimulation",

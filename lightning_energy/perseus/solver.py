@@ -4,7 +4,7 @@ Problem (fixed iteration time ``T``): choose one profiled clock per instruction 
 longest path is at most ``T`` and the energy is least. With ``P`` the blocked power and
 ``D`` the number of devices, ``E = sum(e_i) + P * (D * T - sum(t_i))``, so at fixed ``T``
 the planner minimises ``sum(c_i)`` with the *effective cost* ``c_i = e_i - P * t_i`` of
-each instruction (Perseus, SOSP'24, section 4). This is the discrete time-cost tradeoff
+each instruction (as Perseus does, SOSP'24). This is the discrete time-cost tradeoff
 problem (De, Dunne, Ghosh and Wells, 1997), NP-hard in general; the solver is built from
 two exact pieces and one heuristic:
 
@@ -12,8 +12,8 @@ two exact pieces and one heuristic:
    lower convex hull of its Pareto-optimal options; the relaxed problem is the classic
    linear time-cost tradeoff (Fulkerson 1961, Kelley 1961), an LP over start times and
    per-segment durations, solved by HiGHS. Its value is a lower bound on every plan with
-   that iteration time, and its breakpoints vary piecewise linearly with ``T``: a convex
-   combination of solutions at two times is feasible (and near-optimal) in between.
+   that iteration time and is convex and piecewise linear in ``T``: a convex combination
+   of solutions at two times is feasible (and near-optimal) in between.
 2. **Rounding that keeps the deadline.** Every relaxed duration is rounded down to the
    slowest profiled option not slower than it; the relaxed schedule stays feasible.
 3. **Local search that only improves.** Forward and backward passes over the DAG move
@@ -24,7 +24,9 @@ two exact pieces and one heuristic:
    about as much as one point.
 
 The gap to the lower bound is reported with each plan. On the shipped profiles it is
-below 0.1 % at the fastest iteration time.
+about 0.1 % at the fastest iteration time. Small instances are solved exactly instead
+(:meth:`Solver.exact`: the discrete problem as a mixed-integer program, HiGHS branch and
+bound).
 """
 
 from __future__ import annotations

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from carbon.errors import CarbonConfigError, CarbonError
-from carbon.planning import energy_per_step_j, plan_steps
+from carbon.forecast import DailyProfileForecaster
+from carbon.planning import IntensityOutlook, energy_per_step_j, plan_steps
 from carbon.policy import (
     POLICY_NAMES,
     JobProgress,
@@ -352,3 +356,63 @@ def test_oracle_beats_forecast_beats_static() -> None:
     oracle = plan_steps(hourly[:48], [HOUR_S] * 48, steps, FRONTIER, allow_pause=True)
     assert oracle.emissions_g <= forecast_g < static_g
     assert (static_g - forecast_g) >= 0.7 * (static_g - oracle.emissions_g)
+
+
+def test_forecast_pauses_the_last_steps_when_the_next_hour_is_clean() -> None:
+    policy = make_policy("forecast", allow_pause=True)
+    progress = JobProgress(100, T0, T0 + timedelta(hours=3))
+    clean = _points(T0 + timedelta(hours=1), [50.0, 50.0], PointKind.FORECAST)
+    assert policy.decide(progress, 500.0, clean, FRONTIER).pause
+    assert not make_policy("forecast").decide(progress, 500.0, clean, FRONTIER).pause
+
+
+def test_forecast_keeps_the_steady_pace_when_a_plan_saves_too_little() -> None:
+    progress = JobProgress(5000, T0, T0 + timedelta(hours=4))
+    almost_flat = _points(T0 + timedelta(hours=1), [299.9, 299.8, 299.9], PointKind.FORECAST)
+    steady = make_policy("forecast", allow_pause=True).decide(
+        progress, 300.0, almost_flat, FRONTIER
+    )
+    assert "steady" in steady.reason
+    assert steady.scale == pytest.approx(1.25)
+    eager = make_policy("forecast", allow_pause=True, min_saving=0.0)
+    assert "steady" not in eager.decide(progress, 300.0, almost_flat, FRONTIER).reason
+
+
+def test_outlook_holds_each_value_and_extends_past_the_forecast() -> None:
+    outlook = IntensityOutlook(DailyProfileForecaster(level_decay_s=None), history_s=86400.0)
+    for h in range(-48, 0):  # two days of history: 100 g/kWh at even hours, 300 at odd ones
+        outlook.record(T0.timestamp() + h * HOUR_S, 100.0 if h % 2 == 0 else 300.0)
+    now_s = T0.timestamp()
+    forecast = _points(T0 + timedelta(hours=1), [50.0], PointKind.FORECAST)
+    edges = now_s + np.array([0.0, 0.5, 1.5, 2.0, 3.0]) * HOUR_S
+    means = outlook.means(now_s, 200.0, forecast, edges, HOUR_S)
+    assert means.tolist() == pytest.approx([200.0, 125.0, 50.0, 100.0])
+
+
+def test_benchmark_simulation_ranks_oracle_first_and_misses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "carbon_policy_benchmark", Path(__file__).parents[2] / "benchmarks" / "carbon_policy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    hours = np.arange(24 * 12, dtype=np.float64)
+    values = 300.0 + 200.0 * np.sin(hours * 2 * np.pi / 24)
+    task = bench.Task(
+        "sine",
+        T0.timestamp() + hours * HOUR_S,
+        values,
+        FRONTIER,
+        bench.Shape(24.0, 0.5, True),
+        (24 * 8, 24 * 8 + 7),
+        "perfect",
+        0.0,
+    )
+    result = bench.run_task(task)
+    assert sum(result["missed"]) == 0
+    for k in range(2):
+        oracle = result["oracle"][k]
+        assert oracle <= result["forecast"][k] + 1e-9 < result["static"][k] < result["full"][k]

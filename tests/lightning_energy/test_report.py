@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -133,16 +135,16 @@ def test_credentials_never_reach_the_report(
     assert json.loads(text)["config"]["carbon"]["token_env"] == "MY_EM_TOKEN"
 
 
-def test_unreadable_gpus_are_reported_by_identity(tmp_path: Path) -> None:
+def test_devices_are_recorded_at_setup_and_survive_a_lost_gpu(tmp_path: Path) -> None:
     devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
-    controller = EnergyController(
-        _config(tmp_path), devices=devices, install_signal_handlers=False
-    )
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
     controller.setup()
     controller.teardown()
     devices.gpus[0].inject_fault("power_limit_constraints", GPULostError)  # type: ignore[attr-defined]
     (device,) = build_report(controller)["devices"]
-    assert device == {"index": 0, "name": "NVIDIA A40 (simulated)", "uuid": devices.gpus[0].uuid}
+    assert device["uuid"] == devices.gpus[0].uuid
+    assert device["name"] == "NVIDIA A40 (simulated)"
+    assert (device["min_power_limit_w"], device["max_power_limit_w"]) == (100.0, 300.0)
 
 
 def test_save_is_atomic_and_json_safe(tmp_path: Path) -> None:
@@ -158,6 +160,9 @@ def test_save_is_atomic_and_json_safe(tmp_path: Path) -> None:
     }
     path = save_report(report, tmp_path / "a" / "b" / "run.json")
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # readable as usual
     loaded = load_report(path)
     assert loaded["timeline"][0] == {"power_w": None, "energy_j": None, "steps": 5}
     assert loaded["summary"]["limits"] == [1.0, 2.0]
@@ -198,6 +203,24 @@ def test_table_of_a_run_without_carbon(plain: EnergyController) -> None:
     assert lines["steps"].strip() == str(STEPS)
     assert lines["pre-job power limit"].strip() == "300 W"
     assert "carbon intensity from" not in lines
+
+
+def test_table_of_an_observe_only_run() -> None:
+    report = {
+        "devices": [{"name": "NVIDIA A100"}, {"name": "NVIDIA A100"}],
+        "decisions": [{"kind": "observe-only", "value": None, "reason": "no permission"}],
+        "summary": {"steps": 10, "energy_j": 5e6, "duration_s": 4000.0, "observe_only": True},
+        "carbon": {"emissions_g": 1500.0},
+    }
+    lines = dict(line.strip().split("  ", 1) for line in format_report(report).splitlines())
+    assert lines["GPUs"].strip() == "2x NVIDIA A100"
+    assert lines["power limits chosen"].strip() == "none (GPU settings unchanged)"
+    assert lines["mode"].strip().startswith("observe-only")
+    assert lines["energy"].strip() == "1.39 kWh"
+    assert lines["time (device clock)"].strip() == "1 h 07 min"
+    assert lines["emissions"].strip() == "1.50 kgCO2eq"
+    assert lines["mean intensity"].strip() == "1080 gCO2eq/kWh"
+    assert "vs. full power" not in lines
 
 
 def _pngs(paths: list[Path]) -> dict[str, bytes]:

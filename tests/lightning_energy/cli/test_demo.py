@@ -50,7 +50,7 @@ def test_demo_trains_prints_the_summary_and_writes_the_report(
         (["--steps", "many"], "argument --steps: 'many' is not an integer"),
         (["--region", "XX"], "argument --region: invalid choice: 'XX'"),
         (["--selector", "fastest"], "argument --selector: invalid choice"),
-        (["--gpu", "nosuch-gpu"], "--gpu 'nosuch-gpu'"),
+        (["--gpu", "nosuch-gpu"], "device.gpu 'nosuch-gpu'"),
         (["--gpu", "/nonexistent/trace.csv"], "a40, v100, a100, h100"),
     ],
 )

@@ -109,8 +109,8 @@ DDP_SCRIPT = textwrap.dedent(
     decisions = [(d["step"], d["value"]) for d in callback.controller.decisions]
     scales = [e.get("scale") for e in callback.controller.timeline]
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"decisions": decisions, "scales": scales,
-                   "carbon": {k: v for k, v in callback.summary.carbon.items() if k != "baselines"}}, f)
+        carbon = {k: v for k, v in callback.summary.carbon.items() if k != "baselines"}
+        json.dump({"decisions": decisions, "scales": scales, "carbon": carbon}, f)
     """
 )
 

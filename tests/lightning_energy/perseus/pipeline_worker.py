@@ -18,6 +18,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
+from lightning_energy.device.physics import physics_preset
 from lightning_energy.perseus import PerseusPlanner, build_schedule
 from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.runtime import (
@@ -28,10 +29,9 @@ from lightning_energy.perseus.runtime import (
     StageWork,
     simulated_profile,
 )
-from lightning_energy.device.physics import physics_preset
 
 MICROBATCHES = 4
-TARGET_S = 0.75
+TARGET_S = 0.45
 CASES = {
     "gpipe": (ScheduleGPipe, 1),
     "1f1b": (Schedule1F1B, 1),
@@ -63,18 +63,23 @@ def run_case(name: str, rank: int, world: int, lease_dir: str, group: Any) -> di
     mine = {k: w for k, w in stage_works.items() if schedule.device_of(k[0]) == rank}
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
         simulation = PipelineSimulation(gpu, mine, group=group)
-        with PipelineRuntime(schedule, rank, ClockController(guard), plan=plan,
-                             simulation=simulation) as runtime:
+        with PipelineRuntime(
+            schedule, rank, ClockController(guard), plan=plan, simulation=simulation
+        ) as runtime:
             torch.manual_seed(0)
             stages = []
             for local in range(virtual):
                 index = local * world + rank
                 module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-                stages.append(PerseusPipelineStage(
-                    module, index, num_stages, torch.device("cpu"), runtime=runtime))
+                stages.append(
+                    PerseusPipelineStage(
+                        module, index, num_stages, torch.device("cpu"), runtime=runtime
+                    )
+                )
             loss_fn = torch.nn.MSELoss()
-            pipe = cls(stages if virtual > 1 else stages[0], n_microbatches=MICROBATCHES,
-                       loss_fn=loss_fn)
+            pipe = cls(
+                stages if virtual > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=loss_fn
+            )
             x = torch.randn(MICROBATCHES * 2, 8)
             y = torch.randn(MICROBATCHES * 2, 8)
             start_e = gpu.energy_j()
@@ -113,11 +118,16 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
     iterations = []
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
         simulation = PipelineSimulation(gpu, mine, group=group)
-        with PipelineRuntime(schedule, rank, ClockController(guard),
-                             simulation=simulation) as runtime:
+        with PipelineRuntime(
+            schedule, rank, ClockController(guard), simulation=simulation
+        ) as runtime:
             online = OnlinePerseus(
-                runtime, gpu, supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
-                profile_clocks_mhz=[1410, 1200, 990], group=group, clock=gpu.clock.now,
+                runtime,
+                gpu,
+                supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
+                profile_clocks_mhz=[1410, 1200, 990],
+                group=group,
+                clock=gpu.clock.now,
             )
             torch.manual_seed(0)
             module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -125,7 +135,7 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
             pipe = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=torch.nn.MSELoss())
             x, y = torch.randn(MICROBATCHES * 2, 8), torch.randn(MICROBATCHES * 2, 8)
             for it in range(7):
-                if it == 6:
+                if it == 5:
                     online.set_target_time(TARGET_S)
                 phase = online.phase
                 start_e, start_t = gpu.energy_j(), gpu.clock.now()
@@ -135,8 +145,13 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
                 else:
                     pipe.step(target=y)
                 online.on_iteration_end()
-                iterations.append({"phase": phase, "time_s": gpu.clock.now() - start_t,
-                                   "energy_j": gpu.energy_j() - start_e})
+                iterations.append(
+                    {
+                        "phase": phase,
+                        "time_s": gpu.clock.now() - start_t,
+                        "energy_j": gpu.energy_j() - start_e,
+                    }
+                )
             plan = runtime.plan
     return {
         "iterations": iterations,
@@ -148,7 +163,11 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
 
 def main() -> None:
     rank, world, port, out_dir, lease_dir = (
-        int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
     )
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

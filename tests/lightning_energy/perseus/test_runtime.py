@@ -5,13 +5,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
-from lightning_energy.perseus import Instruction, Plan, evaluate, one_f_one_b
+from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
 from lightning_energy.perseus.runtime import ClockController, PipelineRuntime, simulated_profile
 
 from . import pipeline_worker
@@ -29,8 +30,16 @@ def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.lightning_energy.perseus.pipeline_worker",
-             str(rank), "2", str(port), str(tmp_path), str(tmp_path / "leases")],
+            [
+                sys.executable,
+                "-m",
+                "tests.lightning_energy.perseus.pipeline_worker",
+                str(rank),
+                "2",
+                str(port),
+                str(tmp_path),
+                str(tmp_path / "leases"),
+            ],
             cwd=root,
         )
         for rank in range(2)
@@ -58,6 +67,7 @@ def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
         assert len(set(ranks[0][name]["planned"])) > 1  # a real per-instruction plan
         energy = sum(r[name]["energy_j"] for r in ranks)
         assert energy == pytest.approx(expected.energy_j, rel=1e-9), name
+    check_online(ranks)
 
 
 def test_clock_controller_applies_requests_in_order(tmp_path: Path) -> None:
@@ -79,12 +89,12 @@ def test_runtime_resets_clocks_on_failure(tmp_path: Path) -> None:
     schedule = one_f_one_b(1, 2)
     plan = Plan.uniform(schedule, 1005)
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
-        with pytest.raises(RuntimeError, match="boom"):
-            with PipelineRuntime(schedule, 0, ClockController(guard), plan=plan) as runtime:
-                runtime.before(Instruction(0, 0, "forward"))
-                runtime.controller.flush()
-                assert gpu.locked_clocks_mhz() == (1005, 1005)
-                raise RuntimeError("boom")
+        runtime = PipelineRuntime(schedule, 0, ClockController(guard), plan=plan)
+        with pytest.raises(RuntimeError, match="boom"), runtime:
+            runtime.before(Instruction(0, 0, "forward"))
+            runtime.controller.flush()
+            assert gpu.locked_clocks_mhz() == (1005, 1005)
+            raise RuntimeError("boom")
         assert gpu.locked_clocks_mhz() is None
         assert runtime.trace == []
 
@@ -99,3 +109,39 @@ def test_runtime_rejects_foreign_plans_and_instructions(tmp_path: Path) -> None:
                 runtime.before(Instruction(1, 0, "forward"))
         with pytest.raises(ConfigError, match="rank=2"):
             PipelineRuntime(one_f_one_b(2, 2), 2, ClockController(guard))
+
+
+def check_online(ranks: list[dict[str, Any]]) -> None:
+    """Assertions on the online-profiling run of the 2-process test."""
+    schedule = one_f_one_b(2, pipeline_worker.MICROBATCHES)
+    # The clocks the online profile covers (it profiled 1410, 1200 and 990 MHz).
+    truth = simulated_profile(
+        pipeline_worker.physics_preset("a100"), pipeline_worker.works(2), range(1410, 985, -15)
+    )
+    planner = PerseusPlanner(truth, schedule)
+    phases = [it["phase"] for it in ranks[0]["online"]["iterations"]]
+    assert phases == [
+        "warmup",
+        "profiling",
+        "profiling",
+        "profiling",
+        "planned",
+        "planned",
+        "planned",
+    ]
+    time_s = [it["time_s"] for it in ranks[0]["online"]["iterations"]]
+    energy = [sum(r["online"]["iterations"][k]["energy_j"] for r in ranks) for k in range(7)]
+    baseline = planner.baseline()
+    assert time_s[0] == pytest.approx(baseline.iteration_time_s)
+    assert energy[0] == pytest.approx(baseline.energy_j)
+    # Planned from the online fit: no slowdown, within 0.5 % of the offline plan's energy
+    # (over the same clocks).
+    assert time_s[4] <= baseline.iteration_time_s * (1 + 1e-9)
+    assert energy[4] < baseline.energy_j
+    assert energy[4] <= planner.plan_no_slowdown().energy_j * 1.005
+    # Re-planned for the new target at the iteration boundary.
+    assert time_s[6] <= pipeline_worker.TARGET_S * (1 + 1e-9)
+    assert energy[6] < energy[4]
+    assert ranks[0]["online"]["blocked_power_w"] == pytest.approx(70.0, rel=1e-6)
+    assert ranks[1]["online"]["fitted"] is None  # rank 0 plans for everyone
+    assert ranks[0]["online"]["plan"] == ranks[1]["online"]["plan"]

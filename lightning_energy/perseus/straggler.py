@@ -1,0 +1,248 @@
+"""Data-parallel stragglers: fast ranks slow their clocks to arrive just in time.
+
+In synchronous data parallelism every rank waits at the gradient all-reduce for the
+slowest one (a straggler: a hotter, throttled or simply slower GPU). The faster ranks burn
+energy computing fast and then idling; Perseus' insight applies: they can run their step at
+a lower clock and finish exactly when the straggler does, with the same step time and less
+energy (SOSP'24, section 3, "extrinsic energy bloat").
+
+:class:`StragglerEqualizer` runs on every rank:
+
+1. *profile*: a few steps at each of a few clocks, measuring the rank's compute time and
+   energy per step (and, from the whole step, its power while blocked); fit
+   :class:`~lightning_energy.perseus.online.ClockModel`;
+2. *equalise*: every ``window_steps`` steps the ranks exchange their compute time at the
+   maximum clock (scaled from what they measure now, so drift and new stragglers show
+   up); the slowest sets the deadline, and each rank locks the clock minimising its
+   predicted energy (compute + blocked until the deadline) among those meeting the
+   deadline with a small margin. The straggler itself stays at the maximum clock.
+
+:class:`SimulatedDataParallel` provides the measurements on simulated GPUs (CPU + gloo).
+
+Example (every rank)::
+
+    equalizer = StragglerEqualizer(guard, gpu.supported_sm_clocks_mhz())
+    for batch in data:
+        ...  # forward, backward; measure this rank's compute (time, energy)
+        equalizer.record_step(compute_s, compute_j, step_s, step_j)
+        equalizer.on_step_end()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.errors import ConfigError
+from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
+from lightning_energy.perseus.runtime import StageWork
+
+__all__ = ["SimulatedDataParallel", "StragglerEqualizer"]
+
+log = logging.getLogger(__name__)
+
+
+class StragglerEqualizer:
+    """Locks each data-parallel rank's clock so all ranks reach the all-reduce together.
+
+    Args:
+        guard: the guard every clock change goes through.
+        supported_clocks_mhz: clocks the GPU supports.
+        gpu_position: position of this rank's GPU in the guard.
+        profile_clocks_mhz: clocks to profile (default: 3 from the maximum to 60 % of it).
+        steps_per_clock: profiled steps per clock.
+        window_steps: steps between re-evaluations.
+        margin: finish this much (relative) before the straggler, to absorb noise.
+        group: the data-parallel process group (None: the default group).
+
+    Raises:
+        ConfigError: bad counts, margin or clocks.
+    """
+
+    def __init__(
+        self,
+        guard: GPUGuard,
+        supported_clocks_mhz: Sequence[int],
+        *,
+        gpu_position: int = 0,
+        profile_clocks_mhz: Sequence[int] | None = None,
+        steps_per_clock: int = 2,
+        window_steps: int = 10,
+        margin: float = 0.01,
+        group: Any = None,
+    ) -> None:
+        problems = []
+        if steps_per_clock < 1:
+            problems.append(f"steps_per_clock={steps_per_clock}: must be >= 1")
+        if window_steps < 1:
+            problems.append(f"window_steps={window_steps}: must be >= 1")
+        if not 0 <= margin < 0.5:
+            problems.append(f"margin={margin}: must be in [0, 0.5)")
+        clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz, 3))
+        if len(set(clocks)) < 2:
+            problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        if problems:
+            raise ConfigError(problems, source="StragglerEqualizer")
+        self.guard = guard
+        self.gpu_position = gpu_position
+        self.supported_clocks_mhz = sorted(set(supported_clocks_mhz), reverse=True)
+        self.max_clock_mhz = self.supported_clocks_mhz[0]
+        self.profile_clocks_mhz = clocks
+        self.steps_per_clock = steps_per_clock
+        self.window_steps = window_steps
+        self.margin = margin
+        self.group = group
+        self.model: ClockModel | None = None
+        self.blocked_power_w = 0.0
+        self.straggler_rank: int | None = None
+        self.deadline_s: float | None = None
+        self.clock_mhz: int | None = None
+        self.step = 0
+        self._samples: list[Sample] = []
+        self._blocked: list[tuple[float, float]] = []
+        self._window: list[float] = []
+        self._apply(self.profile_clocks_mhz[0])
+
+    @property
+    def profiling(self) -> bool:
+        """True until the step model is fitted."""
+        return self.model is None
+
+    def _apply(self, freq_mhz: int) -> None:
+        if freq_mhz != self.clock_mhz:
+            self.guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[self.gpu_position])
+            self.clock_mhz = freq_mhz
+
+    def record_step(
+        self,
+        compute_time_s: float,
+        compute_energy_j: float | None = None,
+        step_time_s: float | None = None,
+        step_energy_j: float | None = None,
+    ) -> None:
+        """Report this rank's last step at the current clock.
+
+        Args:
+            compute_time_s: time computing (forward + backward), not waiting.
+            compute_energy_j: energy of that computing (needed while profiling).
+            step_time_s: the whole step, waiting for the other ranks included.
+            step_energy_j: energy of the whole step (with ``step_time_s``: the blocked
+                power estimate).
+
+        Raises:
+            ConfigError: no compute energy while profiling.
+        """
+        assert self.clock_mhz is not None
+        if self.profiling:
+            if compute_energy_j is None:
+                raise ConfigError("record_step: compute_energy_j is needed while profiling")
+            self._samples.append((self.clock_mhz, compute_time_s, compute_energy_j))
+        self._window.append(compute_time_s)
+        if (
+            compute_energy_j is not None
+            and step_time_s is not None
+            and step_energy_j is not None
+            and step_time_s - compute_time_s > 1e-9
+        ):
+            self._blocked.append((step_energy_j - compute_energy_j, step_time_s - compute_time_s))
+
+    def on_step_end(self) -> None:
+        """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
+        self.step += 1
+        if self.profiling:
+            k = self.step // self.steps_per_clock
+            if k < len(self.profile_clocks_mhz):
+                if self.step % self.steps_per_clock == 0:
+                    self._apply(self.profile_clocks_mhz[k])
+                return
+            self.model = ClockModel.fit(self._samples)
+            self._window = self._window[-self.steps_per_clock :]
+            self._equalise()
+            return
+        if self.step % self.window_steps == 0:
+            self._equalise()
+
+    def _equalise(self) -> None:
+        assert self.model is not None and self.clock_mhz is not None
+        if self._blocked:
+            energy = sum(e for e, _ in self._blocked)
+            seconds = sum(t for _, t in self._blocked)
+            self.blocked_power_w = max(energy / seconds, 0.0)
+        measured_s = sum(self._window) / max(len(self._window), 1)
+        self._window = []
+        # What this rank would take at the maximum clock, scaled from what it takes now.
+        drift = measured_s / self.model.time_s(self.clock_mhz)
+        at_max_s = self.model.time_s(self.max_clock_mhz) * drift
+        times = torch.tensor([at_max_s], dtype=torch.float64)
+        if dist.is_initialized():
+            gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(_world(self.group))]
+            dist.all_gather(gathered, times, group=self.group)
+            all_s = [float(t.item()) for t in gathered]
+        else:
+            all_s = [at_max_s]
+        deadline = max(all_s)
+        straggler = all_s.index(deadline)
+        if straggler != self.straggler_rank:
+            log.info("Straggler: rank %d (%.4f s of compute per step).", straggler, deadline)
+        self.straggler_rank, self.deadline_s = straggler, deadline
+        self._apply(self._best_clock(deadline * (1 - self.margin), drift))
+
+    def _best_clock(self, deadline_s: float, drift: float) -> int:
+        """The clock with the least predicted energy that meets the deadline."""
+        assert self.model is not None
+        best, best_j = self.max_clock_mhz, float("inf")
+        for f in self.supported_clocks_mhz:
+            if f < self.model.min_mhz:
+                break  # never extrapolate below the profiled clocks
+            t = self.model.time_s(f) * drift
+            if t > deadline_s:
+                continue
+            energy = self.model.energy_j(f) * drift + self.blocked_power_w * (deadline_s - t)
+            if energy < best_j:
+                best, best_j = f, energy
+        return best
+
+
+def _world(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+@dataclass
+class SimulatedDataParallel:
+    """One data-parallel rank's step on a simulated GPU, synchronised like an all-reduce.
+
+    Args:
+        gpu: this rank's simulated GPU (its ``slowdown`` makes it a straggler).
+        work: the compute of one step.
+        group: the data-parallel process group (None: the default group).
+    """
+
+    gpu: SimulatedGPU
+    work: StageWork
+    group: Any = None
+    _step_start: tuple[float, float] = field(default=(0.0, 0.0))
+
+    def compute(self) -> tuple[float, float]:
+        """Run the step's compute at the locked clock: ``(time_s, energy_j)``."""
+        self._step_start = (self.gpu.clock.now(), self.gpu.energy_j())
+        energy_before = self.gpu.energy_j()
+        time_s = self.gpu.run_work(self.work.t0_s, self.work.compute_bound_share)
+        return time_s, self.gpu.energy_j() - energy_before
+
+    def all_reduce(self) -> tuple[float, float]:
+        """Wait (idle) for the slowest rank: ``(step_time_s, step_energy_j)``."""
+        end = torch.tensor([self.gpu.clock.now()], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(end, op=dist.ReduceOp.MAX, group=self.group)
+        wait_s = float(end.item()) - self.gpu.clock.now()
+        if wait_s > 0:
+            self.gpu.idle(wait_s)
+        t0, e0 = self._step_start
+        return self.gpu.clock.now() - t0, self.gpu.energy_j() - e0

@@ -1,0 +1,231 @@
+"""``lightning-energy doctor``: one OK/WARN/FAIL line per check, each failure with its fix."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lightning_energy.cli import main
+from lightning_energy.config import CONFIG_ENV_VAR
+from lightning_energy.device.lease import LEASE_DIR_ENV
+from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
+
+SECRET = "s3cret-token-never-printed"
+
+
+@pytest.fixture(autouse=True)
+def _environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv(LEASE_DIR_ENV, str(tmp_path / "leases"))
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, module: FakeNVML) -> FakeNVML:
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", module)
+    return module
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeNVML:
+    """A machine without the NVIDIA driver (NVML's library cannot be loaded)."""
+    module = make_module([])
+    module.init_error = ERROR_CODES["NVML_ERROR_LIBRARY_NOT_FOUND"]
+    return _install(monkeypatch, module)
+
+
+def _config(tmp_path: Path, **sections: Any) -> Path:
+    path = tmp_path / "energy.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+def _lines(out: str) -> dict[str, str]:
+    """``name -> "STATUS message"`` for the first line of each check name."""
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        status, _, rest = line.partition("  ")
+        if status.strip() in ("OK", "WARN", "FAIL"):
+            name, _, message = rest.strip().partition("  ")
+            found.setdefault(name.strip(), f"{status.strip()} {message.strip()}")
+    return found
+
+
+def test_without_a_gpu_it_explains_the_simulated_fallback(
+    no_gpu: FakeNVML, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    lines = _lines(out)
+    assert lines["nvml"].startswith("WARN not available")
+    assert "simulated GPU" in lines["nvml"]
+    assert "fix: install the NVIDIA driver" in out
+    assert lines["config"] == "OK no configuration file: the defaults apply"
+    assert lines["leases"].startswith("OK") and "is writable" in lines["leases"]
+
+
+def test_nvml_backend_without_driver_fails(
+    no_gpu: FakeNVML, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, device={"backend": "nvml"})
+    assert main(["doctor", "--config", str(config)]) == 1
+    assert _lines(capsys.readouterr().out)["nvml"].startswith("FAIL")
+
+
+def test_simulated_backend_does_not_need_nvml(
+    no_gpu: FakeNVML, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, device={"backend": "simulated"})
+    assert main(["doctor", "--config", str(config)]) == 0
+    assert "not needed" in _lines(capsys.readouterr().out)["nvml"]
+
+
+def test_gpus_ranges_and_permission_checked_without_changes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = _install(monkeypatch, make_module([a100(0, limit_mw=350_000), a100(1)]))
+    assert main(["doctor"]) == 0
+    lines = _lines(capsys.readouterr().out)
+    assert lines["nvml"] == "OK NVML initialised; 2 GPU(s) visible"
+    assert "power limit 350 W, range 100-400 W, default 400 W" in lines["gpu 0"]
+    assert lines["gpu 1 perms"].startswith("OK may change the power limit")
+    # the check sets each GPU's current limit back to itself: nothing changes
+    assert [call[2] for call in fake.calls] == [350_000, 400_000]
+    assert [d.limit_mw for d in fake.devices] == [350_000, 400_000]
+
+
+def test_missing_permission_fails_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    denied = {"nvmlDeviceSetPowerManagementLimit": ERROR_CODES["NVML_ERROR_NO_PERMISSION"]}
+    _install(monkeypatch, make_module([a100(0, errors=denied)]))
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["gpu 0 perms"].startswith("FAIL no permission")
+    assert "CAP_SYS_ADMIN" in out and "--cap-add SYS_ADMIN" in out
+
+
+def test_invalid_config_exits_2_naming_every_problem(
+    no_gpu: FakeNVML, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, device={"backend": "cuda"}, power_limit={"eta": 2})
+    assert main(["doctor", "--config", str(config)]) == 2
+    out = capsys.readouterr().out
+    assert _lines(out)["config"].startswith("FAIL 2 problems")
+    assert "device.backend" in out and "'cuda'" in out and "power_limit" in out
+
+
+def test_config_from_the_environment_and_trace_provider(
+    no_gpu: FakeNVML,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = _config(tmp_path, carbon={"provider": "trace", "region": "FR"})
+    monkeypatch.setenv(CONFIG_ENV_VAR, str(config))
+    assert main(["doctor", "--json"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["config"]["status"] == "OK" and str(config) in checks["config"]["message"]
+    assert checks["carbon"]["status"] == "OK"
+    assert checks["carbon"]["message"].startswith("trace FR: ")
+    assert "gCO2eq/kWh" in checks["carbon"]["message"]
+
+
+class _Reject(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b'{"error": "Invalid token"}'
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def rejecting_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Reject)
+    thread = threading.Thread(target=server.serve_forever, name="doctor-test-http")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_rejected_token_fails_without_printing_it(
+    no_gpu: FakeNVML,
+    rejecting_server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("DOCTOR_EM_TOKEN", SECRET)
+    carbon = {
+        "provider": "electricitymaps",
+        "region": "DE",
+        "token_env": "DOCTOR_EM_TOKEN",
+        "base_url": rejecting_server,
+    }
+    config = _config(tmp_path, carbon=carbon)
+    assert main(["doctor", "--config", str(config), "--timeout", "2"]) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["carbon"].startswith(
+        "FAIL region DE: electricitymaps: credentials rejected: Invalid token"
+    )
+    assert SECRET not in out
+
+
+def test_unreachable_provider_fails(
+    no_gpu: FakeNVML,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("DOCTOR_EM_TOKEN", SECRET)
+    carbon = {
+        "provider": "electricitymaps",
+        "region": "DE",
+        "token_env": "DOCTOR_EM_TOKEN",
+        "base_url": f"http://127.0.0.1:{port}",
+    }
+    assert main(["doctor", "--config", str(_config(tmp_path, carbon=carbon))]) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["carbon"].startswith("FAIL region DE: unreachable")
+    assert SECRET not in out
+
+
+def test_unwritable_lease_directory_fails(
+    no_gpu: FakeNVML,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(LEASE_DIR_ENV, str(blocker / "leases"))
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["leases"].startswith("FAIL")
+    assert f"fix: set {LEASE_DIR_ENV}" in out
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--timeout", "0"]) == 2
+    assert "--timeout must be > 0" in capsys.readouterr().err
+    assert main(["doctor", "--bogus"]) == 2

@@ -1,0 +1,109 @@
+"""A LightningCLI app trained with the Perseus strategies (run by test_lightning.py).
+
+``python -m tests.lightning_energy.perseus.lightning_fit fit --config cfg.yaml``; every
+rank writes what its strategy did to ``$PERSEUS_TEST_OUT/rank<r>.json`` at the end of fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.perseus.lightning import PerseusDDPStrategy, PerseusPipelineStrategy
+
+
+class PipelineMLP(LightningModule):
+    """An MLP split into ``num_stages`` stages."""
+
+    def __init__(self, num_stages: int = 2, width: int = 16) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+            for _ in range(num_stages)
+        )
+
+    def pipeline_stages(self) -> list[torch.nn.Module]:
+        return list(self.stages)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(output, target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class RandomData(LightningDataModule):
+    def __init__(self, width: int = 16, size: int = 64, batch_size: int = 8) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(size, width, generator=generator)
+        self.dataset = TensorDataset(x, torch.tanh(x.flip(1)))
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+class Report(Callback):
+    """Records losses, clocks and the strategy's state; writes them at the end of fit."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.clocks: list[Any] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        gpu = trainer.strategy.gpu  # type: ignore[attr-defined]
+        self.clocks.append(gpu.locked_clocks_mhz())
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        out: dict[str, Any] = {"losses": self.losses, "clocks": self.clocks}
+        if isinstance(strategy, PerseusPipelineStrategy):
+            assert strategy.online is not None and strategy.runtime is not None
+            out["phase"] = strategy.online.phase
+            out["plan"] = strategy.runtime.plan.to_dict() if strategy.runtime.plan else None
+        if isinstance(strategy, PerseusDDPStrategy):
+            assert strategy.equalizer is not None
+            out["straggler"] = strategy.equalizer.straggler_rank
+        self.gpu = strategy.gpu  # type: ignore[attr-defined]
+        self.out = out
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        gpu = getattr(self, "gpu", None)
+        if isinstance(gpu, SimulatedGPU):
+            self.out["clock_after"] = gpu.locked_clocks_mhz()
+        directory = Path(os.environ["PERSEUS_TEST_OUT"])
+        (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.out))
+
+
+def main() -> None:
+    LightningCLI(
+        PipelineMLP,
+        RandomData,
+        trainer_defaults={"callbacks": [Report()]},
+        save_config_callback=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

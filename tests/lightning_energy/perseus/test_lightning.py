@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def fit(tmp_path: Path, strategy: dict[str, Any], max_steps: int) -> list[dict[str, Any]]:
+    """Run the LightningCLI app on 2 CPU processes (gloo) with ``strategy``."""
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "max_steps": max_steps,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": strategy,
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PERSEUS_TEST_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.lightning_energy.perseus.lightning_fit",
+            "fit",
+            "--config",
+            str(path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path) -> None:
+    ranks = fit(
+        tmp_path,
+        {
+            "class_path": "lightning_energy.perseus.lightning.PerseusPipelineStrategy",
+            "init_args": {
+                "schedule": "1f1b",
+                "microbatches": 4,
+                "device_backend": "simulated",
+                "profile_clocks_mhz": [1410, 1200, 990],
+                "simulated_stage_times_s": [[0.02, 0.04], [0.03, 0.06]],
+                "process_group_backend": "gloo",
+                "lease_dir": str(tmp_path / "leases"),
+            },
+        },
+        max_steps=6,
+    )
+    for result in ranks:
+        assert result["phase"] == "planned"
+        assert result["clock_after"] is None  # the guard reset the clocks
+        assert result["losses"] == ranks[0]["losses"]  # the last stage's loss, broadcast
+    plan = ranks[0]["plan"]
+    assert plan == ranks[1]["plan"]
+    # Stage 0 is lighter than stage 1: some of its instructions run below 1410 MHz.
+    stage0 = plan["frequencies_mhz"][0]
+    assert min(stage0["forward"] + stage0["backward"]) < 1410
+    # Profiling visited the requested clocks (the clock locked at the end of each step).
+    assert [c[1] for c in ranks[0]["clocks"][1:4]] == [1410, 1200, 990]
+
+
+@pytest.mark.slow
+def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path) -> None:
+    ranks = fit(
+        tmp_path,
+        {
+            "class_path": "lightning_energy.perseus.lightning.PerseusDDPStrategy",
+            "init_args": {
+                "device_backend": "simulated",
+                "slowdowns": [1.0, 1.3],
+                "window_steps": 4,
+                "steps_per_clock": 2,
+                "process_group_backend": "gloo",
+                "lease_dir": str(tmp_path / "leases"),
+            },
+        },
+        max_steps=10,
+    )
+    assert ranks[0]["straggler"] == ranks[1]["straggler"] == 1
+    assert ranks[0]["clocks"][-1][1] < 1410
+    assert ranks[1]["clocks"][-1][1] == 1410
+    assert ranks[0]["clock_after"] is None and ranks[1]["clock_after"] is None

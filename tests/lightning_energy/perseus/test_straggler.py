@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.errors import ConfigError
+from lightning_energy.perseus.runtime import StageWork
+from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+
+from .test_runtime import free_port
+
+
+@pytest.mark.slow
+def test_two_process_ddp_equalises_the_fast_rank(tmp_path: Path) -> None:
+    port = free_port()
+    root = Path(__file__).resolve().parents[3]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.lightning_energy.perseus.ddp_worker",
+                str(rank),
+                str(port),
+                str(tmp_path),
+                str(tmp_path / "leases"),
+            ],
+            cwd=root,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        assert proc.wait(timeout=240) == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    def last(phase: str, key: str, k: int = 3) -> list[float]:
+        """Per step of the last window: the value summed (energy) or of rank 0 (time)."""
+        if key == "energy_j":
+            return [sum(r["phases"][phase][-i][key] for r in ranks) for i in range(1, k + 1)]
+        return [ranks[0]["phases"][phase][-i][key] for i in range(1, k + 1)]
+
+    base_time = last("baseline", "time_s")[0]
+    base_energy = last("baseline", "energy_j")[0]
+    for phase in ("equalised", "swapped"):
+        # The step takes as long as before (the straggler still runs at full clock) ...
+        assert last(phase, "time_s") == pytest.approx([base_time] * 3, rel=1e-9)
+        # ... and the job uses less energy per step.
+        assert max(last(phase, "energy_j")) < base_energy * 0.97
+    assert ranks[0]["straggler_before"] == ranks[1]["straggler_before"] == 1
+    assert ranks[0]["phases"]["equalised"][-1]["clock"][1] < 1410  # the fast rank slowed
+    assert ranks[1]["phases"]["equalised"][-1]["clock"][1] == 1410
+    # Re-evaluated when the straggler changed.
+    assert ranks[0]["straggler_after"] == ranks[1]["straggler_after"] == 0
+    assert ranks[0]["phases"]["swapped"][-1]["clock"][1] == 1410
+    assert ranks[1]["phases"]["swapped"][-1]["clock"][1] < 1410
+    assert ranks[0]["reset_clock"] is None and ranks[1]["reset_clock"] is None
+
+
+def test_single_rank_profiles_then_stays_at_full_clock(tmp_path: Path) -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    sim = SimulatedDataParallel(gpu, StageWork(0.1, 0.9))
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        equalizer = StragglerEqualizer(
+            guard,
+            gpu.supported_sm_clocks_mhz(),
+            profile_clocks_mhz=[1410, 1200, 1005],
+            steps_per_clock=1,
+            window_steps=2,
+        )
+        clocks = []
+        for _ in range(5):
+            clocks.append(gpu.locked_clocks_mhz())
+            compute = sim.compute()
+            equalizer.record_step(*compute, *sim.all_reduce())
+            equalizer.on_step_end()
+        assert clocks[:3] == [(1410, 1410), (1200, 1200), (1005, 1005)]
+        assert not equalizer.profiling
+        assert equalizer.straggler_rank == 0
+        assert gpu.locked_clocks_mhz() == (1410, 1410)  # alone, it is its own straggler
+        assert equalizer.model is not None
+        assert equalizer.model.time_s(1410) == pytest.approx(0.1, rel=1e-9)
+    assert gpu.locked_clocks_mhz() is None
+
+
+def test_equalizer_validates_its_arguments(tmp_path: Path) -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        with pytest.raises(ConfigError) as info:
+            StragglerEqualizer(guard, [1410, 1200], steps_per_clock=0, window_steps=0, margin=1)
+        assert len(info.value.problems) == 3
