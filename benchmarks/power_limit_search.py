@@ -43,7 +43,9 @@ from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 from lightning_energy.optimize.selectors import Measurement, Selector, make_selector
 
 TOLERANCE = 0.01
-ZEUS_STEPS_PER_LIMIT = 50  # 10 warm-up + 40 profiled steps (Zeus' defaults)
+ZEUS_WARMUP_STEPS = 10  # Zeus' defaults: 10 warm-up and 40 profiled steps per limit
+ZEUS_PROFILE_STEPS = 40
+ZEUS_STEPS_PER_LIMIT = ZEUS_WARMUP_STEPS + ZEUS_PROFILE_STEPS
 GRID_STEP_W = 25.0
 RESELECT_TARGETS = 8
 
@@ -63,6 +65,8 @@ class Row:
     strict_violation: bool
     profiled_steps: int
     exhaustive_steps: int
+    zeus_chosen_w: float
+    zeus_gap: float
     reselect_max_gap: float | None
 
     @property
@@ -135,6 +139,27 @@ def run_search(
     return optimizer, limits
 
 
+def zeus_sweep(spec: SimulatedSpec) -> list[Measurement]:
+    """Zeus' exhaustive sweep on the same noisy GPU: 10 warm-up + 40 measured steps per limit."""
+    (gpu,) = simulated_gpus(spec)
+    lo_w, hi_w = gpu.power_limit_constraints_w()
+    profile = []
+    for limit_w in candidates_w(lo_w, hi_w):
+        gpu.set_power_limit_w(limit_w)
+        gpu.run_step(ZEUS_WARMUP_STEPS)
+        start_s, start_j = gpu.clock.now(), gpu.energy_j()
+        gpu.run_step(ZEUS_PROFILE_STEPS)
+        profile.append(
+            Measurement(
+                limit_w,
+                (gpu.clock.now() - start_s) / ZEUS_PROFILE_STEPS,
+                (gpu.energy_j() - start_j) / ZEUS_PROFILE_STEPS,
+                ZEUS_PROFILE_STEPS,
+            )
+        )
+    return profile
+
+
 def reselect_max_gap(optimizer: PowerLimitOptimizer, truth: Sequence[Measurement]) -> float:
     """Worst gap of re-selections with target_time selectors across the trace's range."""
     times = [m.time_per_step_s for m in truth]
@@ -162,7 +187,9 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
             assert isinstance(model, TraceModel)
             limits = candidates_w(model.min_power_limit_w, model.max_power_limit_w)
             truth = true_profile(model, limits)
+            zeus = zeus_sweep(spec)
             for selector in selectors_for(truth):
+                zeus_w = selector.select(zeus, max_power_limit_w=limits[0], num_gpus=1).power_limit_w
                 optimizer, limits = run_search(spec, selector, seed)
                 chosen_w = optimizer.chosen_power_limit_w
                 assert chosen_w is not None
@@ -180,6 +207,8 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
                         strict_violation=gap_of(selector, truth, chosen_w, 0.0) == float("inf"),
                         profiled_steps=optimizer.profiled_steps(),
                         exhaustive_steps=ZEUS_STEPS_PER_LIMIT * len(limits),
+                        zeus_chosen_w=zeus_w,
+                        zeus_gap=gap_of(selector, truth, zeus_w, TOLERANCE),
                         reselect_max_gap=reselect_max_gap(optimizer, truth)
                         if selector.name == "cost"
                         else None,
@@ -202,6 +231,8 @@ def totals(rows: Sequence[Row]) -> dict[str, Any]:
         "exhaustive_steps": exhaustive,
         "profiled_fraction": profiled / exhaustive,
         "max_row_profiled_fraction": max(r.profiled_steps / r.exhaustive_steps for r in rows),
+        "zeus_sweep_failures": sum(r.zeus_gap > TOLERANCE for r in rows),
+        "zeus_sweep_max_cost_gap": max(r.zeus_gap for r in rows),
         "reselect_checks": len(reselect) * RESELECT_TARGETS,
         "reselect_max_gap": max(reselect) if reselect else None,
         "reselect_failures": sum(g > TOLERANCE for g in reselect),

@@ -47,6 +47,7 @@ _INTERVAL = "log-interval"
 _AFTER_PROFILE = "after-profile"
 _STATE_VERSION = 1
 _J_PER_KWH = 3.6e6
+_PAUSE = "pause"
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
 # pause measures it (used only to weigh pausing against slow running).
 _IDLE_SHARE = 0.15
@@ -143,6 +144,7 @@ class EnergyController:
         self._emissions_g = 0.0
         self._profile_end: tuple[datetime, int, float] | None = None
         self._after_profile: Measurement | None = None
+        self._idle_power_w: float | None = None
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
         self.device_info: list[GPUInfo] = []
@@ -533,7 +535,9 @@ class EnergyController:
         remaining = None
         if self._total_steps is not None and self._pacer.pacing:
             remaining = max(self._total_steps - self._step, 0)
-        idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
+        idle_w = self._idle_power_w
+        if idle_w is None:
+            idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
         return self._pacer.update(remaining, frontier, idle_w)
 
     def _pace(self) -> None:
@@ -563,6 +567,8 @@ class EnergyController:
         assert self.config.carbon is not None
         wait_s = self.config.carbon.poll_interval_s
         update: PaceUpdate | None = first
+        assert self._meter is not None
+        self._meter.begin(_PAUSE)
         while update is not None and update.pause:
             if self.devices.run_step is not None:
                 for gpu in self.devices.gpus:
@@ -572,6 +578,8 @@ class EnergyController:
             update = self.collective.broadcast(self._pace_update())
             if update is not None:
                 self._intensity = update.intensity_g_per_kwh
+        # Job-wide idle power, as every rank idles alike.
+        self._idle_power_w = self._meter.end(_PAUSE).average_power_w * self.collective.world_size
         self._apply(before, "resumed")
 
     # ------------------------------------------------------------------ queries

@@ -181,6 +181,8 @@ class CarbonPacer:
         from carbon.policy import JobProgress, OperatingPoint
 
         points = [OperatingPoint(t, e, label) for t, e, label in frontier]
+        # The intensities seen so far continue a short forecast (daily seasonality).
+        self.policy.observe(self.monitor.history())
         decision = self.policy.decide(
             JobProgress(remaining_steps, self._now(), self.deadline),
             intensity,

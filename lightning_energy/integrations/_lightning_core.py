@@ -12,119 +12,27 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_energy.collectives import GatherCollective
-from lightning_energy.config import EnergyConfig, load_config
-from lightning_energy.controller import EnergyController, RunSummary
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.integrations._common import EnergyAdapter, summary_values
 
-__all__ = ["EnergyCallbackCore", "build_config", "format_summary"]
+__all__ = ["EnergyCallbackCore", "EnergyStrategyCore", "register_energy_strategies"]
 
 log = logging.getLogger(__name__)
 
 
-def build_config(
-    config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None,
-    overrides: Mapping[str, Any],
-) -> EnergyConfig:
-    """Resolve a callback's configuration: explicit > ``LIGHTNING_ENERGY_CONFIG`` > defaults.
-
-    Args:
-        config: a YAML path, a mapping of the YAML schema, a built config, or None.
-        overrides: sections given as keyword arguments (applied on top, section by section).
-
-    Raises:
-        ConfigError: every problem found, before any GPU is touched.
-    """
-    if isinstance(config, EnergyConfig):
-        base = config
-    elif isinstance(config, Mapping):
-        base = EnergyConfig.from_mapping(config)
-    elif config is not None:
-        base = EnergyConfig.from_yaml(Path(config))
-    else:
-        base = load_config() or EnergyConfig()
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return base.merged(given) if given else base
-
-
-def format_summary(summary: RunSummary) -> str:
-    """A short human-readable table of a run summary."""
-    limit = f"{summary.power_limit_w:.0f} W" if summary.power_limit_w is not None else "unchanged"
-    pre = (
-        f"{summary.pre_job_power_limit_w:.0f} W"
-        if summary.pre_job_power_limit_w is not None
-        else "n/a"
-    )
-    rows = [
-        ("steps", f"{summary.steps}"),
-        ("energy (this process)", f"{summary.energy_j / 1000:.2f} kJ"),
-        ("time", f"{summary.duration_s:.1f} s"),
-        ("power limit chosen", limit),
-        ("pre-job power limit", pre),
-        ("energy saved (estimate)", f"{summary.energy_saved_j / 1000:.2f} kJ"),
-        ("slowdown", f"{(summary.slowdown - 1) * 100:+.1f} %"),
-    ]
-    if summary.observe_only:
-        rows.append(("mode", "observe-only (GPU settings unchanged)"))
-    carbon = summary.carbon or {}
-    if "emissions_g" in carbon:
-        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))
-    for key, label in (
-        ("carbon_unaware_emissions_g", "CO2eq if carbon-unaware"),
-        ("full_power_emissions_g", "CO2eq at full power"),
-    ):
-        if key in carbon:
-            rows.append((label, f"{carbon[key]:.1f} g"))
-    if carbon.get("deadline_met") is not None:
-        met = "met" if carbon["deadline_met"] else "MISSED"
-        rows.append(("deadline", f"{carbon['deadline']} ({met})"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-class EnergyCallbackCore:
+class EnergyCallbackCore(EnergyAdapter):
     """Power-limit optimisation for a Lightning ``Trainer``; see :class:`.lightning.EnergyCallback`.
 
-    Args:
-        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
-            reads the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
-        device: the ``device:`` section (overrides the file's).
-        power_limit: the ``power_limit:`` section (overrides the file's).
-        carbon: the ``carbon:`` section (overrides the file's).
-        strict: raise instead of observing when GPU settings cannot be changed.
-        report: write the run report (JSON) to this path at the end of ``fit``.
-
-    Raises:
-        ConfigError: invalid configuration, raised here, before training starts.
+    Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`.
     """
 
-    def __init__(
-        self,
-        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
-        *,
-        device: dict[str, Any] | None = None,
-        power_limit: dict[str, Any] | None = None,
-        carbon: dict[str, Any] | None = None,
-        strict: bool | None = None,
-        report: str | None = None,
-    ) -> None:
-        self.config = build_config(
-            config,
-            {
-                "device": device,
-                "power_limit": power_limit,
-                "carbon": carbon,
-                "strict": strict,
-                "report": report,
-            },
-        )
-        self.controller: EnergyController | None = None
-        self.summary: RunSummary | None = None
-        self._pending_state: dict[str, Any] | None = None
+    _pending_state: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -223,32 +131,11 @@ class EnergyCallbackCore:
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Restore every GPU, then print and log the run summary."""
-        if stage != "fit" or self.controller is None:
+        if stage != "fit" or self.controller is None or self.summary is not None:
             return
-        already = self.summary is not None
-        self.summary = self.controller.teardown()
-        if already:
-            return
-        if trainer.is_global_zero:
-            log.info("energy summary:\n%s", format_summary(self.summary))
-        metrics = {f"energy/summary/{k}": float(v) for k, v in self._summary_metrics().items()}
+        summary = self._finish(self.controller, main_process=trainer.is_global_zero)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        if self.config.report and trainer.is_global_zero:
-            from lightning_energy.report import write_report
-
-            write_report(self.controller, self.config.report)
-
-    def _summary_metrics(self) -> dict[str, float]:
-        assert self.summary is not None
-        out = {
-            "energy_j": self.summary.energy_j,
-            "energy_saved_j": self.summary.energy_saved_j,
-            "slowdown": self.summary.slowdown,
-        }
-        if self.summary.power_limit_w is not None:
-            out["power_limit_w"] = self.summary.power_limit_w
-        return out
+            logger.log_metrics(summary_values(summary), step=trainer.global_step)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.controller import EnergyController, RunSummary
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.integrations._lightning_core import build_config, format_summary
+from lightning_energy.integrations._common import build_config, finish_run, summary_values
 
 __all__ = ["AcceleratorEnergy", "EnergyTracker", "attach_energy"]
 
@@ -280,16 +280,10 @@ class AcceleratorEnergy:
         hook = self.accelerator.__dict__.get("end_training")
         if isinstance(hook, _EndTraining) and hook.energy is self:
             del self.accelerator.end_training
-        self.summary = controller.teardown()
         self._step_open = False
-        accelerator = self.accelerator
-        accelerator.log(_summary_values(self.summary), step=controller.steps)
-        if accelerator.is_main_process:
-            log.info("energy summary:\n%s", format_summary(self.summary))
-            if self.config is not None and self.config.report:
-                from lightning_energy.report import write_report
-
-                write_report(controller, self.config.report)
+        report = self.config.report if self.config is not None else None
+        self.summary = finish_run(controller, report, main_process=self.accelerator.is_main_process)
+        self.accelerator.log(summary_values(self.summary), step=controller.steps)
         return self.summary
 
     def __enter__(self) -> AcceleratorEnergy:
@@ -338,21 +332,6 @@ class _EndTraining:
     def __call__(self) -> None:
         self.energy.close()
         self.original()
-
-
-def _summary_values(summary: RunSummary) -> dict[str, float]:
-    """The run summary as tracker values (``energy/summary/*``, ``carbon/summary/*``)."""
-    values = {
-        "energy/summary/energy_j": summary.energy_j,
-        "energy/summary/energy_saved_j": summary.energy_saved_j,
-        "energy/summary/slowdown": summary.slowdown,
-    }
-    if summary.power_limit_w is not None:
-        values["energy/summary/power_limit_w"] = summary.power_limit_w
-    for key, value in (summary.carbon or {}).items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            values[f"carbon/summary/{key}"] = float(value)
-    return values
 
 
 def _broadcast(obj: Any, src: int) -> Any:

@@ -26,61 +26,31 @@ profiling again.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from lightning_energy.collectives import GatherCollective
-from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController, RunSummary
-from lightning_energy.integrations._lightning_core import build_config, format_summary
+from lightning_energy.integrations._common import EnergyAdapter
 
 __all__ = ["EnergyFabricCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class EnergyFabricCallback:
+class EnergyFabricCallback(EnergyAdapter):
     """Power-limit optimisation driven from a Fabric loop.
 
-    Args:
-        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
-            reads ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
-        device: the ``device:`` section.
-        power_limit: the ``power_limit:`` section.
-        carbon: the ``carbon:`` section.
-        strict: raise instead of observing when GPU settings cannot be changed.
-        report: write the run report (JSON) to this path in :meth:`teardown`.
+    Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`
+    (``config``, ``device``, ``power_limit``, ``carbon``, ``strict``, ``report``); the
+    report is written in :meth:`teardown`.
 
     Raises:
         ConfigError: invalid configuration (before any GPU is touched).
     """
 
-    def __init__(
-        self,
-        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
-        *,
-        device: dict[str, Any] | None = None,
-        power_limit: dict[str, Any] | None = None,
-        carbon: dict[str, Any] | None = None,
-        strict: bool | None = None,
-        report: str | None = None,
-    ) -> None:
-        self.config = build_config(
-            config,
-            {
-                "device": device,
-                "power_limit": power_limit,
-                "carbon": carbon,
-                "strict": strict,
-                "report": report,
-            },
-        )
-        self.controller: EnergyController | None = None
-        self.summary: RunSummary | None = None
-        self._is_global_zero = True
+    _is_global_zero = True
 
     def setup(self, fabric: Any) -> None:
         """Open this rank's GPU and take its lease (call after ``fabric.launch()``)."""
@@ -139,13 +109,8 @@ class EnergyFabricCallback:
         """Restore every GPU and return the run summary (idempotent)."""
         if self.controller is None:
             return None
-        self.summary = self.controller.teardown()
-        if self._is_global_zero:
-            log.info("energy summary:\n%s", format_summary(self.summary))
-            if self.config.report:
-                from lightning_energy.report import write_report
-
-                write_report(self.controller, self.config.report)
+        if self.summary is None:
+            self._finish(self.controller, main_process=self._is_global_zero)
         return self.summary
 
     def state_dict(self) -> dict[str, Any]:

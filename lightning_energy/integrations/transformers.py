@@ -29,7 +29,6 @@ Requires ``pip install "lightning-energy[hf]"``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -37,16 +36,15 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from lightning_energy.config import EnergyConfig
-from lightning_energy.controller import EnergyController, RunSummary
-from lightning_energy.integrations._lightning_core import build_config, format_summary
+from lightning_energy.controller import EnergyController
+from lightning_energy.integrations._common import EnergyAdapter
 
 __all__ = ["EnergyTrainerCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class EnergyTrainerCallback(TrainerCallback, ExportableState):
+class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
     """Power-limit optimisation and carbon-aware control for a Transformers ``Trainer``.
 
     Args:
@@ -65,29 +63,6 @@ class EnergyTrainerCallback(TrainerCallback, ExportableState):
     Raises:
         ConfigError: invalid configuration, raised here, before training starts.
     """
-
-    def __init__(
-        self,
-        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
-        *,
-        device: dict[str, Any] | None = None,
-        power_limit: dict[str, Any] | None = None,
-        carbon: dict[str, Any] | None = None,
-        strict: bool | None = None,
-        report: str | None = None,
-    ) -> None:
-        self.config = build_config(
-            config,
-            {
-                "device": device,
-                "power_limit": power_limit,
-                "carbon": carbon,
-                "strict": strict,
-                "report": report,
-            },
-        )
-        self.controller: EnergyController | None = None
-        self.summary: RunSummary | None = None
 
     # ----------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
@@ -220,13 +195,7 @@ class EnergyTrainerCallback(TrainerCallback, ExportableState):
     def _teardown(self, *, is_world_process_zero: bool) -> None:
         if self.controller is None or self.summary is not None:
             return
-        self.summary = self.controller.teardown()
-        if is_world_process_zero:
-            log.info("energy summary:\n%s", format_summary(self.summary))
-            if self.config.report:
-                from lightning_energy.report import write_report
-
-                write_report(self.controller, self.config.report)
+        self._finish(self.controller, main_process=is_world_process_zero)
 
     def __enter__(self) -> EnergyTrainerCallback:
         return self

@@ -93,6 +93,8 @@ PURPOSES: tuple[str, ...] = ("warmup", "profile", "refine")
 _STATE_VERSION = 1
 # A sampled time or energy never drops below this share of its mean (keeps draws positive).
 _MIN_SAMPLE_RATIO = 0.05
+# Default step budget per candidate: half of Zeus' 50 (10 warm-up + 40 profiled) per limit.
+_DEFAULT_BUDGET_PER_LIMIT = 25
 # The shortest refinement window worth its settling steps.
 _MIN_REFINE_STEPS = 2
 # Prior weight, in degrees of freedom, of ``noise_prior``.
@@ -181,13 +183,13 @@ class PowerLimitOptimizer:
         num_gpus: int,
         warmup_steps: int = 10,
         settle_steps: int = 2,
-        initial_steps: int = 8,
-        refine_steps: int = 8,
+        initial_steps: int = 6,
+        refine_steps: int = 6,
         max_profile_steps: int | None = None,
         tolerance: float = 0.01,
-        confidence: float = 0.98,
+        confidence: float = 0.998,
         noise_prior: float = 0.05,
-        samples: int = 512,
+        samples: int = 1024,
         max_power_limit_w: float | None = None,
         seed: int = 0,
     ) -> None:
@@ -233,7 +235,9 @@ class PowerLimitOptimizer:
         self._settle_steps = settle_steps
         self._initial_steps = initial_steps
         self._refine_steps = refine_steps
-        self._budget = 20 * len(limits) if max_profile_steps is None else max_profile_steps
+        self._budget = (
+            _DEFAULT_BUDGET_PER_LIMIT * len(limits) if max_profile_steps is None else max_profile_steps
+        )
         self._tolerance = tolerance
         self._confidence = confidence
         self._noise_prior = noise_prior

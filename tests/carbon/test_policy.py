@@ -324,7 +324,7 @@ def test_missing_forecast_is_extended_from_history_and_stays_feasible() -> None:
     policy.observe(history)
     hourly = [daily(h) for h in range(48)]
     _, finish_h, decisions = _simulate(policy, hourly, 12 * 3000, 20.0, forecast_hours=0)
-    assert decisions[0].pause  # the profile says the next hours are no cleaner than later
+    assert decisions[0].pause  # the profile: dirty until 06:00, clean after
     assert decisions[0].reason.startswith("forecast")
     assert finish_h <= 20.0
     blind = make_policy("forecast", allow_pause=True)  # no history: flat outlook, no pause
