@@ -185,6 +185,12 @@ class EnergyController:
             install_signal_handlers=self._install_signal_handlers,
         )
         self._guard.acquire()
+        if self.config.power_limit.enabled and not self._guard.observe_only:
+            # Find out now, before training, whether settings may be changed: setting every
+            # GPU to its own pre-job limit changes nothing (the guard clamps to it) but
+            # fails without permission (observe-only, or an error in strict mode).
+            pre = [self._guard.pre_job_power_limit_w(i) for i in range(len(devices))]
+            self._guard.set_power_limit_w(max(pre))
         self.device_info = [gpu_info(g) for g in devices.gpus]
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
@@ -422,6 +428,8 @@ class EnergyController:
         if power_limit_w is None or power_limit_w == self._power_limit_w:
             return
         applied = self._guard.set_power_limit_w(power_limit_w)
+        if self._guard.observe_only:
+            return
         self._power_limit_w = applied
         self._decide("power_limit", applied, reason)
 

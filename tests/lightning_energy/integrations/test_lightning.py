@@ -251,7 +251,7 @@ def test_entry_point_with_a_missing_file_fails_clearly(monkeypatch: pytest.Monke
     import lightning.pytorch as ns
 
     monkeypatch.setenv("LIGHTNING_ENERGY_CONFIG", "/nonexistent/energy.yaml")
-    with pytest.raises(ConfigError, match="/nonexistent/energy.yaml"):
+    with pytest.raises(ConfigError, match=r"/nonexistent/energy\.yaml"):
         ns.Trainer(logger=False)
 
 

@@ -1,0 +1,111 @@
+"""EnergyConfig: validation reports every problem at once; YAML, env var and merging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
+from lightning_energy.errors import ConfigError
+
+
+def test_defaults_are_valid() -> None:
+    config = EnergyConfig.from_mapping({})
+    assert config.power_limit.selector == "cost"
+    assert config.device.backend == "auto"
+    assert config.carbon is None
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        EnergyConfig.from_mapping(
+            {
+                "device": {"backend": "cuda", "noise_std": 2.0, "colour": "red"},
+                "power_limit": {"selector": "cost", "eta": 1.5, "step_w": -5},
+                "strict": "yes",
+                "extra": 1,
+            },
+            source="job.yaml",
+        )
+    problems = info.value.problems
+    text = str(info.value)
+    assert "job.yaml" in text
+    for needle in ("device.backend", "'cuda'", "device.noise_std", "device.colour", "eta"):
+        assert needle in text
+    assert any("power_limit.step_w" in p for p in problems)
+    assert any(p.startswith("strict") for p in problems)
+    assert any("'extra'" in p for p in problems)
+    assert len(problems) >= 7
+
+
+@pytest.mark.parametrize(
+    ("section", "needle"),
+    [
+        ({"power_limit": {"selector": "fastest"}}, "fastest"),
+        ({"power_limit": {"selector": "max_slowdown", "max_slowdown": 0.5}}, "max_slowdown"),
+        ({"power_limit": {"power_limits_w": []}}, "power_limits_w"),
+        ({"power_limit": {"power_limits_w": ["high"]}}, "list of numbers"),
+        ({"device": {"gpu": "nosuch"}}, "device.gpu 'nosuch'"),
+        ({"device": {"start": "yesterday"}}, "device.start"),
+        ({"device": {"slowdowns": [1.0, 0.5]}}, "device.slowdowns"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"carbon": {"provider": "smoke-signals"}}, "carbon.provider"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(section: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        EnergyConfig.from_mapping(section)
+
+
+def test_yaml_round_trip_and_merge(tmp_path: Path) -> None:
+    path = tmp_path / "energy.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "device": {"backend": "simulated", "gpu": "v100", "slowdowns": [1, 1.2]},
+                "power_limit": {"selector": "max_slowdown", "max_slowdown": 1.05},
+                "carbon": {"provider": "trace", "region": "FR", "deadline": "2d"},
+            }
+        )
+    )
+    config = EnergyConfig.from_yaml(path)
+    assert config.source == str(path)
+    assert config.device.slowdowns == (1.0, 1.2)
+    again = EnergyConfig.from_mapping(config.to_mapping())
+    assert again.to_mapping() == config.to_mapping()
+    merged = config.merged({"power_limit": {"selector": "energy"}})
+    assert merged.power_limit.selector == "energy"
+    assert merged.power_limit.max_slowdown == 1.05  # other keys of the section kept
+    assert merged.device.gpu == "v100"
+
+
+def test_candidates_default_to_a_25_w_grid_from_max_to_min() -> None:
+    config = EnergyConfig.from_mapping({})
+    assert config.power_limit.candidates_w(100, 250) == [250, 225, 200, 175, 150, 125, 100]
+    explicit = EnergyConfig.from_mapping({"power_limit": {"power_limits_w": [150, 300]}})
+    assert explicit.power_limit.candidates_w(100, 300) == [300.0, 150.0]
+
+
+def test_env_var_names_the_file(tmp_path: Path) -> None:
+    assert load_config(env={}) is None
+    assert load_config(env={CONFIG_ENV_VAR: "  "}) is None
+    path = tmp_path / "energy.yaml"
+    path.write_text("power_limit:\n  selector: time\n")
+    config = load_config(env={CONFIG_ENV_VAR: str(path)})
+    assert config is not None and config.power_limit.selector == "time"
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(env={CONFIG_ENV_VAR: str(tmp_path / "missing.yaml")})
+    path.write_text("power_limit: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_carbon_token_is_never_in_the_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EM_TOKEN", "secret-token-123")
+    config = EnergyConfig.from_mapping(
+        {"carbon": {"provider": "electricitymaps", "region": "DE", "token_env": "EM_TOKEN"}}
+    )
+    assert "secret-token-123" not in repr(config.to_mapping())
+    assert config.to_mapping()["carbon"]["token_env"] == "EM_TOKEN"
