@@ -300,7 +300,9 @@ class PerseusPlanner:
         The relaxation is solved at both ends and at ``anchors`` evenly spaced times in
         between; every grid time starts from the interpolation of its two neighbouring
         relaxed solutions, is rounded and improved by local search (the ends and anchors
-        also by iterated local search), all grid points at once.
+        also by iterated local search), all grid points at once. Small instances (see
+        ``exact_max_options``) get every Pareto-optimal plan exactly instead, and ignore
+        ``time_step_s`` and ``anchors``.
 
         Args:
             time_step_s: spacing of the grid of iteration times (default: the smaller of

@@ -31,7 +31,10 @@ bound).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -527,13 +530,17 @@ class _HullLP:
             energy_rate = solver.blocked_power_w * solver.num_devices
             cost = np.append(self.cost, energy_rate)
             bounds = np.vstack([bounds, [0.0, np.inf]])
-            result = linprog(
-                cost, A_ub=self.free_matrix, b_ub=self.rhs, bounds=bounds, method="highs"
-            )
+            with _stdout_silenced():
+                result = linprog(
+                    cost, A_ub=self.free_matrix, b_ub=self.rhs, bounds=bounds, method="highs"
+                )
         else:
             rhs = self.rhs.copy()
             rhs[self.sink_rows] += deadline_s
-            result = linprog(self.cost, A_ub=self.matrix, b_ub=rhs, bounds=bounds, method="highs")
+            with _stdout_silenced():
+                result = linprog(
+                    self.cost, A_ub=self.matrix, b_ub=rhs, bounds=bounds, method="highs"
+                )
         if result.status != 0:
             raise EnergyError(
                 f"the relaxation at T={deadline_s} s could not be solved: {result.message}"
@@ -546,6 +553,37 @@ class _HullLP:
         relaxed_cost = float(self.base_cost.sum() + self.cost @ x[: self.num_vars])
         energy = relaxed_cost + solver.blocked_power_w * solver.num_devices * deadline_s
         return LPSolution(float(deadline_s), durations, x[:n].copy(), energy)
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """Send what is written to file descriptor 1 meanwhile to the null device.
+
+    Every HiGHS call of this module runs inside it: HiGHS' MIP solver prints debug lines
+    (``HighsMipSolverData::...``) straight to the C-level stdout whatever its display
+    options (ERGO-Code/HiGHS issue 2783), which would corrupt machine-readable output such
+    as ``lightning-energy plan --json``. Python's buffered stdout is flushed first. The
+    redirection is process-wide: what other threads write to stdout meanwhile is discarded
+    too. Where descriptor 1 cannot be duplicated (closed), nothing is redirected.
+    """
+    for stream in (sys.stdout, sys.__stdout__):
+        if stream is not None:
+            stream.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class _ExactMILP:
@@ -622,13 +660,14 @@ class _ExactMILP:
         upper[n : n + self.num_binary] = 1.0
         if deadline_s is not None:
             upper[-1] = deadline_s
-        result = milp(
-            self.objective,
-            integrality=self.integrality,
-            bounds=Bounds(np.zeros(self.num_vars), upper),
-            constraints=self.constraints,
-            options={"mip_rel_gap": 1e-9},
-        )
+        with _stdout_silenced():
+            result = milp(
+                self.objective,
+                integrality=self.integrality,
+                bounds=Bounds(np.zeros(self.num_vars), upper),
+                constraints=self.constraints,
+                options={"disp": False, "mip_rel_gap": 1e-9},
+            )
         if result.x is None:
             return None
         x = result.x

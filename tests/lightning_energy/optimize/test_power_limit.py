@@ -87,7 +87,7 @@ def test_warm_up_once_then_every_limit_descending_in_two_windows() -> None:
     assert [w.power_limit_w for w in first_pass] == [p for p in LIMITS for _ in range(2)]
     # The warm-up ran at 300 W and each second half follows its first half: no settling.
     assert [w.settle_steps for w in first_pass] == [0, 0] + [2, 0] * (len(LIMITS) - 1)
-    assert {w.measure_steps for w in first_pass} == {4}
+    assert {w.measure_steps for w in first_pass} == {3}
     assert sum(1 for w in windows if w.purpose == "warmup") == 1
 
 
@@ -97,7 +97,7 @@ def test_noiseless_profile_stops_after_the_first_pass_with_the_optimum() -> None
     assert all(w.purpose != "refine" for w in windows)
     assert opt.done
     assert opt.chosen_power_limit_w == brute_force_limit(opt.selector)
-    assert opt.profiled_steps() == 10 + 8 * len(LIMITS) + 2 * (len(LIMITS) - 1)
+    assert opt.profiled_steps() == 10 + 6 * len(LIMITS) + 2 * (len(LIMITS) - 1)
     assert opt.next_window() is None
 
 
@@ -107,7 +107,7 @@ def test_profile_merges_windows_per_limit_highest_first() -> None:
     profile = opt.profile()
     assert [m.power_limit_w for m in profile] == LIMITS
     assert sum(m.steps for m in profile) + 10 + 2 * (len(LIMITS) - 1) <= opt.profiled_steps()
-    assert all(m.steps >= 8 for m in profile)
+    assert all(m.steps >= 6 for m in profile)
 
 
 def test_next_window_is_stable_until_reported() -> None:
@@ -121,26 +121,25 @@ def test_next_window_is_stable_until_reported() -> None:
 
 def test_without_warm_up_the_first_window_settles() -> None:
     opt = optimizer(warmup_steps=0)
-    assert opt.next_window() == Window(300.0, 2, 4, "profile")
+    assert opt.next_window() == Window(300.0, 2, 3, "profile")
 
 
 def test_interrupted_window_is_retried_with_settling_and_its_steps_counted() -> None:
     opt = optimizer()
-    drive_steps = 0
     warmup = opt.next_window()
     assert warmup is not None
     opt.report(warmup, time_per_step_s=0.0, energy_per_step_j=0.0)
     first = opt.next_window()
-    assert first == Window(300.0, 0, 4, "profile")
+    assert first == Window(300.0, 0, 3, "profile")
     opt.report(first, time_per_step_s=0.1, energy_per_step_j=25.0)
     second = opt.next_window()
-    assert second == Window(300.0, 0, 4, "profile")
-    opt.report_interrupted(second, steps_run=3)
+    assert second == Window(300.0, 0, 3, "profile")
+    opt.report_interrupted(second, steps_run=2)
     retry = opt.next_window()
     # Same limit and purpose, but the validation run in between calls for settling again.
-    assert retry == Window(300.0, 2, 4, "profile")
-    assert opt.profiled_steps() == 10 + 4 + 3 + drive_steps
-    assert len(opt.profile()) == 1 and opt.profile()[0].steps == 4
+    assert retry == Window(300.0, 2, 3, "profile")
+    assert opt.profiled_steps() == 10 + 3 + 2
+    assert len(opt.profile()) == 1 and opt.profile()[0].steps == 3
 
 
 def test_interrupted_warm_up_is_repeated() -> None:
@@ -224,6 +223,8 @@ def test_bad_configuration_lists_every_problem() -> None:
         PowerLimitOptimizer(LIMITS, make_selector("energy"), num_gpus=1, max_power_limit_w=250)
     with pytest.raises(ConfigError, match="power_limits_w"):
         PowerLimitOptimizer([300.0, -5.0], make_selector("energy"), num_gpus=1)
+    with pytest.raises(ConfigError, match="power_limits_w"):
+        PowerLimitOptimizer(["300 W"], make_selector("energy"), num_gpus=1)  # type: ignore[list-item]
 
 
 # ---------------------------------------------------------------- determinism
@@ -285,6 +286,22 @@ def test_mid_profile_resume_warms_up_then_continues() -> None:
     drive(resumed, measure)
     assert resumed.done
     assert [m.power_limit_w for m in resumed.profile()] == LIMITS
+
+
+def test_resume_while_racing_warms_up_within_the_budget_and_finishes() -> None:
+    opt = optimizer(make_selector("cost", eta=0.5), max_profile_steps=200)
+    measure = noisy(21)
+    while (window := opt.next_window()) is not None and window.purpose != "refine":
+        time_s, energy_j = measure(window) if window.measure_steps else (0.0, 0.0)
+        opt.report(window, time_per_step_s=time_s, energy_per_step_j=energy_j)
+    assert window is not None and window.purpose == "refine"
+    resumed = optimizer(make_selector("cost", eta=0.5), max_profile_steps=200)
+    resumed.load_state_dict(opt.state_dict())
+    warmup = resumed.next_window()
+    assert warmup == Window(window.power_limit_w, 10, 0, "warmup")
+    drive(resumed, measure)
+    assert resumed.done
+    assert resumed.profiled_steps() <= 200
 
 
 def test_resume_rejects_other_jobs_and_malformed_states() -> None:
@@ -393,7 +410,7 @@ def test_noisy_search_is_within_tolerance_and_budget(selector: Selector) -> None
         drive(opt, noisy(100 + seed))
         assert opt.chosen_power_limit_w is not None
         assert gap_of(selector, profile, opt.chosen_power_limit_w) <= 0.01
-        assert opt.profiled_steps() <= 25 * len(LIMITS)
+        assert opt.profiled_steps() <= 30 * len(LIMITS)
 
 
 def test_custom_budget_caps_the_racing() -> None:
@@ -414,17 +431,20 @@ def search_on_gpu(spec: SimulatedSpec, selector: Selector) -> PowerLimitOptimize
     opt = PowerLimitOptimizer(
         candidates(*gpu.power_limit_constraints_w()), selector, num_gpus=1, seed=spec.seed
     )
-    while (window := opt.next_window()) is not None:
-        gpu.set_power_limit_w(window.power_limit_w)
-        gpu.run_step(window.settle_steps)
-        start_s, start_j = gpu.clock.now(), gpu.energy_j()
-        gpu.run_step(window.measure_steps)
-        steps = max(window.measure_steps, 1)
-        opt.report(
-            window,
-            time_per_step_s=(gpu.clock.now() - start_s) / steps,
-            energy_per_step_j=(gpu.energy_j() - start_j) / steps,
-        )
+    try:
+        while (window := opt.next_window()) is not None:
+            gpu.set_power_limit_w(window.power_limit_w)
+            gpu.run_step(window.settle_steps)
+            start_s, start_j = gpu.clock.now(), gpu.energy_j()
+            gpu.run_step(window.measure_steps)
+            steps = max(window.measure_steps, 1)
+            opt.report(
+                window,
+                time_per_step_s=(gpu.clock.now() - start_s) / steps,
+                energy_per_step_j=(gpu.energy_j() - start_j) / steps,
+            )
+    finally:
+        gpu.set_power_limit_w(gpu.default_power_limit_w())
     return opt
 
 
@@ -432,16 +452,16 @@ def zeus_sweep(spec: SimulatedSpec) -> list[Measurement]:
     """Zeus' exhaustive sweep on the same GPU: 10 warm-up and 40 measured steps per limit."""
     (gpu,) = simulated_gpus(spec)
     profile = []
-    for limit_w in candidates(*gpu.power_limit_constraints_w()):
-        gpu.set_power_limit_w(limit_w)
-        gpu.run_step(10)
-        start_s, start_j = gpu.clock.now(), gpu.energy_j()
-        gpu.run_step(40)
-        profile.append(
-            Measurement(
-                limit_w, (gpu.clock.now() - start_s) / 40, (gpu.energy_j() - start_j) / 40, 40
-            )
-        )
+    try:
+        for limit_w in candidates(*gpu.power_limit_constraints_w()):
+            gpu.set_power_limit_w(limit_w)
+            gpu.run_step(10)
+            start_s, start_j = gpu.clock.now(), gpu.energy_j()
+            gpu.run_step(40)
+            time_s = (gpu.clock.now() - start_s) / 40
+            profile.append(Measurement(limit_w, time_s, (gpu.energy_j() - start_j) / 40, 40))
+    finally:
+        gpu.set_power_limit_w(gpu.default_power_limit_w())
     return profile
 
 
@@ -472,13 +492,13 @@ def trace_outcomes(
 ) -> tuple[list[float], list[float], int, int]:
     """Our gaps, Zeus sweep gaps, our steps and the sweep's steps over a whole trace."""
     ours, zeus, steps, sweep_steps = [], [], 0, 0
-    for dataset, network, batch_size in PowerTrace.load(gpu).workloads():
+    for index, (dataset, network, batch_size) in enumerate(PowerTrace.load(gpu).workloads()):
         spec = SimulatedSpec(
             gpu=gpu,
             workload=f"{dataset}/{network}",
             batch_size=batch_size,
             noise_std=noise_std,
-            seed=seed,
+            seed=1000 * seed + index,  # independent noise for every workload
         )
         truth = trace_truth(spec)
         swept = zeus_sweep(spec)
@@ -490,7 +510,7 @@ def trace_outcomes(
             zeus.append(gap_of(selector, truth, chosen.power_limit_w))
             steps += opt.profiled_steps()
             sweep_steps += 50 * len(truth)
-            assert opt.profiled_steps() <= 25 * len(truth)
+            assert opt.profiled_steps() <= 30 * len(truth)
     return ours, zeus, steps, sweep_steps
 
 
@@ -504,12 +524,17 @@ def test_every_trace_workload_and_selector_within_tolerance_at_low_noise(gpu: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu", ["a40", "v100"])
-def test_noisy_trace_search_misses_less_often_than_zeus_sweep(gpu: str) -> None:
+def test_noisy_trace_search_misses_less_often_than_zeus_sweep() -> None:
     # With 3 % noise per step some limits are too close to tell apart within any budget:
-    # Zeus' own 40 measured steps per limit miss a few. The search must miss no more often,
-    # with at most 40 % of the sweep's steps in total.
-    ours, zeus, steps, sweep_steps = trace_outcomes(gpu, noise_std=0.03, seed=0)
+    # Zeus' own 40 measured steps per limit miss a few. Over both traces the search must
+    # miss no more often, with at most 40 % of the sweep's steps in total.
+    ours, zeus, steps, sweep_steps = [], [], 0, 0
+    for gpu in ("a40", "v100"):
+        gaps, zeus_gaps, used, swept = trace_outcomes(gpu, noise_std=0.03, seed=0)
+        ours += gaps
+        zeus += zeus_gaps
+        steps += used
+        sweep_steps += swept
     misses = sum(g > 0.01 for g in ours)
     assert misses <= sum(g > 0.01 for g in zeus)
     assert misses <= 0.02 * len(ours)

@@ -32,15 +32,19 @@ def main() -> None:
     ]
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    training: dict[str, Any] = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
+    del model
     sim = SimulatedDataParallel(gpu, WORK)
     phases: dict[str, list[dict[str, Any]]] = {"baseline": [], "equalised": [], "swapped": []}
 
     def step(equalizer: StragglerEqualizer | None) -> dict[str, Any]:
-        optimizer.zero_grad()
-        loss = model(torch.randn(8, 4)).pow(2).mean()
+        training["optimizer"].zero_grad()
+        loss = training["model"](torch.randn(8, 4)).pow(2).mean()
         loss.backward()  # the real all-reduce of DDP over gloo
-        optimizer.step()
+        training["optimizer"].step()
         compute = sim.compute()
         total = sim.all_reduce()
         clock = gpu.locked_clocks_mhz()
@@ -64,7 +68,10 @@ def main() -> None:
                 phases["swapped"].append(step(equalizer))
             straggler_after = equalizer.straggler_rank
         reset_clock = gpu.locked_clocks_mhz()
+        dist.barrier()
     finally:
+        # DDP's reducer must go before its process group, or exiting can hang.
+        training.clear()
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(
         json.dumps(

@@ -2,25 +2,32 @@
 
 ``python -m tests.lightning_energy.perseus.lightning_fit fit --config cfg.yaml``; every
 rank writes what its strategy did to ``$PERSEUS_TEST_OUT/rank<r>.json`` at the end of fit.
+``$PERSEUS_TEST_NAMESPACE`` picks the Lightning namespace: ``lightning.pytorch`` (default)
+or ``pytorch_lightning``, with the Perseus strategies of that namespace.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_energy.device.simulated import SimulatedGPU
-from lightning_energy.perseus.lightning import PerseusDDPStrategy, PerseusPipelineStrategy
+
+NAMESPACE = os.environ.get("PERSEUS_TEST_NAMESPACE", "lightning.pytorch")
+pl: Any = importlib.import_module(NAMESPACE)
+perseus: Any = importlib.import_module(
+    "lightning_energy.perseus."
+    + ("lightning" if NAMESPACE == "lightning.pytorch" else "pytorch_lightning")
+)
 
 
-class PipelineMLP(LightningModule):
+class PipelineMLP(pl.LightningModule):
     """An MLP split into ``num_stages`` stages."""
 
     def __init__(self, num_stages: int = 2, width: int = 16) -> None:
@@ -51,7 +58,7 @@ class PipelineMLP(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-class RandomData(LightningDataModule):
+class RandomData(pl.LightningDataModule):
     def __init__(self, width: int = 16, size: int = 64, batch_size: int = 8) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
@@ -63,32 +70,36 @@ class RandomData(LightningDataModule):
         return DataLoader(self.dataset, batch_size=self.batch_size)
 
 
-class Report(Callback):
+class Report(pl.Callback):
     """Records losses, clocks and the strategy's state; writes them at the end of fit."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.clocks: list[Any] = []
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        gpu = trainer.strategy.gpu  # type: ignore[attr-defined]
+        gpu = trainer.strategy.gpu
         self.clocks.append(gpu.locked_clocks_mhz())
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         strategy = trainer.strategy
-        out: dict[str, Any] = {"losses": self.losses, "clocks": self.clocks}
-        if isinstance(strategy, PerseusPipelineStrategy):
+        out: dict[str, Any] = {
+            "losses": self.losses,
+            "clocks": self.clocks,
+            "trainer": type(trainer).__module__,
+        }
+        if isinstance(strategy, perseus.PerseusPipelineStrategy):
             assert strategy.online is not None and strategy.runtime is not None
             out["phase"] = strategy.online.phase
             out["plan"] = strategy.runtime.plan.to_dict() if strategy.runtime.plan else None
-        if isinstance(strategy, PerseusDDPStrategy):
+        if isinstance(strategy, perseus.PerseusDDPStrategy):
             assert strategy.equalizer is not None
             out["straggler"] = strategy.equalizer.straggler_rank
-        self.gpu = strategy.gpu  # type: ignore[attr-defined]
+        self.gpu = strategy.gpu
         self.out = out
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         gpu = getattr(self, "gpu", None)
         if isinstance(gpu, SimulatedGPU):
             self.out["clock_after"] = gpu.locked_clocks_mhz()
@@ -97,7 +108,7 @@ class Report(Callback):
 
 
 def main() -> None:
-    LightningCLI(
+    importlib.import_module(f"{NAMESPACE}.cli").LightningCLI(
         PipelineMLP,
         RandomData,
         trainer_defaults={"callbacks": [Report()]},

@@ -1,20 +1,34 @@
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from lightning_energy.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[3]
 
+NAMESPACES = {
+    "lightning.pytorch": "lightning_energy.perseus.lightning",
+    "pytorch_lightning": "lightning_energy.perseus.pytorch_lightning",
+}
 
-def fit(tmp_path: Path, strategy: dict[str, Any], max_steps: int) -> list[dict[str, Any]]:
-    """Run the LightningCLI app on 2 CPU processes (gloo) with ``strategy``."""
+
+def fit(
+    tmp_path: Path,
+    strategy: dict[str, Any],
+    max_steps: int,
+    namespace: str = "lightning.pytorch",
+) -> list[dict[str, Any]]:
+    """Run the LightningCLI app of ``namespace`` on 2 CPU processes (gloo) with ``strategy``."""
     config = {
         "trainer": {
             "accelerator": "cpu",
@@ -29,7 +43,12 @@ def fit(tmp_path: Path, strategy: dict[str, Any], max_steps: int) -> list[dict[s
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PERSEUS_TEST_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PERSEUS_TEST_OUT": str(tmp_path),
+        "PERSEUS_TEST_NAMESPACE": namespace,
+        "PYTHONPATH": str(ROOT),
+    }
     subprocess.run(
         [
             sys.executable,
@@ -79,11 +98,12 @@ def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("namespace", sorted(NAMESPACES))
+def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path, namespace: str) -> None:
     ranks = fit(
         tmp_path,
         {
-            "class_path": "lightning_energy.perseus.lightning.PerseusDDPStrategy",
+            "class_path": f"{NAMESPACES[namespace]}.PerseusDDPStrategy",
             "init_args": {
                 "device_backend": "simulated",
                 "slowdowns": [1.0, 1.3],
@@ -94,8 +114,55 @@ def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path) -> None:
             },
         },
         max_steps=10,
+        namespace=namespace,
     )
+    assert ranks[0]["trainer"].startswith(f"{namespace}.")
     assert ranks[0]["straggler"] == ranks[1]["straggler"] == 1
     assert ranks[0]["clocks"][-1][1] < 1410
     assert ranks[1]["clocks"][-1][1] == 1410
     assert ranks[0]["clock_after"] is None and ranks[1]["clock_after"] is None
+
+
+@pytest.mark.parametrize("namespace", sorted(NAMESPACES))
+def test_strategies_are_registered_in_their_namespace(namespace: str) -> None:
+    registry = importlib.import_module(f"{namespace}.strategies").StrategyRegistry
+    ddp = importlib.import_module(f"{namespace}.strategies").DDPStrategy
+    module = importlib.import_module(NAMESPACES[namespace])
+    for name, cls in (
+        ("perseus_pipeline", module.PerseusPipelineStrategy),
+        ("perseus_ddp", module.PerseusDDPStrategy),
+    ):
+        assert issubclass(cls, ddp)
+        assert registry[name]["strategy"] is cls
+        strategy = registry.get(name)
+        assert isinstance(strategy, cls)
+        assert strategy.strategy_name == name
+
+
+@pytest.mark.parametrize("namespace", sorted(NAMESPACES))
+def test_bad_pipeline_arguments_are_all_reported(namespace: str) -> None:
+    module = importlib.import_module(NAMESPACES[namespace])
+    with pytest.raises(ConfigError) as info:
+        module.PerseusPipelineStrategy(schedule="zigzag", microbatches=0)
+    message = str(info.value)
+    assert "schedule='zigzag'" in message and "microbatches=0" in message
+    assert "PerseusPipelineStrategy" in message
+
+
+@pytest.mark.slow
+def test_importing_one_namespace_does_not_import_the_other() -> None:
+    for module, other in (
+        ("lightning_energy.perseus.pytorch_lightning", "lightning.pytorch"),
+        ("lightning_energy.perseus.lightning", "pytorch_lightning"),
+    ):
+        code = textwrap.dedent(
+            f"""
+            import sys
+            import {module}
+            assert {other!r} not in sys.modules, "{other} imported"
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        assert out.returncode == 0, out.stderr

@@ -24,28 +24,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_ranks(module: str, rank_args: list[list[str]], log_dir: Path) -> None:
+    """Run ``python -m module *args`` once per rank; fail (killing the others) if one
+    fails or hangs, with the ranks' output in the message."""
+    root = Path(__file__).resolve().parents[3]
+    logs = [log_dir / f"rank{r}.log" for r in range(len(rank_args))]
+    procs = []
+    for args, log in zip(rank_args, logs, strict=True):
+        with log.open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    cwd=root,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(codes):
+        output = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+        pytest.fail(f"{module} failed with exit codes {codes}:\n{output}")
+
+
 @pytest.mark.slow
 def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
-    port = free_port()
-    root = Path(__file__).resolve().parents[3]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.lightning_energy.perseus.pipeline_worker",
-                str(rank),
-                "2",
-                str(port),
-                str(tmp_path),
-                str(tmp_path / "leases"),
-            ],
-            cwd=root,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        assert proc.wait(timeout=240) == 0
+    port = str(free_port())
+    run_ranks(
+        "tests.lightning_energy.perseus.pipeline_worker",
+        [[str(r), "2", port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
+        tmp_path,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name in pipeline_worker.CASES:
         plan = Plan.from_dict(ranks[0][name]["plan"])

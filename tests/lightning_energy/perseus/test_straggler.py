@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,30 +11,17 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
 
-from .test_runtime import free_port
+from .test_runtime import free_port, run_ranks
 
 
 @pytest.mark.slow
 def test_two_process_ddp_equalises_the_fast_rank(tmp_path: Path) -> None:
-    port = free_port()
-    root = Path(__file__).resolve().parents[3]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.lightning_energy.perseus.ddp_worker",
-                str(rank),
-                str(port),
-                str(tmp_path),
-                str(tmp_path / "leases"),
-            ],
-            cwd=root,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        assert proc.wait(timeout=240) == 0
+    port = str(free_port())
+    run_ranks(
+        "tests.lightning_energy.perseus.ddp_worker",
+        [[str(r), port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
+        tmp_path,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     def last(phase: str, key: str, k: int = 3) -> list[float]:
