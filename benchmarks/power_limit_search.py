@@ -213,7 +213,7 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
                 optimum = selector.select(truth, max_power_limit_w=limits[0], num_gpus=1)
                 rows.append(
                     Row(
-                        trace=trace_name,
+                        trace=spec.label,
                         workload=f"{dataset}/{network}",
                         batch_size=batch_size,
                         selector=selector.describe(),

@@ -297,9 +297,13 @@ class EnergyController:
 
             section = self.config.power_limit
             lo, hi = self._power_limit_range()
+            # The Zeus cost weighs time by the highest power limit of the GPUs (x every
+            # GPU of the job), not the highest candidate.
+            top_w = min(g.power_limit_constraints_w()[1] for g in self.devices.gpus)
             optimizer = PowerLimitOptimizer(
                 section.candidates_w(lo, hi),
                 self._selector,
+                max_power_limit_w=top_w,
                 num_gpus=len(self.devices) * self.collective.world_size,
                 warmup_steps=section.warmup_steps,
                 settle_steps=section.settle_steps,

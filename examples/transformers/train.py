@@ -3,7 +3,7 @@
 Runs on CPU in a few seconds; the GPU is simulated by energy.yaml, nothing is downloaded:
 
     python examples/transformers/train.py --output-dir /tmp/energy-trainer
-    python examples/transformers/train.py --output-dir /tmp/energy-trainer --max-steps 80 --resume
+    python examples/transformers/train.py --output-dir /tmp/energy-trainer --max-steps 170 --resume
 
 The second command resumes from the last checkpoint: the power-limit profile saved in it
 is reused, nothing is profiled again. The script prints one JSON line at the end: the
@@ -59,7 +59,7 @@ class SyntheticRegression(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", required=True, help="checkpoints go here")
-    parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps in total")
+    parser.add_argument("--max-steps", type=int, default=150, help="optimizer steps in total")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
     parser.add_argument("--save-steps", type=int, default=30)
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")

@@ -48,10 +48,9 @@ The coarse pass never stops a descent early, even when the lowest limits are cle
 slow for the selector: skipping them would save a few percent of the steps but leave
 :meth:`~PowerLimitOptimizer.reselect` blind for slower targets (the carbon policy slows
 training down when the grid is dirty), and on flat, memory-bound profiles "clearly
-dominated" is not clear at all. Limits below the least-energy one are never chosen by any
-selector, so the frontier that matters is always measured; after racing, the limits near the
-first selector's choice are measured precisely and the rest to ``initial_steps`` steps,
-which bounds the error of a later re-selection at a few percent.
+dominated" is not clear at all. So every limit a re-selection could want is measured: after
+racing, the limits near the first selector's choice precisely and the rest to
+``initial_steps`` steps, which bounds the error of a later re-selection at a few percent.
 
 Every decision is a function of the reported numbers, the constructor arguments and
 ``seed``: ranks that make the same calls in the same order get the same windows (with the

@@ -109,26 +109,26 @@ def test_example_logs_energy_keys_and_resumes_from_its_checkpoint(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = str(tmp_path / "run")
-    first = _run_example(example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "60")
-    assert first["steps"] == 60
+    first = _run_example(example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "150")
+    assert first["steps"] == 150
     assert first["power_limit_w"] < PRE_JOB_W
     assert first["decisions"][-1].startswith("profile complete")
     assert {"energy/step_j", "energy/power_limit_w", "energy/total_j"} <= set(first["logged_keys"])
     # The profile is in the checkpoint, in the Trainer's own trainer_state.json.
-    trainer_state = json.loads((Path(out) / "checkpoint-60" / "trainer_state.json").read_text())
+    trainer_state = json.loads((Path(out) / "checkpoint-150" / "trainer_state.json").read_text())
     saved = trainer_state["stateful_callbacks"]["EnergyTrainerCallback"]["attributes"]
-    assert saved["energy_state"]["steps"] == 60
+    assert saved["energy_state"]["steps"] == 150
     assert any(
         entry.get("energy/power_limit_w") == first["power_limit_w"]
         for entry in trainer_state["log_history"]
     )
 
     second = _run_example(
-        example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "80", "--resume"
+        example, monkeypatch, capsys, "--output-dir", out, "--max-steps", "170", "--resume"
     )
     assert second["decisions"] == ["resumed from checkpoint"]
     assert second["power_limit_w"] == first["power_limit_w"]
-    assert second["steps"] == 80
+    assert second["steps"] == 170
 
 
 def test_steps_are_optimizer_steps_under_gradient_accumulation(
