@@ -185,6 +185,19 @@ class EnergyController:
             install_signal_handlers=self._install_signal_handlers,
         )
         self._guard.acquire()
+        try:
+            self._start(devices)
+        except BaseException:
+            self._guard.restore()  # nothing may stay changed, nor leased, after a failed setup
+            if self._pacer is not None:
+                self._pacer.stop()
+            raise
+        self._is_setup = True
+        self._torn_down = False
+        if self._guard.observe_only:
+            self._decide("observe-only", None, self._guard.observe_only_reason or "")
+
+    def _start(self, devices: DeviceSet) -> None:
         if self.config.power_limit.enabled and not self._guard.observe_only:
             # Find out now, before training, whether settings may be changed: setting every
             # GPU to its own pre-job limit changes nothing (the guard clamps to it) but
@@ -196,28 +209,29 @@ class EnergyController:
         self._start_s = devices.clock()
         simulated = devices.backend == "simulated"
         self._job_start = (simulated and self.config.device.start_time()) or utc_now()
-        if self.config.carbon is not None and self.collective.rank == 0:
-            self._pacer = self._start_pacer(self.config.carbon, simulated)
         if self.config.carbon is not None:
-            pacer = self._pacer
-            self._intensity = self.collective.broadcast(
-                pacer.intensity_g_per_kwh() if pacer is not None else None
-            )
+            # Rank 0 polls the grid; every rank learns the first intensity, or rank 0's
+            # configuration problem, so no rank is left waiting in a collective.
+            first: float | list[str] | None = None
+            if self.collective.rank == 0:
+                first = self._start_pacer(self.config.carbon, simulated)
+            first = self.collective.broadcast(first)
+            if isinstance(first, list):
+                raise ConfigError(first, self.config.source)
+            self._intensity = first
         self._meter.begin(_INTERVAL)
-        self._is_setup = True
-        self._torn_down = False
-        if self._guard.observe_only:
-            self._decide("observe-only", None, self._guard.observe_only_reason or "")
 
-    def _start_pacer(self, config: Any, simulated: bool) -> CarbonPacer:
+    def _start_pacer(self, config: Any, simulated: bool) -> float | list[str]:
+        """Rank 0: start polling; the first intensity, or the configuration problems."""
         from carbon.errors import CarbonConfigError
 
         try:
             pacer = CarbonPacer(config, now=self.now, virtual_clock=simulated)
         except CarbonConfigError as exc:
-            raise ConfigError([f"carbon.{p}" for p in exc.problems], self.config.source) from exc
+            return [f"carbon.{p}" for p in exc.problems]
+        self._pacer = pacer
         pacer.start()
-        return pacer
+        return pacer.intensity_g_per_kwh()
 
     def _open_devices(self) -> DeviceSet:
         from lightning_energy.device import open_devices

@@ -174,3 +174,19 @@ def test_interrupted_windows_are_retried(tmp_path: Path) -> None:
     measured = {m["power_limit_w"] for m in controller.profile()}
     assert measured == {300.0, 250.0, 200.0, 150.0}
     controller.teardown()
+
+
+def test_carbon_problem_at_setup_is_a_config_error_and_leaves_nothing_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EM_TOKEN", "t0ken-value")
+    config = _config(tmp_path).merged(
+        {"carbon": {"provider": "electricitymaps", "region": "DE", "token_env": "EM_TOKEN"}}
+    )
+    monkeypatch.delenv("EM_TOKEN")  # gone by the time the job starts
+    devices = _devices()
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    with pytest.raises(ConfigError, match="carbon.token_env") as info:
+        controller.setup()
+    assert "t0ken-value" not in str(info.value)
+    assert devices.gpus[0].power_limit_w() == 300.0
