@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from lightning_energy.cli import positive_int
 from lightning_energy.config import EnergyConfig
 
 __all__ = [
@@ -116,16 +117,6 @@ class DemoOptions:
     start: str = DEFAULT_START
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; use an integer >= 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser`` (shared by the CLI and ``examples/demo.py``)."""
     parser.add_argument(
@@ -145,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_STEPS,
         metavar="N",
         help=f"training steps (default: {DEFAULT_STEPS}, about a day of grid time on the A40)",

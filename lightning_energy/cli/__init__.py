@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from lightning_energy import __version__
 from lightning_energy.errors import ConfigError, EnergyError
 
-__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "positive_int"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -34,6 +34,17 @@ COMMANDS: tuple[str, ...] = (
     "recover",
     "doctor",
 )
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an integer >= 1, with a message naming the bad value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; use an integer >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ lowest mean cost over its converged runs). ``--json`` prints the same as one JSO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from datetime import datetime, timezone
@@ -99,21 +100,8 @@ def _as_json(url: str, jobs: list[tuple[JobRecord, list[TrialRecord]]]) -> dict[
 
 
 def _trial_dict(trial: TrialRecord) -> dict[str, Any]:
-    return {
-        "id": trial.id,
-        "run_id": trial.run_id,
-        "batch_size": trial.batch_size,
-        "power_limit_w": trial.power_limit_w,
-        "epochs": trial.epochs,
-        "energy_j": trial.energy_j,
-        "time_s": trial.time_s,
-        "cost": trial.cost,
-        "eta": trial.eta,
-        "converged": trial.converged,
-        "metric": trial.metric,
-        "started_at": trial.started_at,
-        "finished_at": trial.finished_at,
-    }
+    """A trial as JSON data; its job is named once, at the top of the output."""
+    return {k: v for k, v in dataclasses.asdict(trial).items() if k != "job"}
 
 
 def _as_text(url: str, jobs: list[tuple[JobRecord, list[TrialRecord]]]) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, positive_int
 
 __all__ = ["MAX_STEPS_ENV", "register", "run"]
 
@@ -41,16 +41,6 @@ _DEFAULT_STEPS = 300
 _STDERR_FD = 2  # the command's stdout goes to our stderr with --json (a file descriptor:
 # sys.stderr may be an object without one)
 _SELECTORS = ("energy", "time", "cost", "max_slowdown")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; use an integer >= 1")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -66,7 +56,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=_DEFAULT_STEPS,
         metavar="N",
         help=f"training steps to run (default: {_DEFAULT_STEPS}; profiling 9 candidate "
