@@ -47,7 +47,6 @@ _INTERVAL = "log-interval"
 _AFTER_PROFILE = "after-profile"
 _STATE_VERSION = 1
 _J_PER_KWH = 3.6e6
-_PAUSE = "pause"
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
 # pause measures it (used only to weigh pausing against slow running).
 _IDLE_SHARE = 0.15
@@ -376,11 +375,9 @@ class EnergyController:
                 self._optimizer().report(self._window, time_per_step_s=0.0, energy_per_step_j=0.0)
                 self._window = None
         if self._interval_steps >= self.config.log_every_n_steps:
-            self._close_interval()
+            self._next_interval()
             if self.config.carbon is not None:
                 self._pace()
-            assert self._meter is not None
-            self._meter.begin(_INTERVAL)
 
     def interrupt(self, reason: str) -> None:
         """Discard the profiling window in progress (validation, epoch end, workload change).
@@ -413,7 +410,7 @@ class EnergyController:
         self._window_steps = 0
         self._window_steps_run = 0
         self._measuring = False
-        self._apply(window.power_limit_w, f"{window.purpose} window")
+        self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
 
     def _close_window(self) -> None:
         assert self._meter is not None and self._window is not None
@@ -442,34 +439,55 @@ class EnergyController:
         self._meter.begin(_AFTER_PROFILE)
         self._apply(chosen, reason)
 
-    def _apply(self, power_limit_w: float | None, reason: str) -> None:
+    def _apply(self, power_limit_w: float | None, reason: str, purpose: str = "choice") -> None:
+        """Set the power limit on every local GPU and record why.
+
+        ``purpose`` tells reports what the change was for: ``profile`` (a profiling
+        window), ``choice`` (the optimizer's or the carbon pace's limit), ``pause`` or
+        ``resume``.
+        """
         if power_limit_w is None or power_limit_w == self._power_limit_w:
             return
         applied = self._guard.set_power_limit_w(power_limit_w)
         if self._guard.observe_only:
             return
         self._power_limit_w = applied
-        self._decide("power_limit", applied, reason)
+        self._decide("power_limit", applied, reason, purpose)
 
-    def _decide(self, kind: str, value: float | None, reason: str) -> None:
+    def _decide(
+        self, kind: str, value: float | None, reason: str, purpose: str | None = None
+    ) -> None:
         entry = {
             "step": self._step,
             "time_s": self.devices.clock() - self._start_s,
             "kind": kind,
+            "purpose": purpose,
             "value": value,
             "reason": reason,
         }
         self.decisions.append(entry)
         log.debug("decision at step %d: %s=%s (%s)", self._step, kind, value, reason)
 
-    def _close_interval(self) -> None:
+    def _next_interval(self) -> Measurement:
+        """Close the logging interval and open the next one."""
+        m = self._close_interval()
+        assert self._meter is not None
+        self._meter.begin(_INTERVAL)
+        return m
+
+    def _close_interval(self) -> Measurement:
         """Close the logging interval: metrics, timeline and carbon accounting."""
         assert self._meter is not None
         m = self._meter.end(_INTERVAL)
+        steps = self._interval_steps
+        if not steps and m.duration_s <= 0:
+            return m  # an interval in which nothing happened (e.g. closed at teardown)
         self._energy_j += m.energy_j
-        steps = max(self._interval_steps, 1)
         self.metrics = {
-            "energy/step_j": m.energy_j / steps,
+            # A pause has no steps: the energy per step of the last steps still stands.
+            "energy/step_j": m.energy_j / steps
+            if steps
+            else self.metrics.get("energy/step_j", 0.0),
             "energy/power_w": m.average_power_w,
             "energy/power_limit_w": float(self.current_power_limit_w() or 0.0),
             "energy/total_j": self._energy_j,
@@ -487,6 +505,7 @@ class EnergyController:
             entry.update(self._account_carbon(m.energy_j))
         self.timeline.append(entry)
         self._interval_steps = 0
+        return m
 
     # ------------------------------------------------------------------ carbon
     def now(self) -> datetime:
@@ -589,24 +608,27 @@ class EnergyController:
         """Wait at the lowest power limit until rank 0's policy resumes training."""
         lo, _ = self._power_limit_range()
         before = self._power_limit_w
-        self._apply(lo, f"paused: {first.reason}")
+        self._apply(lo, f"paused: {first.reason}", purpose="pause")
         assert self.config.carbon is not None
         wait_s = self.config.carbon.poll_interval_s
         update: PaceUpdate | None = first
-        assert self._meter is not None
-        self._meter.begin(_PAUSE)
+        idle_j = idle_s = 0.0
         while update is not None and update.pause:
             if self.devices.run_step is not None:
                 for gpu in self.devices.gpus:
                     gpu.idle(wait_s)  # type: ignore[attr-defined]
             else:
                 time.sleep(wait_s)
+            # Each polling period of the pause is an interval of its own (no steps), so its
+            # idle energy is counted at the intensity of that period.
+            m = self._next_interval()
+            idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
             update = self.collective.broadcast(self._pace_update())
             if update is not None:
                 self._intensity = update.intensity_g_per_kwh
-        # Job-wide idle power, as every rank idles alike.
-        self._idle_power_w = self._meter.end(_PAUSE).average_power_w * self.collective.world_size
-        self._apply(before, "resumed")
+        if idle_s > 0:  # job-wide idle power, as every rank idles alike
+            self._idle_power_w = idle_j / idle_s * self.collective.world_size
+        self._apply(before, "resumed", purpose="resume")
 
     # ------------------------------------------------------------------ queries
     def current_power_limit_w(self) -> float | None:

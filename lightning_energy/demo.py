@@ -103,6 +103,8 @@ class DemoOptions:
         policy: the carbon pacing policy (``static``, ``threshold``, ``forecast``).
         progress: show Lightning's progress bar.
         start: when the simulated job starts (ISO 8601): the day of the trace replayed.
+        allow_pause: let the carbon policy pause training (GPUs idle at the lowest
+            limit) while the grid is dirty.
     """
 
     gpu: str = "a40"
@@ -115,6 +117,7 @@ class DemoOptions:
     policy: str = "forecast"
     progress: bool = True
     start: str = DEFAULT_START
+    allow_pause: bool = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +170,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when the simulated job starts, i.e. which day of the trace is replayed (the "
         f"trace's year wraps around; default: {DEFAULT_START})",
     )
+    parser.add_argument(
+        "--no-pause",
+        action="store_true",
+        help="never pause training for a cleaner grid (pacing only changes the power limit)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument(
         "--no-progress", action="store_true", help="hide the progress bar (for logs)"
@@ -186,6 +194,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         policy=args.policy,
         progress=not args.no_progress,
         start=args.start,
+        allow_pause=not args.no_pause,
     )
 
 
@@ -210,6 +219,7 @@ def demo_config(options: DemoOptions) -> EnergyConfig:
                 "region": options.region,
                 "policy": options.policy,
                 "max_slowdown": 1.5,
+                "allow_pause": options.allow_pause,
             },
             "report": options.report,
             "log_every_n_steps": 10,

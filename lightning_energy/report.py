@@ -72,7 +72,6 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "decisions": list,
     "summary": dict,
 }
-_PROFILING_SUFFIX = " window"
 _J_PER_KWH = 3.6e6
 
 
@@ -244,9 +243,7 @@ def chosen_power_limits_w(report: Mapping[str, Any]) -> list[float]:
     limits: list[float] = []
     for decision in report.get("decisions", []):
         value = decision.get("value")
-        if decision.get("kind") != "power_limit" or value is None:
-            continue
-        if str(decision.get("reason", "")).endswith(_PROFILING_SUFFIX):
+        if decision.get("purpose") != "choice" or value is None:
             continue
         if float(value) not in limits:
             limits.append(float(value))

@@ -186,7 +186,7 @@ def test_carbon_problem_at_setup_is_a_config_error_and_leaves_nothing_changed(
     monkeypatch.delenv("EM_TOKEN")  # gone by the time the job starts
     devices = _devices()
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
-    with pytest.raises(ConfigError, match="carbon.token_env") as info:
+    with pytest.raises(ConfigError, match=r"carbon\.token_env") as info:
         controller.setup()
     assert "t0ken-value" not in str(info.value)
     assert devices.gpus[0].power_limit_w() == 300.0

@@ -83,7 +83,14 @@ def test_pausing_shifts_work_to_clean_hours_and_emits_less(tmp_path: Path) -> No
     callback = _fit(_config(tmp_path, "DE", "96h", allow_pause=True))
     carbon = callback.summary.carbon
     decisions = callback.controller.decisions
-    assert any(d["reason"].startswith("paused") for d in decisions)
+    assert any(d["purpose"] == "pause" for d in decisions)
+    # Idle GPUs still draw power while paused: those intervals count, at their intensity.
+    timeline = callback.controller.timeline
+    paused = [e for e in timeline if e["steps"] == 0]
+    assert paused and all(e["energy_j"] > 0 and e["emissions_g"] > 0 for e in paused)
+    busy_w = min(e["power_w"] for e in timeline if e["steps"] > 0)
+    assert all(e["power_w"] < busy_w for e in paused)
+    assert sum(e.get("emissions_g", 0.0) for e in timeline) == pytest.approx(carbon["emissions_g"])
     assert carbon["deadline_met"] is True
     assert carbon["emissions_g"] < carbon["carbon_unaware_emissions_g"]
     # Every GPU setting is back as it was.
