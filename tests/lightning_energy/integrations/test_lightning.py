@@ -316,16 +316,18 @@ DDP_SCRIPT = textwrap.dedent(
     import lightning.pytorch as ns
     sys.path.insert(0, os.environ["REPO_ROOT"])
     from tests.lightning_energy.integrations._models import make_loader, module_class
-    from lightning_energy.integrations.lightning import EnergyCallback
+    from lightning_energy.integrations.lightning import EnergyDDPStrategy
 
-    cfg = json.loads(os.environ["ENERGY_CFG"])
-    callback = EnergyCallback(cfg)
+    # The strategy variant: configuring the strategy alone attaches the callback.
+    strategy = EnergyDDPStrategy(energy=json.loads(os.environ["ENERGY_CFG"]))
     trainer = ns.Trainer(
-        max_steps=160, accelerator="cpu", devices=2, strategy="ddp", callbacks=[callback],
+        max_steps=160, accelerator="cpu", devices=2, strategy=strategy,
         enable_progress_bar=False, enable_model_summary=False, logger=False,
         enable_checkpointing=False, default_root_dir=os.environ["OUT_DIR"],
     )
     trainer.fit(module_class(ns)(), make_loader())
+    callback = strategy.energy_callback
+    assert callback in trainer.callbacks
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"power_limit_w": callback.summary.power_limit_w,
                    "profile": callback.controller.profile()}, f)
