@@ -49,6 +49,7 @@ def test_every_problem_is_reported_at_once() -> None:
         ({"power_limit": {"power_limits_w": ["high"]}}, "list of numbers"),
         ({"device": {"gpu": "nosuch"}}, "device.gpu 'nosuch'"),
         ({"device": {"start": "yesterday"}}, "device.start"),
+        ({"device": {"gpu": "a40", "step_time_s": 2.0}}, "step_time_s"),
         ({"device": {"slowdowns": [1.0, 0.5]}}, "device.slowdowns"),
         ({"log_every_n_steps": 0}, "log_every_n_steps"),
         ({"carbon": {"provider": "smoke-signals"}}, "carbon.provider"),
@@ -109,3 +110,30 @@ def test_carbon_token_is_never_in_the_mapping(monkeypatch: pytest.MonkeyPatch) -
     )
     assert "secret-token-123" not in repr(config.to_mapping())
     assert config.to_mapping()["carbon"]["token_env"] == "EM_TOKEN"
+
+
+def test_simulated_start_sets_the_jobs_clock(tmp_path: Path) -> None:
+    from datetime import datetime, timezone
+
+    from lightning_energy.controller import EnergyController
+
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {
+                "backend": "simulated",
+                "start": "2023-04-17T06:00:00",
+                "lease_dir": str(tmp_path),
+            }
+        }
+    )
+    assert config.device.start_time() == datetime(2023, 4, 17, 6, tzinfo=timezone.utc)
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    try:
+        start = controller.now()
+        controller.on_step_start()
+        controller.on_step_end()
+        assert start == datetime(2023, 4, 17, 6, tzinfo=timezone.utc)
+        assert controller.now() > start  # the virtual clock moved by one simulated step
+    finally:
+        controller.teardown()
