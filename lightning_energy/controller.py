@@ -297,6 +297,7 @@ class EnergyController:
         self.interrupt("workload change")
         self._workload = key
         self._profile_end = None
+        self._scale = None  # the carbon pace applies afresh to the new workload's profile
         if self._meter is not None:
             self._meter.cancel(_AFTER_PROFILE)
         optimizer = self._optimizers.get(key)
