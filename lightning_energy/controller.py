@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from carbon.accounting import emissions_g
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device.base import DeviceSet, GPUInfo, gpu_info
@@ -46,7 +47,6 @@ _WINDOW = "profile-window"
 _INTERVAL = "log-interval"
 _AFTER_PROFILE = "after-profile"
 _STATE_VERSION = 1
-_J_PER_KWH = 3.6e6
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
 # pause measures it (used only to weigh pausing against slow running).
 _IDLE_SHARE = 0.15
@@ -525,7 +525,7 @@ class EnergyController:
     def _account_carbon(self, energy_j: float) -> dict[str, float | None]:
         """Grams emitted during the interval just closed, at the intensity then in force."""
         assert self._intensity is not None
-        grams = energy_j / _J_PER_KWH * self._intensity
+        grams = emissions_g(energy_j, self._intensity)
         self._emissions_g += grams
         self.metrics["carbon/intensity_g_per_kwh"] = self._intensity
         self.metrics["carbon/emissions_g"] = self._emissions_g

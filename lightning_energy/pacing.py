@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+from carbon.accounting import emissions_g
+
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
     from carbon.monitor import CarbonMonitor
@@ -32,7 +34,6 @@ log = logging.getLogger(__name__)
 
 #: Providers that read local data, so polling them on a virtual clock costs nothing.
 _LOCAL_PROVIDERS = ("trace", "constant")
-_J_PER_KWH = 3.6e6
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class CarbonPacer:
         offset_s = (start - self.start_time).total_seconds()
         for k in range(steps):
             i = max(bisect.bisect_right(self._observed_s, t0 + k * time_per_step_s) - 1, 0)
-            grams += energy_per_step_j / _J_PER_KWH * self._observed_g[i]
+            grams += emissions_g(energy_per_step_j, self._observed_g[i])
             out.append((offset_s + (k + 1) * time_per_step_s, grams))
         return out
 

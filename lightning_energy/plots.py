@@ -35,13 +35,13 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from carbon.accounting import J_PER_KWH
 from lightning_energy.report import ReportError, chosen_power_limits_w
 
 __all__ = ["plot_emissions", "plot_frontier", "plot_power", "render_plots"]
 
 log = logging.getLogger(__name__)
 
-_J_PER_KWH = 3.6e6
 _DPI = 120
 _COLORS = {
     "limit": "#1f77b4",
@@ -436,7 +436,7 @@ def _energy_by_step(
     if full is not None:
         series["full power (every step at the highest limit)"] = np.diff(steps) * full
     total = max(float(np.sum(v)) for v in series.values())
-    unit, div = ("kWh", _J_PER_KWH) if total >= 0.1 * _J_PER_KWH else ("kJ", 1000.0)
+    unit, div = ("kWh", J_PER_KWH) if total >= 0.1 * J_PER_KWH else ("kJ", 1000.0)
     for (name, values), (color, style) in zip(
         series.items(), ((_COLORS["run"], "-"), (_COLORS["full"], ":")), strict=False
     ):

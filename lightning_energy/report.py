@@ -43,6 +43,7 @@ from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from carbon.accounting import J_PER_KWH
 from lightning_energy.controller import EnergyController
 from lightning_energy.errors import EnergyError
 
@@ -72,7 +73,6 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "decisions": list,
     "summary": dict,
 }
-_J_PER_KWH = 3.6e6
 
 
 class ReportError(EnergyError, ValueError):
@@ -306,7 +306,7 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
         return rows
     emitted = float(emitted)
     if energy_j > 0:
-        rows.append(("mean intensity", f"{emitted / (energy_j / _J_PER_KWH):.0f} gCO2eq/kWh"))
+        rows.append(("mean intensity", f"{emitted / (energy_j / J_PER_KWH):.0f} gCO2eq/kWh"))
     rows.append(("emissions", _grams(emitted)))
     for name, label in (("carbon_unaware", "vs. carbon-unaware"), ("full_power", "vs. full power")):
         baseline = carbon.get(f"{name}_emissions_g")
@@ -348,8 +348,8 @@ def _gpus(devices: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _energy(energy_j: float) -> str:
-    if abs(energy_j) >= 0.1 * _J_PER_KWH:
-        return f"{energy_j / _J_PER_KWH:.2f} kWh"
+    if abs(energy_j) >= 0.1 * J_PER_KWH:
+        return f"{energy_j / J_PER_KWH:.2f} kWh"
     return f"{energy_j / 1000:.2f} kJ"
 
 
