@@ -200,6 +200,25 @@ class StageWork:
     compute_bound_share: float = 1.0
 
 
+def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
+    """A barrier on simulated clocks: every rank idles until the slowest rank's time.
+
+    Args:
+        gpu: this rank's simulated GPU (its clock advances, drawing blocked power).
+        group: the process group (None: the default one); a single process just returns.
+
+    Returns:
+        The common virtual time all ranks reached.
+    """
+    end = torch.tensor([gpu.clock.now()], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(end, op=dist.ReduceOp.MAX, group=group)
+    wait_s = float(end.item()) - gpu.clock.now()
+    if wait_s > 0:
+        gpu.idle(wait_s)
+    return float(end.item())
+
+
 @dataclass
 class PipelineSimulation:
     """GPU time, energy and cross-rank timing of a pipeline on simulated GPUs.
@@ -297,14 +316,9 @@ class PipelineSimulation:
         for work in self._sends:
             work.wait()
         self._sends.clear()
-        end = torch.tensor([self.gpu.clock.now()], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(end, op=dist.ReduceOp.MAX, group=self.group)
-        wait_s = float(end.item()) - self.gpu.clock.now()
-        if wait_s > 0:
-            self.gpu.idle(wait_s)
-        iteration_s = float(end.item()) - self._iteration_start_s
-        self._iteration_start_s = float(end.item())
+        end_s = wait_for_slowest(self.gpu, self.group)
+        iteration_s = end_s - self._iteration_start_s
+        self._iteration_start_s = end_s
         return iteration_s, self.gpu.energy_j()
 
 

@@ -42,7 +42,7 @@ from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
-from lightning_energy.perseus.runtime import StageWork
+from lightning_energy.perseus.runtime import StageWork, wait_for_slowest
 
 __all__ = ["SimulatedDataParallel", "StragglerEqualizer"]
 
@@ -238,11 +238,6 @@ class SimulatedDataParallel:
 
     def all_reduce(self) -> tuple[float, float]:
         """Wait (idle) for the slowest rank: ``(step_time_s, step_energy_j)``."""
-        end = torch.tensor([self.gpu.clock.now()], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(end, op=dist.ReduceOp.MAX, group=self.group)
-        wait_s = float(end.item()) - self.gpu.clock.now()
-        if wait_s > 0:
-            self.gpu.idle(wait_s)
+        wait_for_slowest(self.gpu, self.group)
         t0, e0 = self._step_start
         return self.gpu.clock.now() - t0, self.gpu.energy_j() - e0
