@@ -114,6 +114,10 @@ def main() -> None:
         trainer_defaults={"callbacks": [Report()]},
         save_config_callback=None,
     )
+    # Shut gloo down before the interpreter exits: tearing down its threads at exit while
+    # the other rank is closing its connections can abort the process.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
