@@ -8,10 +8,12 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
+from carbon.providers.trace import TraceProvider
 from lightning_energy.device.simulated import live_simulated_gpus, track_simulated_gpus
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -92,6 +94,41 @@ def _no_gpu_settings_leak(request: pytest.FixtureRequest) -> Iterator[None]:
     if changed:
         pytest.fail(
             "GPU settings left changed (power_limit_w, locked_clocks_mhz): " + "; ".join(changed)
+        )
+
+
+# A replayed trace is read at "now"; a "now" this close to the wall clock means the test
+# replays whatever day of the trace the calendar gives, so its outcome changes with the date.
+_WALL_CLOCK_TOLERANCE = timedelta(days=2)
+
+
+@pytest.fixture(autouse=True)
+def _no_wall_clock_traces(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Fail a test that replays a carbon trace at the wall clock's date.
+
+    Pin the simulated start (``device.start``) or give the provider a ``now``. Tests of the
+    wall-clock default itself are marked ``@pytest.mark.wall_clock``.
+    """
+    if request.node.get_closest_marker("wall_clock"):
+        yield
+        return
+    reads: list[datetime] = []
+    original = TraceProvider.now
+
+    def now(self: TraceProvider) -> datetime:
+        value = original(self)
+        if abs(value - datetime.now(timezone.utc)) < _WALL_CLOCK_TOLERANCE:
+            reads.append(value)
+        return value
+
+    monkeypatch.setattr(TraceProvider, "now", now)
+    yield
+    if reads:
+        pytest.fail(
+            f"the test replayed a carbon trace at the wall clock ({reads[0].isoformat()}): its "
+            "outcome depends on the date it runs; pin device.start or the provider's now"
         )
 
 

@@ -32,6 +32,7 @@ def config(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.wall_clock  # `carbon now` reads a trace at today's date; any date gives these fields
 def test_now_from_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = config(tmp_path, "  provider: trace\n  region: FR\n")
     assert main(["carbon", "now", "--config", path]) == 0
@@ -50,6 +51,7 @@ def test_now_constant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert json.loads(capsys.readouterr().out)["g_per_kwh"] == 123.5
 
 
+@pytest.mark.wall_clock  # 5 hours ahead from now: 5 or 6 rows at any date and time of day
 def test_forecast_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = config(tmp_path, "  provider: trace\n  region: CISO\n")
     assert main(["carbon", "forecast", "--config", path, "--hours", "5"]) == 0

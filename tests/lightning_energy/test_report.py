@@ -32,7 +32,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _config(tmp_path: Path, carbon: dict[str, Any] | None = None) -> EnergyConfig:
     data: dict[str, Any] = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "lease_dir": str(tmp_path / "leases"),
+            "start": "2023-06-01T00:00:00",  # a pinned day of the replayed trace
+        },
         "power_limit": {
             "power_limits_w": [300, 250, 200, 150],
             "warmup_steps": 2,

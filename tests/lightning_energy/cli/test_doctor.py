@@ -121,6 +121,7 @@ def test_invalid_config_exits_2_naming_every_problem(
     assert "device.backend" in out and "'cuda'" in out and "power_limit" in out
 
 
+@pytest.mark.wall_clock  # doctor reads the trace at today's date; any date passes the check
 def test_config_from_the_environment_and_trace_provider(
     no_gpu: FakeNVML,
     tmp_path: Path,

@@ -55,7 +55,12 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("LIGHTNING_ENERGY_CONFIG", raising=False)
     path = tmp_path / "energy.yaml"
     data = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "lease_dir": str(tmp_path / "leases"),
+            "start": "2023-06-01T00:00:00",  # a pinned day of the replayed trace
+        },
         "power_limit": {"power_limits_w": [300, 250, 200, 150], "warmup_steps": 2},
         "carbon": {"provider": "trace", "region": "DE"},
         "log_every_n_steps": 10,

@@ -137,6 +137,7 @@ def test_carbon_values_reach_the_trackers(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, log_with=[tracker])
     accelerator.init_trackers("test")
     config = {**_config(tmp_path), "carbon": {"provider": "trace", "region": "DE"}}
+    config["device"]["start"] = "2023-06-01T00:00:00"  # a pinned day of the replayed trace
     with attach_energy(accelerator, config) as energy:
         energy.set_total_steps(10)
         model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=10))

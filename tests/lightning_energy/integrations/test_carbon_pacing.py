@@ -17,6 +17,8 @@ import pytest
 from tests.lightning_energy.integrations._models import make_loader, module_class
 
 STEPS = 1200
+# The simulated job's clock starts here, so every run replays the same days of each trace.
+START = "2023-03-06T00:00:00"
 
 
 def _config(tmp_path: Path, region: str, deadline: str, allow_pause: bool) -> dict[str, Any]:
@@ -28,6 +30,7 @@ def _config(tmp_path: Path, region: str, deadline: str, allow_pause: bool) -> di
             "steps_per_epoch": 20,
             "noise_std": 0.02,
             "lease_dir": str(tmp_path / "leases"),
+            "start": START,
         },
         "power_limit": {"selector": "energy", "warmup_steps": 2, "settle_steps": 1},
         "carbon": {

@@ -58,6 +58,7 @@ def test_lightning_cli_runs_the_yaml(examples: Path, monkeypatch: pytest.MonkeyP
     config["trainer"]["max_steps"] = 150
     config["trainer"]["enable_progress_bar"] = False
     config["trainer"]["callbacks"][0]["init_args"]["device"]["backend"] = "simulated"
+    config["trainer"]["callbacks"][0]["init_args"]["device"]["start"] = "2023-06-01T00:00:00"
     path = examples / "cli.yaml"
     path.write_text(yaml.safe_dump(config))
     train = _load("train", "lightning_cli_example_train", monkeypatch)

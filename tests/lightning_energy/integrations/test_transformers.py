@@ -146,6 +146,7 @@ def test_steps_are_optimizer_steps_under_gradient_accumulation(
 
 def test_carbon_section_adds_carbon_keys_to_the_logs(example: ModuleType, tmp_path: Path) -> None:
     config = {**_config(), "carbon": {"provider": "trace", "region": "DE"}}
+    config["device"]["start"] = "2023-06-01T00:00:00"  # a pinned day of the replayed trace
     callback = EnergyTrainerCallback(config)
     trainer = _trainer(example, tmp_path, callback, max_steps=12)
     trainer.train()
