@@ -652,9 +652,14 @@ class LeaseStore:
                 operation="lease_dir",
             )
 
-    def _ensure_directory(self) -> None:
+    def ensure_directory(self) -> None:
         """Create the directory when missing (sticky, writable by all: every user's jobs
-        lease GPUs in it) and check it."""
+        lease GPUs in it) and check it.
+
+        Raises:
+            UntrustedLeaseError: the directory is not safe.
+            DeviceError: it cannot be created (operation ``lease_dir``).
+        """
         if not self.directory.is_dir():
             try:
                 self.directory.parent.mkdir(parents=True, exist_ok=True)
@@ -763,7 +768,7 @@ class LeaseStore:
                 name owned by another user.
         """
         path = self.path_for(lease.gpu_uuid)
-        self._ensure_directory()
+        self.ensure_directory()
         tmp: str | None = None
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.directory)
@@ -834,7 +839,7 @@ class LeaseStore:
         path = self.directory / f"{self._stem(gpu_uuid)}.lock"
         if sys.platform == "win32":  # no flock: rely on the process identity alone
             return LeaseLock(None, path)
-        self._ensure_directory()
+        self.ensure_directory()
         fd = _open_lock_file(path)
         try:
             _check_regular(path, os.fstat(fd), "lock file")
