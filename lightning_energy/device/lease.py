@@ -537,7 +537,8 @@ def restore_stale_lease(gpu: GPU, lease: Lease, *, trusted: bool) -> str:
         current_w = gpu.power_limit_w()
         if not trusted and lease.power_limit_w < current_w:
             raise UntrustedLeaseError(
-                f"the lease asks for {lease.power_limit_w:g} W, lower than the "
+                f"the lease of uid {lease.file_uid} (another user) asks for "
+                f"{lease.power_limit_w:g} W, lower than the "
                 f"{current_w:g} W the GPU has now; a lease of another user may only undo a "
                 "lowering",
                 operation="restore_lease",

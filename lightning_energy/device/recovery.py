@@ -283,7 +283,7 @@ def _recover_locked(
         try:
             done = restore_stale_lease(gpu, lease, trusted=trusted)
         except UntrustedLeaseError as exc:
-            return _refused(path, f"a lease of uid {lease.file_uid}, another user: {exc}", lease)
+            return _refused(path, exc, lease)
         except DeviceError as exc:
             return _result(path, "failed", f"cannot restore the GPU: {exc}; lease kept", lease)
         finally:

@@ -310,3 +310,31 @@ def test_recover_explains_a_refused_lease(
     out = capsys.readouterr().out
     assert out.startswith("refused") and f"uid {USER_UID}" in out
     assert device.limit_mw == 400_000
+
+
+def test_a_symlinked_lock_file_is_not_followed(lease_dir: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "created-by-root"
+    (lease_dir / "GPU-sim-a40-0.lock").symlink_to(victim)
+    plant(lease_dir / "GPU-sim-a40-0.json", lease_dict("GPU-sim-a40-0"), uid=None)
+    (result,) = recover(lease_dir)
+    assert result.status == "refused" and "symbolic link" in result.message
+    assert not victim.exists()
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs a file owned by another uid")
+def test_a_root_job_never_applies_a_planted_lease(
+    lease_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", state_dir=str(tmp_path / "state")))
+    planted = lease_dict(
+        gpus[0].uuid,
+        gpu_name=gpus[0].name,
+        backend="simulated",
+        simulated_gpu="a100",
+        state_path=str(gpus[0].state_path),
+    )
+    plant(lease_dir / f"{gpus[0].uuid}.json", planted)
+    with GPUGuard(gpus, lease_dir=lease_dir, install_signal_handlers=False) as job:
+        assert job.observe_only and "uid 4242" in (job.observe_only_reason or "")
+        assert job.set_power_limit_w(200.0) == gpus[0].default_power_limit_w()
+    assert gpus[0].settings() == gpus[0].initial_settings
