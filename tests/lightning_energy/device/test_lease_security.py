@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +339,27 @@ def test_a_root_job_never_applies_a_planted_lease(
         assert job.observe_only and "uid 4242" in (job.observe_only_reason or "")
         assert job.set_power_limit_w(200.0) == gpus[0].default_power_limit_w()
     assert gpus[0].settings() == gpus[0].initial_settings
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="switches to another uid")
+def test_another_user_cannot_replace_or_remove_a_root_lease() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp).chmod(0o755)  # reachable by the other user
+        lease_dir = Path(tmp) / "leases"
+        root_store = LeaseStore(lease_dir)
+        root_lease = Lease.from_dict(lease_dict("GPU-sim-a40-0", power_limit_w=300.0))
+        root_store.write(root_lease)
+        assert stat.S_IMODE(lease_dir.stat().st_mode) == 0o1777
+        forged = dataclasses.replace(root_lease, power_limit_w=100.0)
+        os.setegid(USER_UID)
+        os.seteuid(USER_UID)
+        try:
+            user_store = LeaseStore(lease_dir)
+            with pytest.raises(DeviceError, match="write lease"):
+                user_store.write(forged)
+            with pytest.raises(DeviceError, match="remove lease"):
+                user_store.remove("GPU-sim-a40-0")
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        assert root_store.read("GPU-sim-a40-0") == root_lease
