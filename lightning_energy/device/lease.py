@@ -44,11 +44,9 @@ import dataclasses
 import errno
 import json
 import logging
-import math
 import os
 import re
 import socket
-import stat
 import sys
 import tempfile
 from collections.abc import Collection
@@ -58,6 +56,26 @@ from pathlib import Path
 from typing import Any
 
 from lightning_energy.device.base import GPU
+from lightning_energy.device.lease_fields import (
+    field,
+    kind_of,
+    parse_json,
+    read_bool,
+    read_clock_lock,
+    read_int,
+    read_optional_int,
+    read_optional_text,
+    read_text,
+    read_watts,
+    show,
+)
+from lightning_energy.device.shared_dir import (
+    OPEN_FLAGS,
+    check_regular,
+    directory_problem,
+    open_lock_file,
+    read_at_most,
+)
 from lightning_energy.errors import ConfigError, DeviceError, UntrustedLeaseError
 
 if sys.platform != "win32":
@@ -100,17 +118,7 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _MODEL = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
 _BACKENDS = ("nvml", "simulated")
-_MAX_TEXT = 256
 _MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
-_MAX_POWER_W = 100_000.0
-_MAX_MHZ = 100_000
-_OPEN_FLAGS = (
-    os.O_RDONLY
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_NOCTTY", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
 
 
 def _euid() -> int | None:
@@ -143,40 +151,6 @@ def resolve_lease_dir(lease_dir: str | Path | None = None) -> Path:
     if from_env and from_env.strip():
         return Path(from_env).expanduser()
     return DEFAULT_LEASE_DIR
-
-
-def directory_problem(directory: Path, uid: int | None) -> str | None:
-    """Why an existing directory is not safe to keep leases in for user ``uid``, or None.
-
-    The directory and every one above it (after resolving symbolic links) must belong to
-    root or to ``uid``, and one that group or others may write must have the sticky bit,
-    so no other user can rename, replace or remove what is in it.
-
-    Args:
-        directory: the directory.
-        uid: the user who will act on it (None: no ownership model, nothing to check).
-    """
-    if uid is None:
-        return None
-    real = Path(os.path.realpath(directory))
-    for part in (real, *real.parents):
-        try:
-            st = os.lstat(part)
-        except OSError as exc:
-            return f"{part} cannot be inspected: {exc.strerror or exc}"
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{part} is not a directory"
-        if st.st_uid not in (0, uid):
-            return (
-                f"{part} belongs to uid {st.st_uid}, another user, who could replace the "
-                "leases in it; use a directory owned by root (mode 1777)"
-            )
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return (
-                f"{part} may be written by other users and has no sticky bit, so anyone "
-                f"could replace another user's lease; run `chmod +t {part}` (or `chmod go-w`)"
-            )
-    return None
 
 
 def _read_text(path: Path) -> str | None:
@@ -354,125 +328,46 @@ class Lease:
                 impossible value, or an unknown format.
         """
         if not isinstance(data, dict):
-            raise ValueError(f"a lease is a JSON object, not {_kind(data)}")
+            raise ValueError(f"a lease is a JSON object, not {kind_of(data)}")
         if data.get("format") != _FORMAT:
             raise ValueError(
-                f"unknown lease format {_show(data.get('format'))} (expected {_FORMAT})"
+                f"unknown lease format {show(data.get('format'))} (expected {_FORMAT})"
             )
-        owner = _field(data, "owner")
+        owner = field(data, "owner")
         if not isinstance(owner, dict):
-            raise ValueError(f"owner: a JSON object is needed, not {_kind(owner)}")
-        uuid = _text(data, "gpu_uuid")
+            raise ValueError(f"owner: a JSON object is needed, not {kind_of(owner)}")
+        uuid = read_text(data, "gpu_uuid")
         if not _UUID.fullmatch(uuid):
-            raise ValueError(f"gpu_uuid: {_show(uuid)} is not a GPU UUID")
-        backend = _text(data, "backend")
+            raise ValueError(f"gpu_uuid: {show(uuid)} is not a GPU UUID")
+        backend = read_text(data, "backend")
         if backend not in _BACKENDS:
-            raise ValueError(f"backend: {_show(backend)} is not one of {', '.join(_BACKENDS)}")
-        model = _optional_text(data, "simulated_gpu")
+            raise ValueError(f"backend: {show(backend)} is not one of {', '.join(_BACKENDS)}")
+        model = read_optional_text(data, "simulated_gpu")
         if model is not None and not _MODEL.fullmatch(model):
-            raise ValueError(f"simulated_gpu: {_show(model)} is not a simulated GPU model name")
-        state_path = _optional_text(data, "state_path", max_len=4096)
+            raise ValueError(f"simulated_gpu: {show(model)} is not a simulated GPU model name")
+        state_path = read_optional_text(data, "state_path", max_len=4096)
         if state_path is not None and not os.path.isabs(state_path):
-            raise ValueError(f"state_path: {_show(state_path)} is not an absolute path")
+            raise ValueError(f"state_path: {show(state_path)} is not an absolute path")
         return cls(
             gpu_uuid=uuid,
-            gpu_index=_int(data, "gpu_index", 0, 1 << 16),
-            gpu_name=_text(data, "gpu_name"),
+            gpu_index=read_int(data, "gpu_index", 0, 1 << 16),
+            gpu_name=read_text(data, "gpu_name"),
             owner=ProcessIdentity(
-                pid=_int(owner, "pid", 1, _MAX_PID, prefix="owner."),
-                start_time=_optional_int(owner, "start_time", prefix="owner."),
-                boot_id=_optional_text(owner, "boot_id", prefix="owner."),
-                hostname=_text(owner, "hostname", prefix="owner."),
-                pid_namespace=_optional_text(owner, "pid_namespace", prefix="owner."),
+                pid=read_int(owner, "pid", 1, _MAX_PID, prefix="owner."),
+                start_time=read_optional_int(owner, "start_time", prefix="owner."),
+                boot_id=read_optional_text(owner, "boot_id", prefix="owner."),
+                hostname=read_text(owner, "hostname", prefix="owner."),
+                pid_namespace=read_optional_text(owner, "pid_namespace", prefix="owner."),
             ),
-            power_limit_w=_watts(data, "power_limit_w"),
-            locked_clocks_mhz=_clock_lock(data, "locked_clocks_mhz"),
-            power_limit_changed=_bool(data, "power_limit_changed"),
-            clocks_changed=_bool(data, "clocks_changed"),
+            power_limit_w=read_watts(data, "power_limit_w"),
+            locked_clocks_mhz=read_clock_lock(data, "locked_clocks_mhz"),
+            power_limit_changed=read_bool(data, "power_limit_changed"),
+            clocks_changed=read_bool(data, "clocks_changed"),
             backend=backend,
             simulated_gpu=model,
             state_path=state_path,
-            created_at=_text(data, "created_at"),
+            created_at=read_text(data, "created_at"),
         )
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), "null" if value is None else "a number"
-    )
-
-
-def _show(value: Any) -> str:
-    """A short, printable rendering of a scalar from a lease (never the whole of a big
-    or nested value)."""
-    if isinstance(value, (dict, list)):
-        return _kind(value)
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _field(data: dict[str, Any], key: str, prefix: str = "") -> Any:
-    if key not in data:
-        raise ValueError(f"{prefix}{key}: missing")
-    return data[key]
-
-
-def _int(data: dict[str, Any], key: str, lo: int, hi: int, prefix: str = "") -> int:
-    value = _field(data, key, prefix)
-    if type(value) is not int or not lo <= value <= hi:
-        raise ValueError(f"{prefix}{key}: {_show(value)} is not an integer in {lo}..{hi}")
-    return value
-
-
-def _optional_int(data: dict[str, Any], key: str, prefix: str = "") -> int | None:
-    value = _field(data, key, prefix)
-    return None if value is None else _int(data, key, 0, (1 << 63) - 1, prefix)
-
-
-def _text(data: dict[str, Any], key: str, prefix: str = "", max_len: int = _MAX_TEXT) -> str:
-    value = _field(data, key, prefix)
-    if not isinstance(value, str) or not 0 < len(value) <= max_len or not value.isprintable():
-        raise ValueError(
-            f"{prefix}{key}: {_show(value)} is not printable text of 1 to {max_len} characters"
-        )
-    return value
-
-
-def _optional_text(
-    data: dict[str, Any], key: str, prefix: str = "", max_len: int = _MAX_TEXT
-) -> str | None:
-    return None if _field(data, key, prefix) is None else _text(data, key, prefix, max_len)
-
-
-def _bool(data: dict[str, Any], key: str) -> bool:
-    value = _field(data, key)
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}: {_show(value)} is not true or false")
-    return value
-
-
-def _watts(data: dict[str, Any], key: str) -> float:
-    value = _field(data, key)
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0 < value <= _MAX_POWER_W:
-        raise ValueError(f"{key}: {_show(value)} is not a number of watts in (0, {_MAX_POWER_W:g}]")
-    return float(value)
-
-
-def _clock_lock(data: dict[str, Any], key: str) -> tuple[int, int] | None:
-    value = _field(data, key)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, list)
-        or len(value) != 2
-        or any(type(v) is not int for v in value)
-        or not 0 < value[0] <= value[1] <= _MAX_MHZ
-    ):
-        raise ValueError(
-            f"{key}: {_show(value)} is not null or [min_mhz, max_mhz] with "
-            f"0 < min_mhz <= max_mhz <= {_MAX_MHZ}"
-        )
-    return value[0], value[1]
 
 
 def apply_saved_settings(gpu: GPU, lease: Lease, *, power: bool, clocks: bool) -> None:
@@ -703,7 +598,7 @@ class LeaseStore:
                 (operation ``read_lease``).
         """
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, OPEN_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -718,13 +613,13 @@ class LeaseStore:
         try:
             st = os.fstat(fd)
             file_uid = st.st_uid if self._uid is not None else None
-            _check_regular(path, st, "lease")
+            check_regular(path, st, "lease")
             if st.st_nlink != 1:
                 raise UntrustedLeaseError(
                     f"{path} has {st.st_nlink} hard links; a lease is a file of its own",
                     operation="read_lease",
                 )
-            raw = _read_at_most(fd, MAX_LEASE_BYTES + 1)
+            raw = read_at_most(fd, MAX_LEASE_BYTES + 1)
         except OSError as exc:
             raise DeviceError(
                 f"cannot read lease {path}: {exc.strerror or exc}", operation="read_lease"
@@ -841,9 +736,9 @@ class LeaseStore:
         if sys.platform == "win32":  # no flock: rely on the process identity alone
             return LeaseLock(None, path)
         self.ensure_directory()
-        fd = _open_lock_file(path)
+        fd = open_lock_file(path)
         try:
-            _check_regular(path, os.fstat(fd), "lock file")
+            check_regular(path, os.fstat(fd), "lock file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
@@ -857,80 +752,10 @@ class LeaseStore:
         return LeaseLock(fd, path)
 
 
-def _check_regular(path: Path, st: os.stat_result, what: str) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory or device"
-        raise UntrustedLeaseError(
-            f"{path} is {kind}, not a regular file; not used as a {what}",
-            operation="read_lease" if what == "lease" else "lock_lease",
-        )
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = os.read(fd, limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number a lease may hold")
-
-
 def _parse(raw: bytes) -> Lease:
     """Parse a lease's bytes: strict UTF-8 JSON, every field checked.
 
     Raises:
         ValueError: anything else, in words.
     """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte {exc.start})") from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    return Lease.from_dict(data)
-
-
-def _open_lock_file(path: Path) -> int:
-    """Open (or create) a lock file read-only, never following a link nor blocking.
-
-    An existing file is opened without ``O_CREAT``: in a sticky directory the kernel
-    (``fs.protected_regular``) refuses ``O_CREAT`` on another user's file, even to root.
-
-    Raises:
-        UntrustedLeaseError: the path is a symbolic link.
-        DeviceError: it cannot be opened or created.
-    """
-    for _ in range(3):
-        try:
-            return os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise _lock_error(path, exc) from exc
-        try:
-            return os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            continue  # created by another job meanwhile: open that one
-        except OSError as exc:
-            raise _lock_error(path, exc) from exc
-    raise DeviceError(f"cannot open lock {path}: it keeps changing", operation="lock_lease")
-
-
-def _lock_error(path: Path, exc: OSError) -> DeviceError:
-    if exc.errno in (errno.ELOOP, errno.EMLINK):
-        return UntrustedLeaseError(
-            f"{path} is a symbolic link; lock files are never followed elsewhere",
-            operation="lock_lease",
-        )
-    return DeviceError(f"cannot open lock {path}: {exc.strerror or exc}", operation="lock_lease")
+    return Lease.from_dict(parse_json(raw))
