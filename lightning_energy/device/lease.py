@@ -137,9 +137,16 @@ def resolve_lease_dir(lease_dir: str | Path | None = None) -> Path:
         The directory (not created here).
 
     Raises:
-        ConfigError: ``lease_dir`` is empty (which would mean the current directory).
+        ConfigError: ``lease_dir`` is not a path, or is empty (which would mean the
+            current directory).
     """
     if lease_dir is not None:
+        if not isinstance(lease_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"lease_dir={lease_dir!r}: must be a directory path (a string), or unset for "
+                f"{DEFAULT_LEASE_DIR}",
+                source="lease directory",
+            )
         if not str(lease_dir).strip():
             raise ConfigError(
                 "lease_dir='': must name a directory (an empty path would be the current "

@@ -31,7 +31,7 @@ from lightning_energy.device.lease import (
 )
 from lightning_energy.device.recovery import recover
 from lightning_energy.device.simulated import SimulatedGPU, SimulatedSpec, simulated_gpus
-from lightning_energy.errors import DeviceError
+from lightning_energy.errors import ConfigError, DeviceError
 from tests.lightning_energy.device.fake_pynvml import (
     ERROR_CODES,
     FakeDevice,
@@ -363,3 +363,11 @@ def test_another_user_cannot_replace_or_remove_a_root_lease() -> None:
             os.seteuid(0)
             os.setegid(0)
         assert root_store.read("GPU-sim-a40-0") == root_lease
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 123, ["/run"]])
+def test_a_lease_dir_that_is_not_a_path_is_named(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="lease_dir="):
+        resolve_lease_dir(bad)
+    with pytest.raises(ConfigError, match="lease_dir="):
+        GPUGuard(simulated_gpus(SimulatedSpec(gpu="a40")), lease_dir=bad)
