@@ -74,7 +74,7 @@ class DeviceConfig:
         start: simulated GPUs: the date and time (ISO 8601, UTC when no offset) the
             virtual clock starts at, e.g. to replay a chosen day of a carbon trace
             (None: now).
-        lease_dir: where GPU leases are kept (None: the per-user state directory).
+        lease_dir: where GPU leases are kept (None: ``/run/lightning-energy``, machine-wide).
     """
 
     backend: str = "auto"

@@ -15,7 +15,8 @@ with the GPU and the operation attached, so callers catch one family::
         ├── GPULostError            the GPU fell off the bus / was reset
         ├── GPUNotFoundError        no such GPU (index, UUID or CUDA_VISIBLE_DEVICES entry)
         ├── DriverError             NVML missing, not initialised, or another driver failure
-        └── LeaseConflictError      another live process holds the GPU's lease
+        ├── LeaseConflictError      another live process holds the GPU's lease
+        └── UntrustedLeaseError     a lease file or directory that may not be acted on
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "NotSupportedError",
     "ProfileError",
     "StoreError",
+    "UntrustedLeaseError",
 ]
 
 
@@ -126,3 +128,9 @@ class LeaseConflictError(DeviceError):
     def __init__(self, message: str, *, owner_pid: int, gpu_index: int | None = None) -> None:
         self.owner_pid = owner_pid
         super().__init__(message, gpu_index=gpu_index, operation="acquire_lease")
+
+
+class UntrustedLeaseError(DeviceError):
+    """A lease file, lock file or lease directory that is not safe to act on: a symbolic
+    link, FIFO or other non-regular file, an oversized or malformed lease of another user,
+    a directory others may rewrite, or a lease asking for more than its owner may claim."""

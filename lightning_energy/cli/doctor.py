@@ -6,11 +6,14 @@ One line per check, ``OK``, ``WARN`` or ``FAIL``, each failure with its fix:
   is used instead, which is fine for trying things out);
 - GPUs: every visible GPU with its power-limit range, default and current limit;
 - permissions: setting each GPU's current power limit back to itself (nothing changes) is
-  allowed, or why not (no root/CAP_SYS_ADMIN, MIG);
+  allowed, or why not (no root/CAP_SYS_ADMIN, MIG). The check changes the GPU like a job
+  does, through :class:`~lightning_energy.device.guard.GPUGuard`: with a lease, restored
+  at once, and not at all while another job holds the GPU's lease;
 - configuration: ``--config FILE`` (or ``$LIGHTNING_ENERGY_CONFIG``) is valid;
 - carbon: the configured provider answers a ``latest`` request within ``--timeout``
   seconds and accepts the credentials (which are never printed);
-- leases: the lease directory is writable, and no killed job left a GPU changed.
+- leases: the lease directory is safe (see docs/permissions.md) and writable, no killed
+  job left a GPU changed, and no file in it is refused.
 
 Examples::
 
@@ -39,8 +42,10 @@ from lightning_energy.errors import (
     ConfigError,
     DeviceError,
     EnergyError,
+    LeaseConflictError,
     NoPermissionError,
     NotSupportedError,
+    UntrustedLeaseError,
 )
 
 __all__ = ["Check", "register", "run", "run_checks"]
@@ -51,6 +56,8 @@ _DRIVER_FIX = (
     "(installed with lightning-energy); in a container use the NVIDIA Container Toolkit "
     "(`docker run --gpus all`)"
 )
+_LEASE_OPERATIONS = ("lease_dir", "read_lease", "write_lease", "lock_lease", "remove_lease")
+_LEASE_FIX = "see the leases line below and docs/permissions.md"
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ def run_checks(config_path: str | None, *, timeout_s: float = 5.0) -> tuple[list
     """
     checks: list[Check] = []
     config, config_check = _load(config_path)
-    checks.extend(_nvml_checks(config))
+    checks.extend(_nvml_checks(config, config.device.lease_dir if config is not None else None))
     checks.append(config_check)
     if config is not None and config.carbon is not None:
         checks.append(_carbon_check(config, timeout_s))
@@ -153,7 +160,7 @@ def _load(path: str | None) -> tuple[EnergyConfig | None, Check]:
 
 
 # --------------------------------------------------------------------------- NVML
-def _nvml_checks(config: EnergyConfig | None) -> Iterator[Check]:
+def _nvml_checks(config: EnergyConfig | None, lease_dir: str | None) -> Iterator[Check]:
     from lightning_energy.device.nvml import NVMLSession, nvml_gpus
 
     backend = config.device.backend if config is not None else "auto"
@@ -200,7 +207,7 @@ def _nvml_checks(config: EnergyConfig | None) -> Iterator[Check]:
         yield Check("nvml", OK, f"NVML initialised; {len(gpus)} GPU(s) visible")
         try:
             for gpu in gpus:
-                yield from _gpu_checks(gpu)
+                yield from _gpu_checks(gpu, lease_dir)
         finally:
             for gpu in gpus:
                 gpu.close()
@@ -208,9 +215,7 @@ def _nvml_checks(config: EnergyConfig | None) -> Iterator[Check]:
         session.release()
 
 
-def _gpu_checks(gpu: Any) -> Iterator[Check]:
-    from lightning_energy.device.guard import PERMISSION_HELP
-
+def _gpu_checks(gpu: Any, lease_dir: str | None) -> Iterator[Check]:
     name = f"gpu {gpu.index}"
     try:
         lo, hi = gpu.power_limit_constraints_w()
@@ -231,27 +236,39 @@ def _gpu_checks(gpu: Any) -> Iterator[Check]:
         f"{gpu.name}{mig} {gpu.uuid}: power limit {current_w:.0f} W, range {lo:.0f}-{hi:.0f} W, "
         f"default {default_w:.0f} W",
     )
+    yield _permission_check(gpu, f"{name} perms", current_w, lease_dir)
+
+
+def _permission_check(gpu: Any, name: str, current_w: float, lease_dir: str | None) -> Check:
+    """Set the GPU's current limit back to itself, the way a job changes it: through a
+    guard, with a lease, restored at once; never under another job's lease."""
+    from lightning_energy.device.guard import PERMISSION_HELP, GPUGuard
+
     try:
-        gpu.set_power_limit_w(current_w)
+        with GPUGuard([gpu], lease_dir=lease_dir, strict=True) as guard:
+            guard.set_power_limit_w(current_w)
+    except LeaseConflictError as exc:
+        return Check(name, WARN, f"not checked, nothing changed: {exc}")
     except NoPermissionError:
-        yield Check(
-            f"{name} perms",
+        return Check(
+            name,
             FAIL,
             "no permission to change the power limit: jobs will run observe-only "
             "(energy measured, nothing saved)",
             PERMISSION_HELP,
         )
     except NotSupportedError as exc:
-        yield Check(f"{name} perms", WARN, f"settings cannot be changed ({exc}): observe-only")
+        return Check(name, WARN, f"settings cannot be changed ({exc}): observe-only")
     except DeviceError as exc:
-        yield Check(
-            f"{name} perms",
+        if exc.operation in _LEASE_OPERATIONS:
+            return Check(name, WARN, f"not checked, nothing changed: {exc}", _LEASE_FIX)
+        return Check(
+            name,
             FAIL,
             f"setting the power limit failed: {exc}",
             "check the driver with `nvidia-smi -q -d POWER`",
         )
-    else:
-        yield Check(f"{name} perms", OK, "may change the power limit (checked without changing it)")
+    return Check(name, OK, "may change the power limit (checked without changing it)")
 
 
 # --------------------------------------------------------------------------- carbon
@@ -326,24 +343,33 @@ def _carbon_check(config: EnergyConfig, timeout_s: float) -> Check:
 
 # --------------------------------------------------------------------------- leases
 def _lease_checks(config: EnergyConfig | None) -> Iterator[Check]:
-    from lightning_energy.device.lease import LEASE_DIR_ENV, resolve_lease_dir
+    from lightning_energy.device.lease import LEASE_DIR_ENV, LeaseStore
     from lightning_energy.device.recovery import recover
 
-    lease_dir = resolve_lease_dir(config.device.lease_dir if config is not None else None)
-    fix = f"set {LEASE_DIR_ENV} (or device.lease_dir) to a writable directory on a local disk"
+    store = LeaseStore(config.device.lease_dir if config is not None else None)
+    lease_dir = store.directory
+    fix = (
+        f"create {lease_dir} as root with mode 1777 (`install -d -m 1777 {lease_dir}`), or set "
+        f"{LEASE_DIR_ENV} (or device.lease_dir) to such a directory on a local disk"
+    )
     try:
-        lease_dir.mkdir(parents=True, exist_ok=True)
+        store.ensure_directory()
         with tempfile.NamedTemporaryFile(dir=lease_dir, prefix=".doctor-"):
             pass
-    except OSError as exc:
-        yield Check("leases", FAIL, f"{lease_dir} is not writable: {exc.strerror or exc}", fix)
+    except UntrustedLeaseError as exc:
+        yield Check("leases", FAIL, str(exc), fix)
         return
-    yield Check("leases", OK, f"{lease_dir} is writable")
+    except (OSError, DeviceError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        yield Check("leases", FAIL, f"{lease_dir} is not writable: {why}", fix)
+        return
+    yield Check("leases", OK, f"{lease_dir} is writable and safe")
     try:
-        stale = [r for r in recover(lease_dir, dry_run=True) if r.status == "would_restore"]
+        results = recover(lease_dir, dry_run=True)
     except EnergyError as exc:
         yield Check("leases", WARN, f"the leases in {lease_dir} cannot be read: {exc}")
         return
+    stale = [r for r in results if r.status == "would_restore"]
     if stale:
         gpus = ", ".join(r.gpu_uuid for r in stale)
         yield Check(
@@ -351,4 +377,13 @@ def _lease_checks(config: EnergyConfig | None) -> Iterator[Check]:
             WARN,
             f"{len(stale)} GPU(s) left changed by jobs that were killed: {gpus}",
             "run `lightning-energy recover` (the next job on those GPUs also repairs them)",
+        )
+    refused = [r for r in results if r.status == "refused"]
+    if refused:
+        files = "; ".join(f"{r.lease_path.name}: {r.message}" for r in refused)
+        yield Check(
+            "leases",
+            WARN,
+            f"{len(refused)} file(s) are refused (never acted on): {files}",
+            "check who wrote them, then delete them (docs/troubleshooting.md)",
         )

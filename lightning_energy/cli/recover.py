@@ -6,7 +6,14 @@ restores every GPU whose lease belongs to a process that is gone, skips GPUs sti
 a live job, and says what it did. Run it from a Slurm epilog, a Kubernetes init container
 or by hand (see docs/permissions.md).
 
-Exit codes: 0 when nothing failed, 1 when a GPU could not be restored (its lease is kept).
+It usually runs as root over a directory every user may write to: anything it cannot
+trust (a symbolic link, a FIFO, another user's malformed lease, a lease of another user
+asking for a lower limit, a directory others could rewrite) is refused, explained and left
+alone.
+
+Exit codes: 0 when nothing failed (refused files included: they are another user's, and
+are reported), 1 when a GPU could not be restored (its lease is kept) or the directory is
+unsafe, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -16,9 +23,18 @@ import json
 
 from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
 from lightning_energy.device.guard import recover
-from lightning_energy.device.lease import LEASE_DIR_ENV, resolve_lease_dir
+from lightning_energy.device.lease import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, resolve_lease_dir
 
 __all__ = ["register", "run"]
+
+
+def _directory(text: str) -> str:
+    """``argparse`` type: a non-empty directory path (empty would scan the current one)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty path would be the current directory; name the lease directory"
+        )
+    return text
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--lease-dir",
         metavar="DIR",
         default=None,
-        help=f"lease directory (default: ${LEASE_DIR_ENV}, else the per-user state directory)",
+        type=_directory,
+        help=f"lease directory (default: ${LEASE_DIR_ENV}, else {DEFAULT_LEASE_DIR})",
     )
     parser.add_argument("--dry-run", action="store_true", help="only list what would be restored")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

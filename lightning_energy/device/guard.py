@@ -46,6 +46,7 @@ from lightning_energy.device.lease import (
     ProcessIdentity,
     apply_saved_settings,
     owner_status,
+    restore_stale_lease,
 )
 from lightning_energy.device.physics import PHYSICS_PRESETS
 from lightning_energy.device.recovery import RecoveryResult, recover
@@ -113,7 +114,7 @@ class GPUGuard:
     Args:
         gpus: the GPUs this process controls (distinct UUIDs).
         lease_dir: where leases live; default ``$LIGHTNING_ENERGY_LEASE_DIR``, else the
-            per-user state directory (see :func:`~.lease.resolve_lease_dir`).
+            machine-wide ``/run/lightning-energy`` (see :func:`~.lease.resolve_lease_dir`).
         strict: raise instead of falling back to observe-only (no permission, MIG or
             unsupported GPU, GPU leased by another live process, a failed change).
         install_signal_handlers: restore on SIGTERM and SIGINT, then hand the signal to
@@ -328,14 +329,13 @@ class GPUGuard:
 
     def _restore_stale(self, gpu: GPU, lease: Lease, why: str) -> None:
         if lease.changed:
+            done = restore_stale_lease(gpu, lease, trusted=self._store.trusts(lease))
             log.warning(
-                "%s: restoring the settings a crashed job left (%s): %s.",
+                "%s: restoring the settings a crashed job left (%s): %s: %s.",
                 _describe(gpu),
                 why,
                 lease.describe_settings(),
-            )
-            apply_saved_settings(
-                gpu, lease, power=lease.power_limit_changed, clocks=lease.clocks_changed
+                done,
             )
         self._store.remove(gpu.uuid)
 

@@ -19,14 +19,29 @@ Lease files are written atomically (temporary file, ``fsync``, ``os.replace``) s
 never leaves half a lease. Lock files are empty and stay in place: removing one while
 another process waits on it would let two owners hold "the" lock at once.
 
+The directory is shared by every user of the machine, and root reads it (``recover`` in a
+Slurm epilog), so nothing in it is taken on faith:
+
+* the directory and every directory above it must belong to root or to the caller, and
+  one that others may write must have the sticky bit (so nobody replaces or removes
+  another user's files); a directory created here gets mode ``1777``;
+* a lease is opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file with one
+  link, at most :data:`MAX_LEASE_BYTES`, strict UTF-8 JSON whose every field has its type
+  and range, describing the GPU it is named after;
+* a lease is *trusted* when its file belongs to root or to the caller
+  (:attr:`LeaseStore.trusted_uids`). Another user's lease may only undo a lowering: see
+  :func:`restore_stale_lease`.
+
 The directory is, in order: the ``lease_dir`` argument, the ``LIGHTNING_ENERGY_LEASE_DIR``
-environment variable, or ``<user state dir>/lightning-energy/leases`` (``platformdirs``).
+environment variable, or :data:`DEFAULT_LEASE_DIR` (``/run/lightning-energy``), one
+directory for every user and container of the machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -34,28 +49,51 @@ import re
 import socket
 import sys
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import platformdirs
-
 from lightning_energy.device.base import GPU
-from lightning_energy.errors import DeviceError
+from lightning_energy.device.lease_fields import (
+    field,
+    kind_of,
+    parse_json,
+    read_bool,
+    read_clock_lock,
+    read_int,
+    read_optional_int,
+    read_optional_text,
+    read_text,
+    read_watts,
+    show,
+)
+from lightning_energy.device.shared_dir import (
+    OPEN_FLAGS,
+    check_regular,
+    directory_problem,
+    open_lock_file,
+    read_at_most,
+)
+from lightning_energy.errors import ConfigError, DeviceError, UntrustedLeaseError
 
 if sys.platform != "win32":
     import fcntl
 
 __all__ = [
+    "DEFAULT_LEASE_DIR",
     "LEASE_DIR_ENV",
+    "MAX_LEASE_BYTES",
     "Lease",
     "LeaseLock",
     "LeaseStore",
     "ProcessIdentity",
     "apply_saved_settings",
+    "directory_problem",
     "owner_status",
     "resolve_lease_dir",
+    "restore_stale_lease",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,27 +101,63 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the lease directory.
 LEASE_DIR_ENV = "LIGHTNING_ENERGY_LEASE_DIR"
 
+#: The lease directory when none is configured: one for every user and container of the
+#: machine (``/run`` is cleared at boot, as GPU settings are).
+DEFAULT_LEASE_DIR = (
+    Path("/run/lightning-energy")
+    if Path("/run").is_dir()
+    else Path(tempfile.gettempdir()) / "lightning-energy"
+)
+
+#: The largest lease file read (a real lease is well under 1 KiB).
+MAX_LEASE_BYTES = 64 * 1024
+
 _FORMAT = 1
 _BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_MODEL = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
+_BACKENDS = ("nvml", "simulated")
+_MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+
+
+def _euid() -> int | None:
+    """The effective uid (None where there are no uids)."""
+    return os.geteuid() if hasattr(os, "geteuid") else None
 
 
 def resolve_lease_dir(lease_dir: str | Path | None = None) -> Path:
-    """The lease directory: the argument, else ``$LIGHTNING_ENERGY_LEASE_DIR``, else the
-    per-user state directory (``~/.local/state/lightning-energy/leases`` on Linux).
+    """The lease directory: the argument, else ``$LIGHTNING_ENERGY_LEASE_DIR``, else
+    :data:`DEFAULT_LEASE_DIR`, shared by every user of the machine.
 
     Args:
         lease_dir: an explicit directory (wins over everything else).
 
     Returns:
         The directory (not created here).
+
+    Raises:
+        ConfigError: ``lease_dir`` is not a path, or is empty (which would mean the
+            current directory).
     """
     if lease_dir is not None:
+        if not isinstance(lease_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"lease_dir={lease_dir!r}: must be a directory path (a string), or unset for "
+                f"{DEFAULT_LEASE_DIR}",
+                source="lease directory",
+            )
+        if not str(lease_dir).strip():
+            raise ConfigError(
+                "lease_dir='': must name a directory (an empty path would be the current "
+                f"directory); leave it unset for {DEFAULT_LEASE_DIR}",
+                source="lease directory",
+            )
         return Path(lease_dir).expanduser()
     from_env = os.environ.get(LEASE_DIR_ENV)
-    if from_env:
+    if from_env and from_env.strip():
         return Path(from_env).expanduser()
-    return Path(platformdirs.user_state_dir("lightning-energy")) / "leases"
+    return DEFAULT_LEASE_DIR
 
 
 def _read_text(path: Path) -> str | None:
@@ -209,6 +283,8 @@ class Lease:
         simulated_gpu: simulated GPUs: the model name (``"a40"``, ``"a100"``, ...).
         state_path: simulated GPUs: the file holding the GPU's settings.
         created_at: when the lease was first written (ISO 8601, UTC).
+        file_uid: the owner of the file it was read from (None: not read from a file, or
+            no uids on this platform); not part of the file.
     """
 
     gpu_uuid: str
@@ -225,6 +301,7 @@ class Lease:
     created_at: str = dataclasses.field(
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds")
     )
+    file_uid: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def changed(self) -> bool:
@@ -243,45 +320,61 @@ class Lease:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (with a ``format`` version)."""
         data = dataclasses.asdict(self)
+        del data["file_uid"]
         data["locked_clocks_mhz"] = (
             list(self.locked_clocks_mhz) if self.locked_clocks_mhz is not None else None
         )
         return {"format": _FORMAT, **data}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Lease:
-        """Parse the JSON form.
+    def from_dict(cls, data: Any) -> Lease:
+        """Parse the JSON form, checking the type and range of every field.
 
         Raises:
-            ValueError: a field is missing or of the wrong type, or an unknown format.
+            ValueError: not an object, a field is missing or has the wrong type or an
+                impossible value, or an unknown format.
         """
+        if not isinstance(data, dict):
+            raise ValueError(f"a lease is a JSON object, not {kind_of(data)}")
         if data.get("format") != _FORMAT:
-            raise ValueError(f"unknown lease format {data.get('format')!r} (expected {_FORMAT})")
-        try:
-            owner = data["owner"]
-            locked = data["locked_clocks_mhz"]
-            return cls(
-                gpu_uuid=str(data["gpu_uuid"]),
-                gpu_index=int(data["gpu_index"]),
-                gpu_name=str(data["gpu_name"]),
-                owner=ProcessIdentity(
-                    pid=int(owner["pid"]),
-                    start_time=None if owner["start_time"] is None else int(owner["start_time"]),
-                    boot_id=owner["boot_id"],
-                    hostname=str(owner["hostname"]),
-                    pid_namespace=owner["pid_namespace"],
-                ),
-                power_limit_w=float(data["power_limit_w"]),
-                locked_clocks_mhz=None if locked is None else (int(locked[0]), int(locked[1])),
-                power_limit_changed=bool(data["power_limit_changed"]),
-                clocks_changed=bool(data["clocks_changed"]),
-                backend=str(data["backend"]),
-                simulated_gpu=data["simulated_gpu"],
-                state_path=data["state_path"],
-                created_at=str(data["created_at"]),
+            raise ValueError(
+                f"unknown lease format {show(data.get('format'))} (expected {_FORMAT})"
             )
-        except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"missing or malformed field: {exc!r}") from exc
+        owner = field(data, "owner")
+        if not isinstance(owner, dict):
+            raise ValueError(f"owner: a JSON object is needed, not {kind_of(owner)}")
+        uuid = read_text(data, "gpu_uuid")
+        if not _UUID.fullmatch(uuid):
+            raise ValueError(f"gpu_uuid: {show(uuid)} is not a GPU UUID")
+        backend = read_text(data, "backend")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: {show(backend)} is not one of {', '.join(_BACKENDS)}")
+        model = read_optional_text(data, "simulated_gpu")
+        if model is not None and not _MODEL.fullmatch(model):
+            raise ValueError(f"simulated_gpu: {show(model)} is not a simulated GPU model name")
+        state_path = read_optional_text(data, "state_path", max_len=4096)
+        if state_path is not None and not os.path.isabs(state_path):
+            raise ValueError(f"state_path: {show(state_path)} is not an absolute path")
+        return cls(
+            gpu_uuid=uuid,
+            gpu_index=read_int(data, "gpu_index", 0, 1 << 16),
+            gpu_name=read_text(data, "gpu_name"),
+            owner=ProcessIdentity(
+                pid=read_int(owner, "pid", 1, _MAX_PID, prefix="owner."),
+                start_time=read_optional_int(owner, "start_time", prefix="owner."),
+                boot_id=read_optional_text(owner, "boot_id", prefix="owner."),
+                hostname=read_text(owner, "hostname", prefix="owner."),
+                pid_namespace=read_optional_text(owner, "pid_namespace", prefix="owner."),
+            ),
+            power_limit_w=read_watts(data, "power_limit_w"),
+            locked_clocks_mhz=read_clock_lock(data, "locked_clocks_mhz"),
+            power_limit_changed=read_bool(data, "power_limit_changed"),
+            clocks_changed=read_bool(data, "clocks_changed"),
+            backend=backend,
+            simulated_gpu=model,
+            state_path=state_path,
+            created_at=read_text(data, "created_at"),
+        )
 
 
 def apply_saved_settings(gpu: GPU, lease: Lease, *, power: bool, clocks: bool) -> None:
@@ -314,6 +407,84 @@ def apply_saved_settings(gpu: GPU, lease: Lease, *, power: bool, clocks: bool) -
         raise errors[0]
 
 
+def restore_stale_lease(gpu: GPU, lease: Lease, *, trusted: bool) -> str:
+    """Put back what a dead job's lease says it changed, within what the driver allows.
+
+    The saved values are capped by what the driver reports, never taken as they are:
+
+    * the power limit is raised back to the saved limit, capped at the GPU's maximum (a
+      trusted lease) or its default limit (another user's lease); it is never lowered: a
+      limit already at or above the saved one stays;
+    * a trusted lease's saved clock lock is set again when it lies within the GPU's
+      supported clocks; otherwise, and for every lease of another user, the clock lock is
+      released.
+
+    Args:
+        gpu: the GPU the lease names.
+        lease: the stale lease.
+        trusted: the lease file belongs to root or to the caller
+            (:meth:`LeaseStore.trusts`).
+
+    Returns:
+        What was done, in words.
+
+    Raises:
+        UntrustedLeaseError: another user's lease asks for a limit lower than the GPU has
+            now, which only root may decide; nothing was changed.
+        DeviceError: the GPU could not be read or changed (both settings are tried).
+    """
+    done: list[str] = []
+    power_w: float | None = None
+    if lease.power_limit_changed:
+        current_w = gpu.power_limit_w()
+        if not trusted and lease.power_limit_w < current_w:
+            raise UntrustedLeaseError(
+                f"the lease of uid {lease.file_uid} (another user) asks for "
+                f"{lease.power_limit_w:g} W, lower than the "
+                f"{current_w:g} W the GPU has now; a lease of another user may only undo a "
+                "lowering",
+                operation="restore_lease",
+            )
+        lo_w, hi_w = gpu.power_limit_constraints_w()
+        ceiling_w = hi_w if trusted else min(hi_w, gpu.default_power_limit_w())
+        target_w = min(max(lease.power_limit_w, lo_w), ceiling_w)
+        if target_w > current_w:
+            power_w = target_w
+            capped = (
+                ""
+                if target_w == lease.power_limit_w
+                else f" (the lease said {lease.power_limit_w:g} W)"
+            )
+            done.append(f"power limit {current_w:g} W -> {target_w:g} W{capped}")
+        else:
+            done.append(f"kept {current_w:g} W (a lease never lowers a limit)")
+    lock: tuple[int, int] | None = None
+    if lease.clocks_changed and trusted and lease.locked_clocks_mhz is not None:
+        supported = gpu.supported_sm_clocks_mhz()
+        lo_mhz, hi_mhz = lease.locked_clocks_mhz
+        if min(supported) <= lo_mhz and hi_mhz <= max(supported):
+            lock = lease.locked_clocks_mhz
+    errors: list[DeviceError] = []
+    if power_w is not None:
+        try:
+            gpu.set_power_limit_w(power_w)
+        except DeviceError as exc:
+            errors.append(exc)
+    if lease.clocks_changed:
+        try:
+            if lock is None:
+                gpu.reset_locked_clocks()
+                done.append("clock lock released")
+            else:
+                gpu.set_locked_clocks_mhz(*lock)
+                done.append(f"clocks locked to {lock[0]}-{lock[1]} MHz")
+        except DeviceError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return ", ".join(done) if done else "nothing was changed"
+
+
 class LeaseLock:
     """An exclusive ``flock`` on a GPU's lock file, held until :meth:`release`.
 
@@ -343,10 +514,26 @@ class LeaseStore:
 
     Args:
         lease_dir: the directory (see :func:`resolve_lease_dir` for the default).
+        trusted_uids: owners whose lease files are believed as they are (default: root
+            and the calling user); other users' leases may only undo a lowering (see
+            :func:`restore_stale_lease`).
+
+    Raises:
+        ConfigError: ``lease_dir`` is empty.
     """
 
-    def __init__(self, lease_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, lease_dir: str | Path | None = None, *, trusted_uids: Collection[int] | None = None
+    ) -> None:
         self.directory = resolve_lease_dir(lease_dir)
+        self._uid = _euid()
+        default = {0} if self._uid is None else {0, self._uid}
+        self.trusted_uids = frozenset(default if trusted_uids is None else trusted_uids)
+
+    def trusts(self, lease: Lease) -> bool:
+        """Whether a lease read from this directory is believed as it is (its file belongs
+        to a trusted owner, or the platform has no file owners)."""
+        return lease.file_uid is None or lease.file_uid in self.trusted_uids
 
     def _stem(self, gpu_uuid: str) -> str:
         return _UNSAFE_CHARS.sub("_", gpu_uuid)
@@ -355,51 +542,138 @@ class LeaseStore:
         """The lease file of a GPU."""
         return self.directory / f"{self._stem(gpu_uuid)}.json"
 
+    def check_directory(self) -> None:
+        """Refuse a directory other users could rewrite (see :func:`directory_problem`).
+
+        Raises:
+            UntrustedLeaseError: the directory is not safe (operation ``lease_dir``).
+        """
+        problem = directory_problem(self.directory, self._uid)
+        if problem is not None:
+            raise UntrustedLeaseError(
+                f"unsafe lease directory {self.directory}: {problem}; see docs/permissions.md",
+                operation="lease_dir",
+            )
+
+    def ensure_directory(self) -> None:
+        """Create the directory when missing (sticky, writable by all: every user's jobs
+        lease GPUs in it) and check it.
+
+        Raises:
+            UntrustedLeaseError: the directory is not safe.
+            DeviceError: it cannot be created (operation ``lease_dir``).
+        """
+        if not self.directory.is_dir():
+            try:
+                self.directory.parent.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(mode=0o700)
+                if sys.platform != "win32":
+                    os.chmod(self.directory, 0o1777)  # not subject to the umask
+            except FileExistsError:
+                pass  # created meanwhile (by another job); checked below
+            except OSError as exc:
+                raise DeviceError(
+                    f"cannot create the lease directory {self.directory}: "
+                    f"{exc.strerror or exc}; create it as root with mode 1777 (see "
+                    f"docs/permissions.md) or set {LEASE_DIR_ENV} / device.lease_dir",
+                    operation="lease_dir",
+                ) from exc
+        self.check_directory()
+
     def lease_paths(self) -> list[Path]:
-        """Every lease file in the directory (none when it does not exist), sorted."""
+        """Every lease file in the directory (none when it does not exist), sorted.
+
+        Raises:
+            UntrustedLeaseError: the directory is not safe.
+        """
         if not self.directory.is_dir():
             return []
+        self.check_directory()
         return sorted(p for p in self.directory.glob("*.json") if not p.name.startswith("."))
 
     def read_path(self, path: Path) -> Lease | None:
         """Read one lease file; None when it does not exist.
 
+        The file is opened without following a symbolic link and without blocking (a FIFO
+        does not hang), and must be a regular file with one link of at most
+        :data:`MAX_LEASE_BYTES` describing the GPU it is named after.
+
         Raises:
-            DeviceError: the file is unreadable or malformed (operation ``read_lease``).
+            UntrustedLeaseError: the file is not a lease to act on (a link, a FIFO, too big,
+                or another user's malformed lease).
+            DeviceError: the file is unreadable, or a trusted lease is malformed
+                (operation ``read_lease``).
         """
         try:
-            text = path.read_text(encoding="utf-8")
+            fd = os.open(path, OPEN_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise DeviceError(f"cannot read lease {path}: {exc}", operation="read_lease") from exc
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise UntrustedLeaseError(
+                    f"{path} is a symbolic link; leases are never followed elsewhere",
+                    operation="read_lease",
+                ) from exc
+            raise DeviceError(
+                f"cannot read lease {path}: {exc.strerror or exc}", operation="read_lease"
+            ) from exc
         try:
-            data = json.loads(text)
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            return Lease.from_dict(data)
+            st = os.fstat(fd)
+            file_uid = st.st_uid if self._uid is not None else None
+            check_regular(path, st, "lease")
+            if st.st_nlink != 1:
+                raise UntrustedLeaseError(
+                    f"{path} has {st.st_nlink} hard links; a lease is a file of its own",
+                    operation="read_lease",
+                )
+            raw = read_at_most(fd, MAX_LEASE_BYTES + 1)
+        except OSError as exc:
+            raise DeviceError(
+                f"cannot read lease {path}: {exc.strerror or exc}", operation="read_lease"
+            ) from exc
+        finally:
+            os.close(fd)
+        whose = "" if file_uid is None else f" (owned by uid {file_uid})"
+        if len(raw) > MAX_LEASE_BYTES:
+            raise UntrustedLeaseError(
+                f"{path}{whose} is larger than {MAX_LEASE_BYTES} bytes; not read",
+                operation="read_lease",
+            )
+        try:
+            lease = dataclasses.replace(_parse(raw), file_uid=file_uid)
+            if self.path_for(lease.gpu_uuid) != path:
+                raise ValueError(f"it describes GPU {lease.gpu_uuid}, not {path.stem}")
         except ValueError as exc:
-            raise DeviceError(f"malformed lease {path}: {exc}", operation="read_lease") from exc
+            trusted = file_uid is None or file_uid in self.trusted_uids
+            error = DeviceError if trusted else UntrustedLeaseError
+            raise error(f"malformed lease {path}{whose}: {exc}", operation="read_lease") from exc
+        return lease
 
     def read(self, gpu_uuid: str) -> Lease | None:
         """The lease of a GPU, or None.
 
         Raises:
+            UntrustedLeaseError: the directory or the file is not safe to act on.
             DeviceError: the file is unreadable or malformed.
         """
+        if not self.directory.is_dir():
+            return None
+        self.check_directory()
         return self.read_path(self.path_for(gpu_uuid))
 
     def write(self, lease: Lease) -> None:
         """Write (or replace) a lease atomically and durably.
 
         Raises:
+            UntrustedLeaseError: the directory is not safe.
             DeviceError: the directory cannot be created or written (operation
-                ``write_lease``).
+                ``write_lease``); in a sticky directory that includes a file of the same
+                name owned by another user.
         """
         path = self.path_for(lease.gpu_uuid)
+        self.ensure_directory()
         tmp: str | None = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.directory)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 if sys.platform != "win32":
@@ -412,7 +686,7 @@ class LeaseStore:
             self._fsync_directory()
         except OSError as exc:
             raise DeviceError(
-                f"cannot write lease {path}: {exc}",
+                f"cannot write lease {path}: {exc.strerror or exc}",
                 gpu_index=lease.gpu_index,
                 operation="write_lease",
             ) from exc
@@ -433,7 +707,7 @@ class LeaseStore:
             self._fsync_directory()
         except OSError as exc:
             raise DeviceError(
-                f"cannot remove lease {path}: {exc}", operation="remove_lease"
+                f"cannot remove lease {path}: {exc.strerror or exc}", operation="remove_lease"
             ) from exc
 
     def _fsync_directory(self) -> None:
@@ -454,23 +728,24 @@ class LeaseStore:
     def try_lock(self, gpu_uuid: str) -> LeaseLock | None:
         """Take the GPU's exclusive lock without waiting.
 
+        The lock file is opened without following a symbolic link and must be a regular
+        file; it may belong to another user (whose job created it first).
+
         Returns:
             The held lock, or None when another open file (a live owner) holds it.
 
         Raises:
+            UntrustedLeaseError: the directory or the lock file is not safe.
             DeviceError: the lock file cannot be created or opened (operation
                 ``lock_lease``).
         """
         path = self.directory / f"{self._stem(gpu_uuid)}.lock"
         if sys.platform == "win32":  # no flock: rely on the process identity alone
             return LeaseLock(None, path)
+        self.ensure_directory()
+        fd = open_lock_file(path)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # Read-only is enough for flock, so another user's lock file can be opened.
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise DeviceError(f"cannot open lock {path}: {exc}", operation="lock_lease") from exc
-        try:
+            check_regular(path, os.fstat(fd), "lock file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
@@ -478,4 +753,16 @@ class LeaseStore:
         except OSError as exc:
             os.close(fd)
             raise DeviceError(f"cannot lock {path}: {exc}", operation="lock_lease") from exc
+        except BaseException:
+            os.close(fd)
+            raise
         return LeaseLock(fd, path)
+
+
+def _parse(raw: bytes) -> Lease:
+    """Parse a lease's bytes: strict UTF-8 JSON, every field checked.
+
+    Raises:
+        ValueError: anything else, in words.
+    """
+    return Lease.from_dict(parse_json(raw))

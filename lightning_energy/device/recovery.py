@@ -4,15 +4,24 @@ A job killed with SIGKILL (or by the OOM killer, or a node crash) cannot restore
 its leases (:mod:`.lease`) keep the pre-job settings. :func:`recover` restores every GPU
 whose lease belongs to a process that is gone, skips leases of live processes, and keeps
 (with a message) a lease whose GPU cannot be opened or restored. It is what
-``lightning-energy recover`` runs; :class:`~.guard.GPUGuard` does the same for its own GPUs
-when it acquires them.
+``lightning-energy recover`` runs; :class:`~lightning_energy.device.guard.GPUGuard` does
+the same for its own GPUs when it acquires them.
+
+``recover`` usually runs as root over a directory every user may write to, so it refuses
+(keeps, explains, changes nothing for) anything it cannot trust: a symbolic link, FIFO or
+other non-regular file, another user's malformed lease, a lease of another user asking for
+a lower limit than the GPU has, and a simulated GPU's state file that is not the caller's
+own. What it does apply is capped by the driver (see
+:func:`~.lease.restore_stale_lease`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import os
+import stat
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +31,17 @@ from lightning_energy.device.lease import (
     Lease,
     LeaseStore,
     ProcessIdentity,
-    apply_saved_settings,
+    directory_problem,
     owner_status,
+    restore_stale_lease,
 )
 from lightning_energy.device.simulated import SimulatedGPU, SimulatedSpec
-from lightning_energy.errors import DeviceError, EnergyError, GPUNotFoundError
+from lightning_energy.errors import (
+    DeviceError,
+    EnergyError,
+    GPUNotFoundError,
+    UntrustedLeaseError,
+)
 
 __all__ = ["RecoveryResult", "recover"]
 
@@ -41,7 +56,8 @@ class RecoveryResult:
         gpu_uuid: the GPU (the lease file's name when the lease is unreadable).
         lease_path: the lease file.
         status: ``"restored"`` (settings put back, lease removed), ``"would_restore"``
-            (dry run), ``"skipped"`` (owner alive, or another host's GPU; lease kept) or
+            (dry run), ``"skipped"`` (owner alive, or another host's GPU; lease kept),
+            ``"refused"`` (not a lease to act on: nothing changed, file kept) or
             ``"failed"`` (lease kept).
         message: what happened, in words.
         owner: the owning process as recorded (``"pid 12 on host n1"``), if readable.
@@ -57,7 +73,8 @@ class RecoveryResult:
 
     @property
     def ok(self) -> bool:
-        """False when the restore failed."""
+        """False when the restore failed (a refused lease is not a failure of this
+        machine's GPUs: another user's file is kept and explained)."""
         return self.status != "failed"
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,9 +97,14 @@ def _open_nvml_gpu(gpu_uuid: str, index: int) -> GPU:
         return NVMLGPU(handle, index)
 
 
-def _open_for_lease(lease: Lease) -> GPU:
+def _open_for_lease(store: LeaseStore, lease: Lease) -> GPU:
     """Re-open the GPU a lease names: by UUID through NVML, or a simulated GPU through
-    its state file."""
+    its state file, which only the lease's own user may have re-opened.
+
+    Raises:
+        UntrustedLeaseError: a simulated GPU's lease or state file is not the caller's.
+        GPUNotFoundError: the GPU is not there.
+    """
     if lease.backend != "simulated":
         return _open_nvml_gpu(lease.gpu_uuid, lease.gpu_index)
     if lease.state_path is None or lease.simulated_gpu is None:
@@ -91,12 +113,43 @@ def _open_for_lease(lease: Lease) -> GPU:
             "shipped one)",
             operation="get_handle",
         )
+    state_path = Path(lease.state_path)
+    problem = _state_file_problem(store, lease, state_path)
+    if problem is not None:
+        raise UntrustedLeaseError(
+            f"the simulated GPU's state file {state_path} is not re-opened: {problem}",
+            operation="get_handle",
+        )
     return SimulatedGPU(
         SimulatedSpec(gpu=lease.simulated_gpu).model(),
         index=lease.gpu_index,
         uuid=lease.gpu_uuid,
-        state_path=Path(lease.state_path),
+        state_path=state_path,
     )
+
+
+def _state_file_problem(store: LeaseStore, lease: Lease, path: Path) -> str | None:
+    """Why a simulated GPU's state file named by a lease may not be rewritten, or None.
+
+    A path in a lease is a claim of whoever wrote the file: it is used only when the
+    lease and the state file belong to the user running this, the state file already
+    exists as a regular file of its own (never created, never through a link) and no
+    other user can rewrite the directories above it.
+    """
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    if uid is None:
+        return None
+    if lease.file_uid != uid or not store.trusts(lease):
+        return f"the lease belongs to uid {lease.file_uid}, not to the user running recover"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{exc.strerror or exc} (recover never creates a file)"
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return "not a regular file of its own (a link, FIFO or directory)"
+    if st.st_uid != uid:
+        return f"it belongs to uid {st.st_uid}"
+    return directory_problem(path.parent, uid)
 
 
 def _close(gpu: GPU) -> None:
@@ -110,28 +163,36 @@ def recover(
     *,
     open_gpu: Callable[[str], GPU] | None = None,
     dry_run: bool = False,
+    trusted_uids: Collection[int] | None = None,
 ) -> list[RecoveryResult]:
     """Restore every GPU whose lease outlived its job (SIGKILL, OOM kill, reboot).
 
     Leases of live processes are skipped. A lease whose GPU cannot be opened or restored
-    stays in place with a message saying why.
+    stays in place with a message saying why. A file that is not a lease to act on is
+    refused: kept, explained, nothing changed.
 
     Args:
-        lease_dir: the lease directory (default: ``$LIGHTNING_ENERGY_LEASE_DIR``, else the
-            per-user state directory; see :func:`~.lease.resolve_lease_dir`).
+        lease_dir: the lease directory (default: ``$LIGHTNING_ENERGY_LEASE_DIR``, else
+            :data:`~.lease.DEFAULT_LEASE_DIR`; see :func:`~.lease.resolve_lease_dir`).
         open_gpu: opens a GPU by UUID; default: NVML by UUID, or for a simulated GPU, a
-            rebuild from the state file the lease records.
+            rebuild from the state file the lease records (the caller's own leases only).
         dry_run: only report what would be done.
+        trusted_uids: owners whose leases are believed as they are (default: root and
+            the caller); the leases of other users may only undo a lowering.
 
     Returns:
         One result per lease file, in file-name order.
+
+    Raises:
+        UntrustedLeaseError: the directory is not safe (others could rewrite it).
+        ConfigError: ``lease_dir`` is empty.
 
     Example:
         >>> results = recover("/run/lightning-energy")  # doctest: +SKIP
         >>> all(r.ok for r in results)  # doctest: +SKIP
         True
     """
-    store = LeaseStore(lease_dir)
+    store = LeaseStore(lease_dir, trusted_uids=trusted_uids)
     me = ProcessIdentity.current()
     return [_recover_one(store, path, me, open_gpu, dry_run) for path in store.lease_paths()]
 
@@ -147,6 +208,15 @@ def _result(path: Path, status: str, message: str, lease: Lease | None = None) -
     )
 
 
+def _refused(path: Path, reason: object, lease: Lease | None = None) -> RecoveryResult:
+    message = (
+        f"{reason}; nothing was changed and the file is kept: check who wrote it, then delete it "
+        "(see docs/troubleshooting.md)"
+    )
+    log.warning("Lease %s refused: %s", path, message)
+    return _result(path, "refused", message, lease)
+
+
 def _recover_one(
     store: LeaseStore,
     path: Path,
@@ -159,6 +229,8 @@ def _recover_one(
         if lease is None:
             return _result(path, "skipped", "released by its owner meanwhile")
         lock = store.try_lock(lease.gpu_uuid)
+    except UntrustedLeaseError as exc:
+        return _refused(path, exc)
     except DeviceError as exc:
         message = f"{exc}; inspect the file and delete it once the GPU is known to be fine"
         return _result(path, "failed", message)
@@ -167,6 +239,8 @@ def _recover_one(
     try:
         try:
             current = store.read_path(path)  # re-read under the lock
+        except UntrustedLeaseError as exc:
+            return _refused(path, exc, lease)
         except DeviceError as exc:
             return _result(path, "failed", str(exc), lease)
         if current is None:
@@ -187,21 +261,29 @@ def _recover_locked(
     alive, why = owner_status(lease.owner, me)
     if alive:
         return _result(path, "skipped", f"in use: {why}", lease)
+    trusted = store.trusts(lease)
+    whose = "" if trusted else f" (a lease of uid {lease.file_uid}, another user)"
     if dry_run:
         action = f"restore {lease.describe_settings()}" if lease.changed else "remove the lease"
-        return _result(path, "would_restore", f"{why}; would {action}", lease)
+        capped = "" if trusted else ", capped at the GPU's default limit, never lower"
+        return _result(path, "would_restore", f"{why}{whose}; would {action}{capped}", lease)
+    done = "nothing was changed"
     if lease.changed:
         try:
-            gpu = open_gpu(lease.gpu_uuid) if open_gpu is not None else _open_for_lease(lease)
+            gpu = (
+                open_gpu(lease.gpu_uuid) if open_gpu is not None else _open_for_lease(store, lease)
+            )
+        except UntrustedLeaseError as exc:
+            return _refused(path, exc, lease)
         except EnergyError as exc:
             if isinstance(exc, GPUNotFoundError) and lease.owner.hostname != me.hostname:
                 message = f"GPU not visible here (a lease of host {lease.owner.hostname})"
                 return _result(path, "skipped", message, lease)
             return _result(path, "failed", f"cannot open the GPU: {exc}; lease kept", lease)
         try:
-            apply_saved_settings(
-                gpu, lease, power=lease.power_limit_changed, clocks=lease.clocks_changed
-            )
+            done = restore_stale_lease(gpu, lease, trusted=trusted)
+        except UntrustedLeaseError as exc:
+            return _refused(path, exc, lease)
         except DeviceError as exc:
             return _result(path, "failed", f"cannot restore the GPU: {exc}; lease kept", lease)
         finally:
@@ -211,6 +293,7 @@ def _recover_locked(
         store.remove(lease.gpu_uuid)
     except DeviceError as exc:
         return _result(path, "failed", f"restored, but {exc}", lease)
-    done = f"restored {lease.describe_settings()}" if lease.changed else "nothing was changed"
-    log.info("%s: %s (%s); lease removed.", lease.gpu_uuid, done, why)
-    return _result(path, "restored", f"{why}; {done}; lease removed", lease)
+    if lease.changed:
+        done = f"saved {lease.describe_settings()}: {done}"
+    log.info("%s: %s (%s%s); lease removed.", lease.gpu_uuid, done, why, whose)
+    return _result(path, "restored", f"{why}{whose}; {done}; lease removed", lease)

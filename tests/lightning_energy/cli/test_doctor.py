@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,9 +96,52 @@ def test_gpus_ranges_and_permission_checked_without_changes(
     assert lines["nvml"] == "OK NVML initialised; 2 GPU(s) visible"
     assert "power limit 350 W, range 100-400 W, default 400 W" in lines["gpu 0"]
     assert lines["gpu 1 perms"].startswith("OK may change the power limit")
-    # the check sets each GPU's current limit back to itself: nothing changes
-    assert [call[2] for call in fake.calls] == [350_000, 400_000]
+    # the check sets each GPU's current limit back to itself (then restores it): nothing changes
+    assert {call[1:] for call in fake.calls} == {
+        (fake.devices[0].uuid, 350_000),
+        (fake.devices[1].uuid, 400_000),
+    }
     assert [d.limit_mw for d in fake.devices] == [350_000, 400_000]
+
+
+def test_permission_check_leaves_a_gpu_of_a_live_job_alone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_energy.device.guard import GPUGuard
+    from lightning_energy.device.nvml import nvml_gpus
+
+    fake = _install(monkeypatch, make_module([a100(0)]))
+    gpus = nvml_gpus()
+    try:
+        with GPUGuard(gpus, install_signal_handlers=False) as job:
+            job.set_power_limit_w(150.0)  # a job profiling on this GPU
+            before = list(fake.calls)
+            assert main(["doctor"]) == 0
+            assert fake.calls == before  # the doctor changed nothing under the job
+            line = _lines(capsys.readouterr().out)["gpu 0 perms"]
+            assert line.startswith("WARN") and f"pid {os.getpid()}" in line
+            assert fake.devices[0].limit_mw == 150_000
+    finally:
+        for gpu in gpus:
+            gpu.close()
+    assert fake.devices[0].limit_mw == 400_000
+
+
+def test_permission_check_goes_through_a_lease(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = _install(monkeypatch, make_module([a100(0, limit_mw=350_000)]))
+    seen: list[list[str]] = []
+
+    def set_limit(handle: Any, limit_mw: int) -> None:
+        seen.append(sorted(p.name for p in (tmp_path / "leases").glob("*.json")))
+        handle.limit_mw = limit_mw
+
+    monkeypatch.setattr(fake, "nvmlDeviceSetPowerManagementLimit", set_limit)
+    assert main(["doctor"]) == 0
+    assert seen and all(names == [f"{fake.devices[0].uuid}.json"] for names in seen)
+    assert list((tmp_path / "leases").glob("*.json")) == []  # released after the check
+    assert fake.devices[0].limit_mw == 350_000
 
 
 def test_missing_permission_fails_with_the_fix(
@@ -223,10 +267,26 @@ def test_unwritable_lease_directory_fails(
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert _lines(out)["leases"].startswith("FAIL")
-    assert f"fix: set {LEASE_DIR_ENV}" in out
+    assert f"or set {LEASE_DIR_ENV}" in out
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--timeout", "0"]) == 2
     assert "--timeout must be > 0" in capsys.readouterr().err
     assert main(["doctor", "--bogus"]) == 2
+
+
+def test_unsafe_lease_directory_fails_and_refused_files_are_listed(
+    no_gpu: FakeNVML, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lease_dir = tmp_path / "leases"
+    lease_dir.mkdir()
+    lease_dir.chmod(0o777)  # anyone may replace anyone's lease
+    assert main(["doctor"]) == 1
+    line = _lines(capsys.readouterr().out)["leases"]
+    assert line.startswith("FAIL unsafe lease directory") and "sticky" in line
+    lease_dir.chmod(0o1777)
+    os.mkfifo(lease_dir / "GPU-planted.json")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "WARN  leases  1 file(s) are refused" in out and "FIFO" in out
