@@ -8,6 +8,7 @@ collective layer the trainer already runs: Lightning's strategy, Accelerate's ut
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -41,6 +42,10 @@ class Collective(Protocol):
         """Every rank returns rank ``src``'s ``obj``."""
         ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable data), in rank order, on every rank."""
+        ...
+
 
 class LocalCollective:
     """A single process: every operation is the identity."""
@@ -55,6 +60,9 @@ class LocalCollective:
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 class GatherCollective:
@@ -103,6 +111,20 @@ class GatherCollective:
     def broadcast(self, obj: T, src: int = 0) -> T:
         result: T = self._broadcast(obj, src)
         return result
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Two float gathers: every rank's JSON length, then the bytes padded to the longest.
+
+        Float64 holds every byte exactly, so any backend's float ``all_gather`` serves.
+        """
+        payload = json.dumps(obj, sort_keys=True).encode("utf-8")
+        lengths = [int(row[0]) for row in self._all_gather([float(len(payload))])]
+        padded = [float(b) for b in payload] + [0.0] * (max(lengths) - len(payload))
+        rows = self._all_gather(padded)
+        return [
+            json.loads(bytes(int(v) for v in row[:n]).decode("utf-8"))
+            for row, n in zip(rows, lengths, strict=True)
+        ]
 
 
 class TorchDistributedCollective(GatherCollective):

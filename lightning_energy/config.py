@@ -75,6 +75,10 @@ class DeviceConfig:
             virtual clock starts at, e.g. to replay a chosen day of a carbon trace
             (None: now).
         lease_dir: where GPU leases are kept (None: ``/run/lightning-energy``, machine-wide).
+        state_dir: simulated GPUs: keep each GPU's settings in a file ``<uuid>.json`` in
+            this directory, so they outlive the process and every process opening the
+            GPU shares them, as with a real GPU (and leases are taken, as with NVML).
+            None: in memory, private to the process.
     """
 
     backend: str = "auto"
@@ -88,6 +92,7 @@ class DeviceConfig:
     step_time_s: float | None = None
     start: str | None = None
     lease_dir: str | None = None
+    state_dir: str | None = None
 
     def simulated_spec(self) -> SimulatedSpec:
         """The simulated-GPU specification this section describes (one GPU per rank)."""
@@ -103,6 +108,7 @@ class DeviceConfig:
             seed=self.seed,
             slowdowns=self.slowdowns,
             step_time_s=self.step_time_s,
+            state_dir=self.state_dir,
         )
 
     def start_time(self) -> datetime | None:

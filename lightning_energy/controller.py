@@ -35,7 +35,17 @@ from carbon.accounting import emissions_g
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device.base import DeviceSet, GPUInfo, gpu_info
-from lightning_energy.errors import CheckpointMismatchError, ConfigError
+from lightning_energy.errors import CheckpointMismatchError, ConfigError, EnergyError, JobSetupError
+from lightning_energy.job import (
+    Capability,
+    JobPlan,
+    RankInfo,
+    agree,
+    describe_shared,
+    job_totals,
+    node_name,
+    shared_gpus,
+)
 from lightning_energy.measure import EnergyMeter, Measurement
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 
@@ -72,6 +82,9 @@ class RunSummary:
             also the same job run carbon-unaware (the selector's limit, no pacing) and at
             full power, from the end of profiling on the intensities observed (cumulative
             series in ``baselines``), and the deadline and whether it was met.
+        job_energy_j: energy used by every GPU of the job, each counted once (None until
+            the ranks have compared numbers at the end of a run; ``energy_j`` is this
+            process's own share).
     """
 
     steps: int
@@ -83,6 +96,7 @@ class RunSummary:
     slowdown: float
     observe_only: bool
     carbon: dict[str, Any] | None = None
+    job_energy_j: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -97,6 +111,8 @@ class EnergyController:
         devices: the GPUs to drive (default: opened from ``config.device`` in ``setup``).
         collective: how ranks agree (default: ``torch.distributed`` when initialised).
         local_rank: which local GPU this process drives when opening devices.
+        node_rank: the framework's node rank (None: from the launcher's environment); it
+            names this process's node in reports and sets simulated GPUs apart per node.
         install_signal_handlers: restore GPUs on SIGTERM/SIGINT too (main thread only).
     """
 
@@ -107,6 +123,7 @@ class EnergyController:
         devices: DeviceSet | None = None,
         collective: Collective | None = None,
         local_rank: int = 0,
+        node_rank: int | None = None,
         install_signal_handlers: bool = True,
     ) -> None:
         self.config = config or EnergyConfig()
@@ -115,6 +132,12 @@ class EnergyController:
         self._owns_devices = False
         self._collective = collective
         self._local_rank = local_rank
+        self._node_rank = node_rank
+        self._node = node_name(node_rank)
+        self._ranks: list[RankInfo] = []
+        self._plan = JobPlan(True, (), None)
+        self._counts_energy = True
+        self.job: dict[str, Any] | None = None
         self._install_signal_handlers = install_signal_handlers
         self._guard: Any = None
         self._meter: EnergyMeter | None = None
@@ -183,8 +206,8 @@ class EnergyController:
             strict=self.config.strict,
             install_signal_handlers=self._install_signal_handlers,
         )
-        self._guard.acquire()
         try:
+            self._agree(devices)
             self._start(devices)
         except BaseException:
             self._guard.restore()  # nothing may stay changed, nor leased, after a failed setup
@@ -196,13 +219,59 @@ class EnergyController:
         if self._guard.observe_only:
             self._decide("observe-only", None, self._guard.observe_only_reason or "")
 
-    def _start(self, devices: DeviceSet) -> None:
+    def _agree(self, devices: DeviceSet) -> None:
+        """Take the lease and find out, with every rank, who optimises (one job, one plan).
+
+        Two collectives: which GPUs each rank opened (a GPU opened by two ranks is driven
+        and measured by the lower one only), then whether each rank can change its GPUs.
+        In strict mode a rank that cannot makes every rank raise the same error, so no rank
+        is left waiting in a collective.
+        """
+        collective = self.collective
+        single = collective.world_size == 1
+        me = RankInfo(collective.rank, self._node, tuple(g.uuid for g in devices.gpus))
+        self._ranks = (
+            [me]
+            if single
+            else [RankInfo.from_dict(r) for r in collective.all_gather_object(me.to_dict())]
+        )
+        shared = shared_gpus(self._ranks, collective.rank)
+        if shared:
+            self._counts_energy = False
+            self._guard.observe(describe_shared(shared, self._ranks))
+        failure: str | None = None
+        try:
+            self._guard.acquire()
+            self._probe_permission(devices)
+        except EnergyError as exc:
+            if single:
+                raise
+            failure = str(exc)
+        if single:
+            return
+        reason = failure or self._guard.observe_only_reason
+        mine = Capability(collective.rank, reason is None, reason)
+        self._plan = agree(
+            [Capability.from_dict(c) for c in collective.all_gather_object(mine.to_dict())]
+        )
+        if self._plan.message is None:
+            return
+        if self.config.strict:
+            raise JobSetupError(self._plan.message)
+        if collective.rank == 0:
+            log.warning("%s.", self._plan.message)
+
+    def _probe_permission(self, devices: DeviceSet) -> None:
+        """Find out now, before training, whether settings may be changed.
+
+        Setting every GPU to its own pre-job limit changes nothing (the guard clamps to it)
+        but fails without permission (observe-only, or an error in strict mode).
+        """
         if self.config.power_limit.enabled and not self._guard.observe_only:
-            # Find out now, before training, whether settings may be changed: setting every
-            # GPU to its own pre-job limit changes nothing (the guard clamps to it) but
-            # fails without permission (observe-only, or an error in strict mode).
             pre = [self._guard.pre_job_power_limit_w(i) for i in range(len(devices))]
             self._guard.set_power_limit_w(max(pre))
+
+    def _start(self, devices: DeviceSet) -> None:
         self.device_info = [gpu_info(g) for g in devices.gpus]
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
@@ -237,6 +306,12 @@ class EnergyController:
 
         dev = self.config.device
         spec = dev.simulated_spec()
+        node = self._node_rank or 0
+        if node:
+            # Simulated GPUs of different nodes are different GPUs, as real ones are.
+            spec = replace(
+                spec, seed=spec.seed + 1000 * node, uuid_prefix=f"GPU-sim-{spec.label}-n{node}"
+            )
         self._owns_devices = True
         return open_devices(
             dev.backend,
@@ -397,9 +472,17 @@ class EnergyController:
         self._window_steps = 0
 
     def _optimizing(self) -> bool:
-        if not self.config.power_limit.enabled or self._guard.observe_only:
+        if not self.config.power_limit.enabled or not self._job_changes_settings():
             return False
         return not self._optimizer().done
+
+    def _job_changes_settings(self) -> bool:
+        """Whether the job profiles and paces: one decision for all ranks, since every rank
+        makes the same collective calls (an observing rank takes part, changing nothing);
+        a single process decides by its own guard."""
+        if self.collective.world_size > 1:
+            return self._plan.optimises
+        return not self._guard.observe_only
 
     def _open_window(self) -> None:
         optimizer = self._optimizer()
@@ -416,7 +499,9 @@ class EnergyController:
     def _close_window(self) -> None:
         assert self._meter is not None and self._window is not None
         m = self._meter.end(_WINDOW)
-        (energy_j,), (duration_s,) = self.collective.sum_and_max([m.energy_j], [m.duration_s])
+        (energy_j,), (duration_s,) = self.collective.sum_and_max(
+            [m.energy_j if self._counts_energy else 0.0], [m.duration_s]
+        )
         steps = self._window.measure_steps
         optimizer = self._optimizer()
         optimizer.report(
@@ -593,7 +678,7 @@ class EnergyController:
             return
         self._intensity = update.intensity_g_per_kwh
         profile = self._profile_by_limit()
-        if update.scale is None or not profile or self._guard.observe_only:
+        if update.scale is None or not profile or not self._job_changes_settings():
             return
         if update.scale != self._scale:
             self._scale = update.scale
@@ -683,6 +768,30 @@ class EnergyController:
             observe_only=self.observe_only,
             carbon=self._carbon_summary() if self.config.carbon is not None else None,
         )
+
+    def gather_job_totals(self) -> dict[str, Any]:
+        """Every rank: compare numbers with the others; the job's totals (a collective).
+
+        Call it on every rank after :meth:`teardown` on a normal end (never on an exception
+        path, where another rank may not be there to answer). The totals count each GPU
+        once; they are kept in :attr:`job` and the summary's ``job_energy_j``.
+        """
+        summary = self.teardown()
+        carbon = summary.carbon or {}
+        mine = {
+            "rank": self.collective.rank,
+            "node": self._node,
+            "counted": self._counts_energy,
+            "observe_only": summary.observe_only,
+            "gpus": [{"uuid": g.uuid, "name": g.name, "index": g.index} for g in self.device_info],
+            "steps": summary.steps,
+            "energy_j": summary.energy_j,
+            "energy_saved_j": summary.energy_saved_j,
+            "emissions_g": carbon.get("emissions_g"),
+        }
+        self.job = job_totals(self.collective.all_gather_object(mine))
+        self._summary = replace(summary, job_energy_j=self.job["energy_j"])
+        return self.job
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ with the GPU and the operation attached, so callers catch one family::
     ├── ProfileError                a power/frequency profile or plan is malformed
     ├── CheckpointMismatchError     a resumed state belongs to another GPU model or job
     ├── StoreError                  the tuning-history database failed or is unsafe
+    ├── JobSetupError               strict mode: a rank of the job cannot change its GPUs
     └── DeviceError                 anything a GPU backend reports (``gpu_index`` attached)
         ├── NoPermissionError       the process may not change GPU settings
         ├── NotSupportedError       the GPU or driver lacks the feature
@@ -31,6 +32,7 @@ __all__ = [
     "EnergyError",
     "GPULostError",
     "GPUNotFoundError",
+    "JobSetupError",
     "LeaseConflictError",
     "NoPermissionError",
     "NotSupportedError",
@@ -75,6 +77,13 @@ class CheckpointMismatchError(EnergyError, ValueError):
 
 class StoreError(EnergyError):
     """The persistent tuning history cannot be used."""
+
+
+class JobSetupError(EnergyError):
+    """Strict mode: some rank of the job cannot change its GPUs, so every rank stops.
+
+    The message names each such rank and why; every rank raises the same one.
+    """
 
 
 class DeviceError(EnergyError):

@@ -13,7 +13,10 @@ Every integration writes the same report when the configuration names a ``report
                             # and with carbon-aware pacing intensity, grams and target scale
       "profile":   [...],   # the measured power-limit frontier (time and energy per step)
       "decisions": [...],   # every setting applied, when, and why
-      "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary)
+      "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary) of
+                            # the writing process's GPUs ("scope" says which rank)
+      "job":       {...},   # the whole job: energy, savings and grams summed over every
+                            # rank (each GPU once), every GPU with its rank and node
       "carbon":    {...}    # optional: grams emitted vs. the carbon-unaware and full-power
                             # baselines
     }
@@ -105,6 +108,9 @@ def build_report(controller: EnergyController) -> dict[str, Any]:
         "decisions": list(controller.decisions),
         "summary": summary,
     }
+    summary["scope"] = f"rank {controller.collective.rank}"
+    if controller.job is not None:
+        report["job"] = controller.job
     if carbon:
         report["carbon"] = carbon
     return _jsonable(report)
@@ -264,6 +270,11 @@ def format_report(report: Mapping[str, Any]) -> str:
     rows.append(("steps", f"{int(summary.get('steps', 0))}"))
     energy_j = float(summary.get("energy_j", 0.0))
     rows.append(("energy", _energy(energy_j)))
+    job = report.get("job")
+    if isinstance(job, Mapping) and int(job.get("ranks", 1)) > 1:
+        rows[-1] = (f"energy ({summary.get('scope', 'rank 0')})", rows[-1][1])
+        scope = f"whole job: {job['ranks']} ranks on {job.get('nodes', 1)} node(s)"
+        rows.append((f"energy ({scope})", _energy(float(job.get("energy_j", 0.0)))))
     rows.append(("time (device clock)", _duration(float(summary.get("duration_s", 0.0)))))
     chosen = chosen_power_limits_w(report)
     pre = summary.get("pre_job_power_limit_w")

@@ -242,6 +242,18 @@ class GPUGuard:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    def observe(self, reason: str) -> None:
+        """Observe only, from now on, because another process drives these GPUs.
+
+        Called before :meth:`acquire` (which then takes no lease): the process that drives
+        the GPUs owns their lease and restores them. Logs one warning; never raises, not
+        even in strict mode (the caller decides what strictness means for its job).
+        """
+        with self._critical():
+            if self._observe_reason is None:
+                self._observe_reason = reason
+                log.warning("%s. Running observe-only on this process.", reason)
+
     # ------------------------------------------------------------------ acquire
     def _ensure_acquired(self) -> None:
         if not self._acquired:

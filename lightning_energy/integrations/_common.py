@@ -57,6 +57,10 @@ def format_summary(summary: RunSummary) -> str:
     rows = [
         ("steps", f"{summary.steps}"),
         ("energy (this process)", f"{summary.energy_j / 1000:.2f} kJ"),
+    ]
+    if summary.job_energy_j is not None and summary.job_energy_j != summary.energy_j:
+        rows.append(("energy (whole job)", f"{summary.job_energy_j / 1000:.2f} kJ"))
+    rows += [
         ("time", f"{summary.duration_s:.1f} s"),
         ("power limit chosen", limit),
         ("pre-job power limit", pre),
@@ -144,13 +148,18 @@ class EnergyAdapter:
 def finish_run(
     controller: EnergyController, report: str | None, *, main_process: bool
 ) -> RunSummary:
-    """Restore every GPU; on the main process, log the summary and write the report.
+    """Restore every GPU, gather the job's totals; on the main process, log the summary
+    and write the report.
+
+    Every rank must call it on a normal end (the totals are a collective).
 
     Args:
         controller: the run's controller.
         report: where to write the JSON report (None: nowhere).
         main_process: whether this is global rank 0.
     """
+    controller.teardown()
+    controller.gather_job_totals()  # every rank takes part: the job's own numbers
     summary = controller.teardown()
     if main_process:
         log.info("energy summary:\n%s", format_summary(summary))

@@ -70,6 +70,7 @@ class EnergyFabricCallback(EnergyAdapter):
                 fabric.global_rank, fabric.world_size, all_gather, fabric.broadcast
             ),
             local_rank=fabric.local_rank,
+            node_rank=fabric.node_rank,
         )
         self.controller.setup()
 

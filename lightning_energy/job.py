@@ -1,0 +1,213 @@
+"""What the ranks of one job agree on: who drives which GPU, and the job's totals.
+
+Every rank of a job makes the same collective calls at the same steps, so whether the job
+optimises must be one decision, not one per rank: a rank that cannot change its GPU (no
+permission on one node, a MIG instance, a GPU leased by another job) still takes part in
+every profiling window, observing, while the others optimise. At setup each rank shares
+what it drives (:class:`RankInfo`); :func:`shared_gpus` finds GPUs that two processes of
+the job open (a wrong local rank, every process given ``CUDA_VISIBLE_DEVICES=0``): the
+lowest rank drives and measures such a GPU, the others observe it and count none of its
+energy. Then each rank shares whether it can change its GPUs, and :func:`agree` turns the
+answers into one :class:`JobPlan`, identical on every rank.
+
+At the end of a run :func:`job_totals` sums what every rank measured into the job's own
+numbers, each GPU once, labelled with its rank and node.
+
+Example:
+    >>> a = RankInfo(rank=0, node="n0", gpus=("GPU-a",))
+    >>> b = RankInfo(rank=1, node="n0", gpus=("GPU-a",))
+    >>> shared_gpus([a, b], rank=1)
+    {'GPU-a': 0}
+    >>> plan = agree([Capability(0, True, None), Capability(1, False, "GPU-a: rank 0 drives it")])
+    >>> plan.optimises, plan.observing
+    (True, (1,))
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Capability",
+    "JobPlan",
+    "RankInfo",
+    "agree",
+    "job_totals",
+    "node_name",
+    "shared_gpus",
+]
+
+#: Environment variables launchers set to a node's index (torchrun, Lightning, Slurm).
+_NODE_ENV = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+
+
+def node_name(node_rank: int | None = None) -> str:
+    """This process's node: the host name, with the launcher's node index when known.
+
+    Several "nodes" may share one host (tests, a launcher run on one machine with
+    ``--nnodes 2``): the index tells them apart.
+
+    Args:
+        node_rank: the framework's node rank (None: from ``GROUP_RANK``, ``NODE_RANK`` or
+            ``SLURM_NODEID``, else none).
+    """
+    if node_rank is None:
+        for name in _NODE_ENV:
+            value = os.environ.get(name, "").strip()
+            if value.isdigit():
+                node_rank = int(value)
+                break
+    host = socket.gethostname()
+    return host if node_rank is None else f"{host}#{node_rank}"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank drives.
+
+    Attributes:
+        rank: the global rank.
+        node: the node it runs on (:func:`node_name`).
+        gpus: the UUIDs of the GPUs it opened.
+    """
+
+    rank: int
+    node: str
+    gpus: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for a collective."""
+        return {"rank": self.rank, "node": self.node, "gpus": list(self.gpus)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankInfo:
+        """The inverse of :meth:`to_dict`."""
+        return cls(int(data["rank"]), str(data["node"]), tuple(str(g) for g in data["gpus"]))
+
+
+def shared_gpus(ranks: Sequence[RankInfo], rank: int) -> dict[str, int]:
+    """The GPUs of ``rank`` that a lower rank of the job also opened.
+
+    Returns:
+        ``{uuid: the lowest rank that opened it}`` for each such GPU (empty when this rank
+        drives its GPUs alone).
+    """
+    first: dict[str, int] = {}
+    for info in sorted(ranks, key=lambda r: r.rank):
+        for uuid in info.gpus:
+            first.setdefault(uuid, info.rank)
+    mine = next((info for info in ranks if info.rank == rank), None)
+    if mine is None:
+        return {}
+    return {uuid: first[uuid] for uuid in mine.gpus if first[uuid] != rank}
+
+
+def describe_shared(shared: Mapping[str, int], ranks: Sequence[RankInfo]) -> str:
+    """Why a rank observes GPUs another rank of its job drives (one sentence)."""
+    nodes = {info.rank: info.node for info in ranks}
+    parts = [
+        f"{uuid} is also opened by rank {r} on {nodes.get(r, '?')}" for uuid, r in shared.items()
+    ]
+    return (
+        "; ".join(parts) + " of this job (two processes on one GPU: check the local rank, "
+        "the devices given to the trainer and CUDA_VISIBLE_DEVICES); the lower rank drives "
+        "and measures it"
+    )
+
+
+@dataclass(frozen=True)
+class Capability:
+    """Whether one rank can change its GPUs.
+
+    Attributes:
+        rank: the global rank.
+        can_change: False when the rank observes only (or failed to set up).
+        reason: why not (None when it can).
+    """
+
+    rank: int
+    can_change: bool
+    reason: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for a collective."""
+        return {"rank": self.rank, "can_change": self.can_change, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Capability:
+        """The inverse of :meth:`to_dict`."""
+        reason = data.get("reason")
+        return cls(
+            int(data["rank"]), bool(data["can_change"]), None if reason is None else str(reason)
+        )
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The job-wide decision, identical on every rank.
+
+    Attributes:
+        optimises: whether the job profiles and changes settings (on the ranks that can).
+        observing: the ranks that only observe.
+        message: one sentence naming the observing ranks and why (None when none).
+    """
+
+    optimises: bool
+    observing: tuple[int, ...]
+    message: str | None
+
+
+def agree(capabilities: Sequence[Capability]) -> JobPlan:
+    """One decision from every rank's capability.
+
+    The job optimises when at least one rank can change its GPUs; the others observe.
+    """
+    observing = sorted((c for c in capabilities if not c.can_change), key=lambda c: c.rank)
+    optimises = len(observing) < len(capabilities)
+    if not observing:
+        return JobPlan(True, (), None)
+    why = "; ".join(f"rank {c.rank}: {c.reason or 'observe-only'}" for c in observing)
+    ranks = [c.rank for c in observing]
+    if optimises:
+        message = (
+            f"ranks {ranks} of {len(capabilities)} observe only, the others optimise their GPUs "
+            f"({why})"
+        )
+    else:
+        message = f"every rank observes only, GPU settings are left as they are ({why})"
+    return JobPlan(optimises, tuple(ranks), message)
+
+
+def job_totals(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The job's totals from every rank's own numbers.
+
+    Args:
+        ranks: one mapping per rank with ``rank``, ``node``, ``gpus`` (each with ``uuid``
+            and ``name``), ``counted`` (False for a rank whose GPUs another rank measures),
+            ``energy_j``, ``energy_saved_j`` and optionally ``emissions_g``.
+
+    Returns:
+        ``scope: "job"``, the number of ranks and nodes, ``energy_j``, ``energy_saved_j``
+        and ``emissions_g`` summed over counted ranks (each GPU once), and per-rank detail.
+    """
+    counted = [r for r in ranks if r.get("counted", True)]
+    emissions = [r["emissions_g"] for r in counted if r.get("emissions_g") is not None]
+    gpus = [
+        {**gpu, "rank": r["rank"], "node": r["node"]}
+        for r in sorted(counted, key=lambda r: r["rank"])
+        for gpu in r.get("gpus", [])
+    ]
+    return {
+        "scope": "job",
+        "ranks": len(ranks),
+        "nodes": len({r["node"] for r in ranks}),
+        "energy_j": sum(float(r["energy_j"]) for r in counted),
+        "energy_saved_j": sum(float(r["energy_saved_j"]) for r in counted),
+        "emissions_g": sum(emissions) if emissions else None,
+        "gpus": gpus,
+        "per_rank": [dict(r) for r in sorted(ranks, key=lambda r: r["rank"])],
+    }

@@ -1,0 +1,78 @@
+"""One rank of a 2-process gloo job driving an EnergyController directly (run by test_job.py).
+
+Arguments: rank, port, output folder, then a JSON object of options: ``local_rank``,
+``node_rank``, ``strict``, ``state_dir`` and ``lease_dir`` (the simulated GPUs' settings
+and leases live in files, shared by every process, as a real GPU's are), ``steps``.
+Writes ``rank<r>.json`` with the summary, the decisions, the job totals or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.errors import EnergyError
+
+
+def main() -> None:
+    rank, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    options: dict[str, Any] = json.loads(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a40",
+                "noise_std": 0.01,
+                "state_dir": options["state_dir"],
+                "lease_dir": options["lease_dir"],
+            },
+            "power_limit": {
+                "selector": "energy",
+                "power_limits_w": [300, 250, 200, 150],
+                "warmup_steps": 2,
+                "settle_steps": 1,
+            },
+            "strict": options.get("strict", False),
+            "log_every_n_steps": 5,
+        }
+    )
+    controller = EnergyController(
+        config,
+        local_rank=options["local_rank"],
+        node_rank=options.get("node_rank"),
+        install_signal_handlers=False,
+    )
+    result: dict[str, Any] = {}
+    try:
+        controller.setup()
+    except EnergyError as exc:
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        result["power_limit_w"] = controller.devices.gpus[0].power_limit_w()
+    else:
+        for _ in range(options.get("steps", 80)):
+            controller.on_step_start()
+            controller.on_step_end()
+        controller.teardown()
+        job = controller.gather_job_totals()
+        summary = controller.teardown()
+        result.update(
+            summary=summary.to_dict(),
+            job=job,
+            uuid=controller.devices.gpus[0].uuid,
+            decisions=[(d["kind"], d["value"], d["reason"]) for d in controller.decisions],
+            profile=controller.profile(),
+            power_limit_w=controller.devices.gpus[0].power_limit_w(),
+        )
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
