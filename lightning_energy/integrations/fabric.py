@@ -58,7 +58,9 @@ class EnergyFabricCallback(EnergyAdapter):
             return
 
         def all_gather(values: list[float]) -> list[list[float]]:
-            gathered = fabric.all_gather(torch.tensor(values, dtype=torch.float64))
+            gathered = fabric.all_gather(
+                torch.tensor(values, dtype=torch.float64, device=fabric.device)
+            )
             if gathered.dim() == 1:
                 gathered = gathered.unsqueeze(0)
             return [row.tolist() for row in gathered.cpu()]
@@ -70,6 +72,7 @@ class EnergyFabricCallback(EnergyAdapter):
                 fabric.global_rank, fabric.world_size, all_gather, fabric.broadcast
             ),
             local_rank=fabric.local_rank,
+            device=fabric.device,
         )
         self.controller.setup()
 
