@@ -6,7 +6,9 @@ its GPU draws while blocked). Then every rank fits, per ``(stage, instruction)``
 time and power against the clock, rank 0 gathers the fits, predicts the profile at every
 supported clock in the profiled range, plans, and broadcasts the plan; all ranks switch to
 it at the same iteration. When the target iteration time changes (the carbon policy's),
-rank 0 re-plans from the same profile and the new plan is broadcast the same way.
+rank 0 re-plans from the same profile and the new plan is broadcast the same way; ranks
+check for such a change every ``replan_every_iterations`` iterations (one small collective
+over a gloo group, so the GPU is never synchronised for it).
 
 Models (per instruction; the simulated GPU's physics follows the same shape):
 
@@ -36,12 +38,17 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import PerseusPlanner
 from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.runtime import InstructionMeter, PipelineRuntime
+from lightning_energy.perseus.runtime import (
+    InstructionMeter,
+    PipelineRuntime,
+    agree_on_clock_control,
+)
 from lightning_energy.perseus.schedule import Instruction
 
 __all__ = ["ClockModel", "OnlinePerseus", "Sample", "default_profile_clocks", "fit_profile"]
@@ -174,7 +181,12 @@ class OnlinePerseus:
             compilation and caches make the first ones unrepresentative).
         iterations_per_clock: profiled iterations per clock.
         target_time_s: iteration time to plan for (None: no slowdown).
-        group: the process group of the pipeline ranks (None: the default group).
+        replan_every_iterations: after planning, how often (in iterations) the ranks
+            check whether rank 0's target time changed; a new target takes effect at the
+            next check.
+        group: the process group of the pipeline ranks (None: the default group). Its
+            exchanges run over a gloo group (see
+            :func:`~lightning_energy.collectives.cpu_collective_group`).
         clock: seconds in the GPU's time base (simulated GPUs: their virtual clock).
         planner_options: keyword arguments for :class:`PerseusPlanner`.
 
@@ -192,6 +204,7 @@ class OnlinePerseus:
         warmup_iterations: int = 1,
         iterations_per_clock: int = 1,
         target_time_s: float | None = None,
+        replan_every_iterations: int = 10,
         group: Any = None,
         clock: Callable[[], float] = time.perf_counter,
         planner_options: Mapping[str, Any] | None = None,
@@ -201,6 +214,8 @@ class OnlinePerseus:
             problems.append(f"warmup_iterations={warmup_iterations}: must be >= 0")
         if iterations_per_clock < 1:
             problems.append(f"iterations_per_clock={iterations_per_clock}: must be >= 1")
+        if replan_every_iterations < 1:
+            problems.append(f"replan_every_iterations={replan_every_iterations}: must be >= 1")
         clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
         if len(set(clocks)) < 2:
             problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
@@ -212,7 +227,8 @@ class OnlinePerseus:
         self.profile_clocks_mhz = clocks
         self.warmup_iterations = warmup_iterations
         self.iterations_per_clock = iterations_per_clock
-        self.group = group
+        self.replan_every_iterations = replan_every_iterations
+        self.group = cpu_collective_group(group)
         self.clock = clock
         self.planner_options = dict(planner_options or {})
         self.iteration = 0
@@ -220,6 +236,7 @@ class OnlinePerseus:
         self.profile: PipelineProfile | None = None
         self.planner: PerseusPlanner | None = None
         self._planned = False
+        self._planned_at = 0
         self._target_s = target_time_s
         self._pending_target: tuple[float | None] | None = None
         self._samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
@@ -227,10 +244,21 @@ class OnlinePerseus:
         self._iter_instr: list[tuple[float, float]] = []
         self._iter_start: tuple[float, float] | None = None
         self._meter = InstructionMeter(gpu, self._record, clock)
+        controller = runtime.controller
+        #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
+        self.enabled = agree_on_clock_control(
+            controller.guard,
+            max(self.supported_clocks_mhz),
+            controller.gpu_position,
+            self.group,
+        )
 
     @property
     def phase(self) -> str:
-        """``"warmup"``, ``"profiling"`` or ``"planned"``."""
+        """``"disabled"`` (clocks cannot be changed), ``"warmup"``, ``"profiling"`` or
+        ``"planned"``."""
+        if not self.enabled:
+            return "disabled"
         if self._planned:
             return "planned"
         if self.iteration < self.warmup_iterations:
@@ -260,7 +288,7 @@ class OnlinePerseus:
 
     def on_iteration_start(self) -> None:
         """Set this iteration's clocks (profiling) and start measuring."""
-        if self.phase == "planned":
+        if self.phase in ("planned", "disabled"):
             return
         if self.phase == "warmup":
             self.runtime.set_fixed_clock(max(self.supported_clocks_mhz))
@@ -279,6 +307,9 @@ class OnlinePerseus:
             ProfileError: the measurements cannot be fitted.
         """
         simulated = self.runtime.end_iteration()
+        if not self.enabled:
+            self.iteration += 1
+            return
         if self.phase == "profiling" and self._iter_start is not None:
             self.gpu.synchronize()
             t0, e0 = self._iter_start
@@ -296,7 +327,10 @@ class OnlinePerseus:
             self.runtime.measure_with(None)
             self.runtime.set_fixed_clock(None)
             self._plan_from_samples()
-        elif self._planned:
+        elif (
+            self._planned
+            and (self.iteration - self._planned_at) % self.replan_every_iterations == 0
+        ):
             self._maybe_replan()
 
     # ------------------------------------------------------------ collectives
@@ -345,6 +379,7 @@ class OnlinePerseus:
             )
         self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
         self._planned = True
+        self._planned_at = self.iteration
 
     def _plan_text(self) -> str:
         assert self.planner is not None

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.physics import PhysicsModel
@@ -63,6 +64,7 @@ __all__ = [
     "PipelineRuntime",
     "PipelineSimulation",
     "StageWork",
+    "agree_on_clock_control",
     "simulated_profile",
 ]
 
@@ -200,12 +202,49 @@ class StageWork:
     compute_bound_share: float = 1.0
 
 
+def agree_on_clock_control(
+    guard: GPUGuard, freq_mhz: int, gpu_position: int = 0, group: Any = None
+) -> bool:
+    """Lock ``freq_mhz`` to find out whether clocks may be changed, and agree on it.
+
+    Without permission (or with a GPU that cannot lock its clocks, or observe-only for
+    any other reason) the guard logs its one warning; every rank of ``group`` then learns
+    that clocks cannot be controlled everywhere, and those that locked one reset it, so
+    no rank profiles or plans clocks that would never be applied.
+
+    Args:
+        guard: the guard of this rank's GPU.
+        freq_mhz: the clock to lock (the first one Perseus wants).
+        gpu_position: position of the GPU in the guard.
+        group: a process group taking CPU objects (None: the default group); a single
+            process decides alone.
+
+    Returns:
+        True when every rank locked ``freq_mhz``.
+    """
+    locked = not guard.observe_only and (
+        guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
+    )
+    agreed = locked
+    if dist.is_initialized():
+        votes: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(votes, locked, group=group)
+        agreed = all(votes)
+        if locked and not agreed:
+            guard.reset_clocks([gpu_position])
+            refused = [r for r, vote in enumerate(votes) if not vote]
+            log.info("Perseus disabled: rank(s) %s cannot change GPU clocks.", refused)
+    return agreed
+
+
 def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
     """A barrier on simulated clocks: every rank idles until the slowest rank's time.
 
     Args:
         gpu: this rank's simulated GPU (its clock advances, drawing blocked power).
-        group: the process group (None: the default one); a single process just returns.
+        group: a process group taking CPU tensors (see
+            :func:`~lightning_energy.collectives.cpu_collective_group`; None: the default
+            one); a single process just returns.
 
     Returns:
         The common virtual time all ranks reached.
@@ -231,7 +270,9 @@ class PipelineSimulation:
     Args:
         gpu: this rank's simulated GPU.
         works: the work of each ``(stage, kind)`` run by this rank.
-        group: the process group over the pipeline ranks (gloo); None: the default group.
+        group: the process group over the pipeline ranks; None: the default group (CPU
+            tensors go over a gloo group, see
+            :func:`~lightning_energy.collectives.cpu_collective_group`).
     """
 
     gpu: SimulatedGPU
@@ -242,6 +283,7 @@ class PipelineSimulation:
     _iteration_start_s: float = 0.0
 
     def __post_init__(self) -> None:
+        self.group = cpu_collective_group(self.group)
         self._iteration_start_s = self.gpu.clock.now()
 
     def _tag(self, schedule: PipelineSchedule, inst: Instruction) -> int:
