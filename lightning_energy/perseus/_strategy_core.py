@@ -268,7 +268,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
             }
             simulation = PipelineSimulation(gpu, works, group=self._cpu_group)
         self.runtime = PipelineRuntime(
-            schedule, rank, ClockController(guard), simulation=simulation, record=False
+            schedule, rank, ClockController(guard, gpu=gpu), simulation=simulation, record=False
         )
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == rank]
         pipeline_stages = [

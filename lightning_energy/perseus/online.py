@@ -76,20 +76,34 @@ class ClockModel:
     max_mhz: int
 
     @classmethod
-    def fit(cls, samples: Sequence[Sample]) -> ClockModel:
+    def fit(cls, samples: Sequence[Sample], *, warn: bool = True) -> ClockModel:
         """Least-squares fit from measurements at two clocks or more.
 
+        Measurements are first averaged per clock (see :func:`mean_per_clock`): an energy
+        counter that moves only every ~100 ms reads 0 J for most short instructions and a
+        whole period's energy for a few, and only the mean over many of them is right. A
+        clock whose mean time or energy is still not positive is left out.
+
+        Args:
+            samples: the measurements.
+            warn: log one warning naming the clocks left out.
+
         Raises:
-            ProfileError: fewer than two distinct clocks, or non-positive measurements.
+            ProfileError: fewer than two clocks with positive mean time and energy.
         """
-        freqs = np.asarray([s[0] for s in samples], dtype=np.float64)
-        times = np.asarray([s[1] for s in samples], dtype=np.float64)
-        energies = np.asarray([s[2] for s in samples], dtype=np.float64)
-        distinct = np.unique(freqs)
-        if len(distinct) < 2:
-            raise ProfileError(f"fitting needs two clocks or more, got {distinct.tolist()}")
-        if np.any(times <= 0) or np.any(energies <= 0):
-            raise ProfileError("fitting needs positive times and energies")
+        means, unusable = mean_per_clock(samples)
+        if unusable and warn:
+            _warn_unusable(unusable)
+        usable = sorted(means)
+        if len(usable) < 2:
+            raise ProfileError(
+                f"fitting needs two clocks or more with positive time and energy, got {usable}"
+                + (f" (no energy measured at {unusable} MHz)" if unusable else "")
+            )
+        freqs = np.asarray(usable, dtype=np.float64)
+        times = np.asarray([means[f][0] for f in usable], dtype=np.float64)
+        energies = np.asarray([means[f][1] for f in usable], dtype=np.float64)
+        distinct = freqs
         a, b = np.linalg.lstsq(np.column_stack([1.0 / freqs, np.ones_like(freqs)]), times)[0]
         degree = 2 if len(distinct) >= 3 else 1
         basis = np.column_stack([freqs**k for k in range(degree + 1)])
@@ -110,6 +124,35 @@ class ClockModel:
     def energy_j(self, freq_mhz: float) -> float:
         """Predicted energy at ``freq_mhz``."""
         return self.power_w(freq_mhz) * self.time_s(freq_mhz)
+
+
+def mean_per_clock(
+    samples: Sequence[Sample],
+) -> tuple[dict[int, tuple[float, float]], list[int]]:
+    """Mean time and energy per clock over every sample at that clock.
+
+    Returns:
+        ``({freq_mhz: (mean time_s, mean energy_j)}`` for the clocks where both are
+        positive, and the sorted clocks where they are not).
+    """
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for freq, time_s, energy_j in samples:
+        total = totals[int(freq)]
+        total[0] += time_s
+        total[1] += energy_j
+        total[2] += 1
+    means = {f: (t / n, e / n) for f, (t, e, n) in totals.items()}
+    unusable = sorted(f for f, (t, e) in means.items() if t <= 0 or e <= 0)
+    return {f: m for f, m in means.items() if f not in unusable}, unusable
+
+
+def _warn_unusable(clocks_mhz: Sequence[int]) -> None:
+    log.warning(
+        "Perseus: no energy measured at %s MHz: the GPU's energy counter moved too rarely "
+        "during these measurements; profile more iterations (or steps) per clock. Fitting "
+        "without these clocks.",
+        list(clocks_mhz),
+    )
 
 
 def default_profile_clocks(supported_mhz: Sequence[int], count: int = 4) -> list[int]:
@@ -149,7 +192,10 @@ def fit_profile(
     Raises:
         ProfileError: an entry cannot be fitted, or no clock lies in the profiled range.
     """
-    models = {key: ClockModel.fit(values) for key, values in samples.items()}
+    unusable = sorted({f for values in samples.values() for f in mean_per_clock(values)[1]})
+    if unusable:
+        _warn_unusable(unusable)
+    models = {key: ClockModel.fit(values, warn=False) for key, values in samples.items()}
     low = max(m.min_mhz for m in models.values())
     high = min(m.max_mhz for m in models.values())
     keep = sorted({f for f in clocks_mhz if low <= f <= high}, reverse=True)
@@ -281,7 +327,8 @@ class OnlinePerseus:
         return None
 
     def _record(self, inst: Instruction, time_s: float, energy_j: float) -> None:
-        freq = self.runtime.planned_mhz(inst)
+        # The clock read back once the change was applied (a pre-job lock may cap it).
+        freq = self.runtime.controller.current_mhz
         if freq is not None:
             self._samples[(inst.stage, inst.kind)].append((freq, time_s, energy_j))
         self._iter_instr.append((time_s, energy_j))
@@ -363,21 +410,35 @@ class OnlinePerseus:
             energy = sum(e for e, _ in blocked)
             seconds = sum(t for _, t in blocked)
             blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
-            self.profile = fit_profile(
-                samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
-            )
-            self.planner = PerseusPlanner(
-                self.profile, self.runtime.schedule, **self.planner_options
-            )
-            text = self._plan_text()
-            log.info(
-                "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
-                "switching to the plan.",
-                len(samples),
-                self.profile_clocks_mhz,
-                blocked_power_w,
-            )
-        self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
+            try:
+                self.profile = fit_profile(
+                    samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
+                )
+            except ProfileError as exc:
+                log.warning(
+                    "Perseus: cannot plan from the profile (%s); GPU clocks are left as "
+                    "they were before the job.",
+                    exc,
+                )
+                text = ""
+            else:
+                self.planner = PerseusPlanner(
+                    self.profile, self.runtime.schedule, **self.planner_options
+                )
+                text = self._plan_text()
+                log.info(
+                    "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
+                    "switching to the plan.",
+                    len(samples),
+                    self.profile_clocks_mhz,
+                    blocked_power_w,
+                )
+        text = self._broadcast(text)
+        if not text:
+            self.enabled = False
+            self.runtime.controller.reset()
+            return
+        self.runtime.set_plan(Plan.from_json(text))
         self._planned = True
         self._planned_at = self.iteration
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
 from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
@@ -173,12 +173,37 @@ class StragglerEqualizer:
                 if self.step % self.steps_per_clock == 0:
                     self._apply(self.profile_clocks_mhz[k])
                 return
-            self.model = ClockModel.fit(self._samples)
+            if not self._fit():
+                return
             self._window = self._window[-self.steps_per_clock :]
             self._equalise()
             return
         if self.step % self.window_steps == 0:
             self._equalise()
+
+    def _fit(self) -> bool:
+        """Fit the step model; when it cannot be fitted on some rank, every rank stops
+        equalising and resets its clock (one warning on the ranks that failed)."""
+        try:
+            model: ClockModel | None = ClockModel.fit(self._samples)
+        except ProfileError as exc:
+            log.warning(
+                "Straggler equalisation off: cannot fit the step model (%s); the GPU clock "
+                "is left as it was before the job.",
+                exc,
+            )
+            model = None
+        fitted: list[Any] = [model is not None]
+        if dist.is_initialized():
+            fitted = [None] * _world(self.group)
+            dist.all_gather_object(fitted, model is not None, group=self.group)
+        if all(fitted):
+            self.model = model
+            return True
+        self.enabled = False
+        self.guard.reset_clocks([self.gpu_position])
+        self.clock_mhz = None
+        return False
 
     def _equalise(self) -> None:
         assert self.model is not None and self.clock_mhz is not None
