@@ -4,9 +4,10 @@ Pieces, one per concern:
 
 * :class:`ClockController`: a dedicated thread (``lightning-energy-perseus-clock``) that
   locks the GPU clock through the :class:`~lightning_energy.device.guard.GPUGuard`. The
-  training thread only enqueues the next clock; on CUDA it also records an event on the
-  current stream and the thread waits for the GPU to reach it before changing the clock, so
-  the change lands at the instruction boundary and never stalls the CPU issuing kernels.
+  training thread only records a marker on the stream with each request (a blocking CUDA
+  event); the thread sleeps until the GPU reaches it, then applies the newest request the
+  GPU has passed (older ones coalesce), so changes land at instruction boundaries, never
+  stall the CPU issuing kernels and never queue without bound.
 * :class:`PipelineRuntime`: one per pipeline rank. Before each forward/backward of each
   microbatch it asks the controller for the planned clock; it records what ran, measures
   instructions while profiling, and resets the clocks at the end and on failure (also the
