@@ -4,6 +4,9 @@ The controller aggregates each profiling window across ranks (energy summed over
 of the job, time the slowest rank's) and broadcasts rank 0's decisions, through whatever
 collective layer the trainer already runs: Lightning's strategy, Accelerate's utilities, or
 ``torch.distributed`` directly. Nothing extra is needed across nodes.
+
+Collectives of CPU tensors (Perseus' clock and timing exchanges) never run on an NCCL group,
+which rejects them: :func:`cpu_collective_group` gives a gloo group for them.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+import torch.distributed as dist
+
+from lightning_energy.errors import ConfigError
+
 __all__ = [
     "Collective",
     "GatherCollective",
     "LocalCollective",
     "TorchDistributedCollective",
+    "cpu_collective_group",
     "default_collective",
 ]
 
@@ -131,8 +139,6 @@ class TorchDistributedCollective(GatherCollective):
     """Collectives over the default ``torch.distributed`` process group (any backend)."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         def all_gather(values: list[float]) -> list[list[float]]:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, values)
@@ -155,3 +161,33 @@ def default_collective() -> Collective:
     if dist.is_available() and dist.is_initialized():
         return TorchDistributedCollective()
     return LocalCollective()
+
+
+def cpu_collective_group(group: Any = None) -> Any:
+    """A process group over which CPU tensors may be exchanged.
+
+    NCCL, Lightning's default backend on CUDA, raises on CPU tensors. A ``group`` whose
+    backend takes them (gloo, or a ``cpu:gloo,cuda:nccl`` group) is returned as is; for the
+    default group (None) of another backend, a gloo side group over the same ranks is
+    created: call this on every rank at the same point (it is a collective then).
+
+    Args:
+        group: the group the caller would use (None: the default group).
+
+    Returns:
+        ``group``, or the new gloo group; None when no process group is initialised.
+
+    Raises:
+        ConfigError: ``group`` is an explicit group whose backend rejects CPU tensors.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return group
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend:
+        return group
+    if group is not None and group is not dist.group.WORLD:
+        raise ConfigError(
+            f"process group backend {backend!r} rejects CPU tensors: pass a gloo group "
+            "(torch.distributed.new_group(backend='gloo'))"
+        )
+    return dist.new_group(backend="gloo")

@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carbon.accounting import emissions_g
 from lightning_energy.collectives import Collective, default_collective
@@ -48,6 +48,9 @@ from lightning_energy.job import (
 )
 from lightning_energy.measure import EnergyMeter, Measurement
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EnergyController", "RunSummary"]
 
@@ -110,9 +113,12 @@ class EnergyController:
         config: the configuration (default: all defaults, simulated GPU when none).
         devices: the GPUs to drive (default: opened from ``config.device`` in ``setup``).
         collective: how ranks agree (default: ``torch.distributed`` when initialised).
-        local_rank: which local GPU this process drives when opening devices.
+        local_rank: which local GPU this process drives when opening devices, when
+            ``device`` is not a CUDA device.
         node_rank: the framework's node rank (None: from the launcher's environment); it
             names this process's node in reports and sets simulated GPUs apart per node.
+        device: the framework's root device; a CUDA device is matched to its GPU by UUID
+            (see :mod:`lightning_energy.device.mapping`).
         install_signal_handlers: restore GPUs on SIGTERM/SIGINT too (main thread only).
     """
 
@@ -124,6 +130,7 @@ class EnergyController:
         collective: Collective | None = None,
         local_rank: int = 0,
         node_rank: int | None = None,
+        device: torch.device | None = None,
         install_signal_handlers: bool = True,
     ) -> None:
         self.config = config or EnergyConfig()
@@ -138,6 +145,7 @@ class EnergyController:
         self._plan = JobPlan(True, (), None)
         self._counts_energy = True
         self.job: dict[str, Any] | None = None
+        self._device = device
         self._install_signal_handlers = install_signal_handlers
         self._guard: Any = None
         self._meter: EnergyMeter | None = None
@@ -317,6 +325,7 @@ class EnergyController:
             dev.backend,
             simulated=replace(spec, seed=spec.seed + self._local_rank),
             local_rank=self._local_rank,
+            device=self._device,
         )
 
     def _check_candidates(self) -> None:

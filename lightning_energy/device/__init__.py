@@ -21,8 +21,16 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from lightning_energy.device.base import GPU, DeviceSet, GPUInfo, gpu_info
+from lightning_energy.device.mapping import (
+    CudaRuntime,
+    TorchCuda,
+    check_device_order,
+    nvml_gpu_for_device,
+    visible_gpu_names,
+)
 from lightning_energy.device.nvml import NVMLGPU, nvml_gpus, visible_gpu_count
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.simulated import (
@@ -37,6 +45,9 @@ from lightning_energy.device.simulated import (
 from lightning_energy.device.traces import PowerTrace, TraceModel, WorkloadTrace
 from lightning_energy.errors import ConfigError, DriverError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "BACKENDS",
     "DEVICE_ENV_VAR",
@@ -44,12 +55,14 @@ __all__ = [
     "GPU",
     "NVMLGPU",
     "PHYSICS_PRESETS",
+    "CudaRuntime",
     "DeviceSet",
     "GPUInfo",
     "PhysicsModel",
     "PowerTrace",
     "SimulatedGPU",
     "SimulatedSpec",
+    "TorchCuda",
     "TraceModel",
     "VirtualClock",
     "WorkloadTrace",
@@ -93,8 +106,19 @@ def _simulated_set(
     return DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated", run_step=run_step)
 
 
-def _nvml_set(indices: Sequence[int] | None, local_rank: int | None) -> DeviceSet:
-    gpus = nvml_gpus([local_rank] if local_rank is not None else indices)
+def _nvml_set(
+    indices: Sequence[int] | None,
+    local_rank: int | None,
+    device: torch.device | None,
+    cuda: CudaRuntime | None,
+) -> DeviceSet:
+    if device is not None and device.type == "cuda":
+        gpus = [nvml_gpu_for_device(device, cuda)]
+    else:
+        wanted = [local_rank] if local_rank is not None else indices
+        if wanted is not None:
+            check_device_order(visible_gpu_names())
+        gpus = nvml_gpus(wanted)
     return DeviceSet(gpus=gpus, clock=time.perf_counter, backend="nvml")
 
 
@@ -104,6 +128,8 @@ def open_devices(
     indices: Sequence[int] | None = None,
     simulated: SimulatedSpec | None = None,
     local_rank: int | None = None,
+    device: torch.device | None = None,
+    cuda: CudaRuntime | None = None,
 ) -> DeviceSet:
     """Open the GPUs this process drives.
 
@@ -115,7 +141,12 @@ def open_devices(
         simulated: what to simulate (default :class:`SimulatedSpec` ``()``: one A40 running
             ImageNet/ResNet-50).
         local_rank: DDP: this rank's one GPU, the ``local_rank``-th visible GPU (simulated:
-            index ``first_index + local_rank``, straggler factor ``slowdowns[local_rank]``).
+            index ``first_index + local_rank``, straggler factor ``slowdowns[local_rank]``),
+            when ``device`` is not a CUDA device.
+        device: the framework's root device. A CUDA device selects this process's one GPU
+            by UUID (see :mod:`~lightning_energy.device.mapping`; simulated: its index
+            stands for ``local_rank``); a CPU device or None: ``local_rank`` decides.
+        cuda: the CUDA side of the mapping (default: ``torch.cuda``).
 
     Returns:
         The GPUs with their clock (``time.perf_counter`` for NVML, the virtual clock for
@@ -123,9 +154,13 @@ def open_devices(
         them. Call :meth:`DeviceSet.close` when done.
 
     Raises:
-        ConfigError: unknown backend, or both ``indices`` and ``local_rank`` given.
-        DriverError: ``"nvml"`` requested but NVML is missing or fails to initialise.
-        GPUNotFoundError: a requested index does not exist.
+        ConfigError: unknown backend, ``indices`` given with ``local_rank`` or a CUDA
+            ``device``, or an index to match while CUDA orders mixed GPU models fastest
+            first.
+        DriverError: ``"nvml"`` requested but NVML is missing or fails to initialise, or
+            a CUDA ``device`` without CUDA.
+        GPUNotFoundError: a requested index does not exist, or no NVML GPU has the CUDA
+            device's UUID.
     """
     source = "python"
     if backend is None:
@@ -140,22 +175,29 @@ def open_devices(
         )
     if local_rank is not None and local_rank < 0:
         problems.append(f"local_rank={local_rank!r}: must be >= 0")
+    on_cuda = device is not None and device.type == "cuda"
+    if indices is not None and on_cuda:
+        problems.append(f"indices={list(indices)!r} and device={str(device)!r}: give one")
     if problems:
         raise ConfigError(problems, source=source)
     spec = simulated if simulated is not None else SimulatedSpec()
+    if on_cuda and device is not None and device.index is not None:
+        simulated_rank: int | None = device.index
+    else:
+        simulated_rank = local_rank
     if backend == "simulated":
-        return _simulated_set(spec, indices, local_rank)
+        return _simulated_set(spec, indices, simulated_rank)
     if backend == "nvml":
-        return _nvml_set(indices, local_rank)
+        return _nvml_set(indices, local_rank, device, cuda)
     try:
         count = visible_gpu_count()
     except DriverError as exc:
         reason = str(exc)
     else:
         if count > 0:
-            return _nvml_set(indices, local_rank)
+            return _nvml_set(indices, local_rank, device, cuda)
         reason = "NVML sees no GPU"
     logger.info(
         "No NVIDIA GPU available (%s): using the simulated backend (%s).", reason, spec.label
     )
-    return _simulated_set(spec, indices, local_rank)
+    return _simulated_set(spec, indices, simulated_rank)

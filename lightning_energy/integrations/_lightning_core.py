@@ -61,6 +61,7 @@ class EnergyCallbackCore(EnergyAdapter):
             ),
             local_rank=trainer.local_rank,
             node_rank=trainer.node_rank,
+            device=strategy.root_device,
             # Lightning turns SIGTERM into an exception at the next step and calls
             # ``on_exception``, which restores; its own handler chains to any found
             # installed, so the guard installs none here (the lease covers SIGKILL).

@@ -188,6 +188,7 @@ class AcceleratorEnergy:
                 _broadcast,
             ),
             local_rank=accelerator.local_process_index,
+            device=accelerator.device,
         )
         controller.setup()
         self.controller = controller

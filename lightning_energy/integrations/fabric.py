@@ -58,7 +58,9 @@ class EnergyFabricCallback(EnergyAdapter):
             return
 
         def all_gather(values: list[float]) -> list[list[float]]:
-            gathered = fabric.all_gather(torch.tensor(values, dtype=torch.float64))
+            gathered = fabric.all_gather(
+                torch.tensor(values, dtype=torch.float64, device=fabric.device)
+            )
             if gathered.dim() == 1:
                 gathered = gathered.unsqueeze(0)
             return [row.tolist() for row in gathered.cpu()]
@@ -71,6 +73,7 @@ class EnergyFabricCallback(EnergyAdapter):
             ),
             local_rank=fabric.local_rank,
             node_rank=fabric.node_rank,
+            device=fabric.device,
         )
         self.controller.setup()
 

@@ -104,7 +104,9 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         if self.controller is not None and self.summary is None:
             self.controller.teardown()  # a previous train() call raised outside ``with``
         self.summary = None
-        self.controller = EnergyController(self.config, local_rank=args.local_process_index)
+        self.controller = EnergyController(
+            self.config, local_rank=args.local_process_index, device=args.device
+        )
         self.controller.setup()
         if state.global_step > 0:  # resumed: the checkpoint's trainer_state.json was loaded
             saved = self._saved_state(state)

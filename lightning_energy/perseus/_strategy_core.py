@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
@@ -32,7 +33,7 @@ from lightning_energy.perseus.runtime import (
     PipelineSimulation,
     StageWork,
 )
-from lightning_energy.perseus.schedule import build_schedule
+from lightning_energy.perseus.schedule import PipelineSchedule, build_schedule
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
 
 __all__ = [
@@ -71,7 +72,8 @@ class PipelineModule(Protocol):
 
 
 class PerseusStrategyCore:
-    """This rank's GPU and its guard, restored at teardown and on exceptions.
+    """This rank's GPU and its guard, restored at teardown and on exceptions, and a gloo
+    group for the CPU tensors Perseus exchanges (the default group may be NCCL).
 
     Subclasses call :meth:`_init_gpu_options` in ``__init__`` and :meth:`_open_gpu` in
     ``setup``.
@@ -102,10 +104,18 @@ class PerseusStrategyCore:
         self.strict = strict
         self.gpu: GPU | None = None
         self._guard: GPUGuard | None = None
+        self._cpu_group: Any = None
 
     def _open_gpu(self, spec: SimulatedSpec) -> tuple[GPU, GPUGuard]:
-        """Open this rank's GPU (``spec`` for simulated ones) and lease it with a guard."""
-        devices = open_devices(self.device_backend, simulated=spec, local_rank=self.local_rank)
+        """Open this rank's GPU (``spec`` for simulated ones, the strategy's root device
+        for real ones), lease it with a guard, and set up the gloo group."""
+        self._cpu_group = cpu_collective_group()
+        devices = open_devices(
+            self.device_backend,
+            simulated=spec,
+            local_rank=self.local_rank,
+            device=self.root_device,
+        )
         gpu = devices.gpus[0]
         guard = GPUGuard(
             [gpu],
@@ -155,6 +165,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
         profile_clocks_mhz: list[int] | None = None,
         warmup_iterations: int = 1,
         iterations_per_clock: int = 1,
+        replan_every_iterations: int = 10,
         device_backend: str | None = None,
         simulated_gpu: str = "a100",
         simulated_stage_times_s: list[list[float]] | None = None,
@@ -188,6 +199,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
         self.target_time_s = target_time_s
         self.warmup_iterations = warmup_iterations
         self.iterations_per_clock = iterations_per_clock
+        self.replan_every_iterations = replan_every_iterations
         self.simulated_stage_times_s = simulated_stage_times_s
         self.runtime: PipelineRuntime | None = None
         self.online: OnlinePerseus | None = None
@@ -207,6 +219,27 @@ class PerseusPipelineCore(PerseusStrategyCore):
         super().setup(trainer)  # type: ignore[misc]
         self._build_pipeline()
 
+    def _schedule(self) -> PipelineSchedule:
+        return build_schedule(
+            self.schedule_name,
+            self.world_size * self.virtual_stages,
+            self.microbatches,
+            virtual_stages=self.virtual_stages,
+        )
+
+    def model_to_device(self) -> None:
+        """Place only this rank's stages on its device; the other ranks' stay on the CPU."""
+        module = self.lightning_module
+        if not isinstance(module, PipelineModule):
+            return  # reported by _build_pipeline
+        schedule = self._schedule()
+        stages = list(module.pipeline_stages())
+        if len(stages) != schedule.num_stages:
+            return  # reported by _build_pipeline
+        for s, stage in enumerate(stages):
+            if schedule.device_of(s) == self.global_rank:
+                stage.to(self.root_device)
+
     def _build_pipeline(self) -> None:
         module = self.lightning_module
         if not isinstance(module, PipelineModule):
@@ -216,12 +249,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
             )
         stages = list(module.pipeline_stages())
         ranks = self.world_size
-        schedule = build_schedule(
-            self.schedule_name,
-            ranks * self.virtual_stages,
-            self.microbatches,
-            virtual_stages=self.virtual_stages,
-        )
+        schedule = self._schedule()
         if len(stages) != schedule.num_stages:
             raise ConfigError(
                 f"pipeline_stages() returned {len(stages)} stages; {ranks} ranks x "
@@ -238,9 +266,9 @@ class PerseusPipelineCore(PerseusStrategyCore):
                 if schedule.device_of(s) == rank
                 for k, kind in enumerate(("forward", "backward"))
             }
-            simulation = PipelineSimulation(gpu, works)
+            simulation = PipelineSimulation(gpu, works, group=self._cpu_group)
         self.runtime = PipelineRuntime(
-            schedule, rank, ClockController(guard), simulation=simulation, record=False
+            schedule, rank, ClockController(guard, gpu=gpu), simulation=simulation, record=False
         )
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == rank]
         pipeline_stages = [
@@ -271,6 +299,8 @@ class PerseusPipelineCore(PerseusStrategyCore):
             warmup_iterations=self.warmup_iterations,
             iterations_per_clock=self.iterations_per_clock,
             target_time_s=self.target_time_s,
+            replan_every_iterations=self.replan_every_iterations,
+            group=self._cpu_group,
             clock=clock,
         )
 
@@ -297,10 +327,10 @@ class PerseusPipelineCore(PerseusStrategyCore):
             self.online.on_iteration_end()
         else:
             self.runtime.end_iteration()
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean().detach().cpu() if losses else torch.zeros(())
         if dist.is_initialized():
             last = self.runtime.schedule.device_of(self.runtime.schedule.num_stages - 1)
-            dist.broadcast(loss, src=last)
+            dist.broadcast(loss, src=last, group=self._cpu_group)
         module = self.lightning_module
         assert module is not None
         module.log("train_loss", loss, prog_bar=True)
@@ -375,10 +405,11 @@ class PerseusDDPCore(PerseusStrategyCore):
             steps_per_clock=self.steps_per_clock,
             window_steps=self.window_steps,
             margin=self.margin,
+            group=self._cpu_group,
         )
         if isinstance(gpu, SimulatedGPU):
             work = StageWork(self.simulated_step_s, self.compute_bound_share)
-            self._simulation = SimulatedDataParallel(gpu, work)
+            self._simulation = SimulatedDataParallel(gpu, work, group=self._cpu_group)
         elif torch.cuda.is_available():
             self._probe = _CudaComputeProbe(self.model, gpu, self.equalizer)
         else:

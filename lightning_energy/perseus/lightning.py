@@ -55,6 +55,8 @@ class PerseusPipelineStrategy(PerseusPipelineCore, DDPStrategy):
         profile_clocks_mhz: clocks to profile online (default: 4 from max to 60 %).
         warmup_iterations: iterations at full clock before profiling.
         iterations_per_clock: profiled iterations per clock.
+        replan_every_iterations: after planning, how often (in iterations) the ranks check
+            for a new target time (one small collective over a gloo group).
         device_backend: ``"auto"``, ``"nvml"`` or ``"simulated"`` (None: the
             ``LIGHTNING_ENERGY_DEVICE`` variable, else auto).
         simulated_gpu: physics preset of simulated GPUs (``"a100"``, ``"h100"``).

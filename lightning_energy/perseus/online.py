@@ -6,7 +6,9 @@ its GPU draws while blocked). Then every rank fits, per ``(stage, instruction)``
 time and power against the clock, rank 0 gathers the fits, predicts the profile at every
 supported clock in the profiled range, plans, and broadcasts the plan; all ranks switch to
 it at the same iteration. When the target iteration time changes (the carbon policy's),
-rank 0 re-plans from the same profile and the new plan is broadcast the same way.
+rank 0 re-plans from the same profile and the new plan is broadcast the same way; ranks
+check for such a change every ``replan_every_iterations`` iterations (one small collective
+over a gloo group, so the GPU is never synchronised for it).
 
 Models (per instruction; the simulated GPU's physics follows the same shape):
 
@@ -36,12 +38,17 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import PerseusPlanner
 from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.runtime import InstructionMeter, PipelineRuntime
+from lightning_energy.perseus.runtime import (
+    InstructionMeter,
+    PipelineRuntime,
+    agree_on_clock_control,
+)
 from lightning_energy.perseus.schedule import Instruction
 
 __all__ = ["ClockModel", "OnlinePerseus", "Sample", "default_profile_clocks", "fit_profile"]
@@ -69,20 +76,34 @@ class ClockModel:
     max_mhz: int
 
     @classmethod
-    def fit(cls, samples: Sequence[Sample]) -> ClockModel:
+    def fit(cls, samples: Sequence[Sample], *, warn: bool = True) -> ClockModel:
         """Least-squares fit from measurements at two clocks or more.
 
+        Measurements are first averaged per clock (see :func:`mean_per_clock`): an energy
+        counter that moves only every ~100 ms reads 0 J for most short instructions and a
+        whole period's energy for a few, and only the mean over many of them is right. A
+        clock whose mean time or energy is still not positive is left out.
+
+        Args:
+            samples: the measurements.
+            warn: log one warning naming the clocks left out.
+
         Raises:
-            ProfileError: fewer than two distinct clocks, or non-positive measurements.
+            ProfileError: fewer than two clocks with positive mean time and energy.
         """
-        freqs = np.asarray([s[0] for s in samples], dtype=np.float64)
-        times = np.asarray([s[1] for s in samples], dtype=np.float64)
-        energies = np.asarray([s[2] for s in samples], dtype=np.float64)
-        distinct = np.unique(freqs)
-        if len(distinct) < 2:
-            raise ProfileError(f"fitting needs two clocks or more, got {distinct.tolist()}")
-        if np.any(times <= 0) or np.any(energies <= 0):
-            raise ProfileError("fitting needs positive times and energies")
+        means, unusable = mean_per_clock(samples)
+        if unusable and warn:
+            _warn_unusable(unusable)
+        usable = sorted(means)
+        if len(usable) < 2:
+            raise ProfileError(
+                f"fitting needs two clocks or more with positive time and energy, got {usable}"
+                + (f" (no energy measured at {unusable} MHz)" if unusable else "")
+            )
+        freqs = np.asarray(usable, dtype=np.float64)
+        times = np.asarray([means[f][0] for f in usable], dtype=np.float64)
+        energies = np.asarray([means[f][1] for f in usable], dtype=np.float64)
+        distinct = freqs
         a, b = np.linalg.lstsq(np.column_stack([1.0 / freqs, np.ones_like(freqs)]), times)[0]
         degree = 2 if len(distinct) >= 3 else 1
         basis = np.column_stack([freqs**k for k in range(degree + 1)])
@@ -103,6 +124,35 @@ class ClockModel:
     def energy_j(self, freq_mhz: float) -> float:
         """Predicted energy at ``freq_mhz``."""
         return self.power_w(freq_mhz) * self.time_s(freq_mhz)
+
+
+def mean_per_clock(
+    samples: Sequence[Sample],
+) -> tuple[dict[int, tuple[float, float]], list[int]]:
+    """Mean time and energy per clock over every sample at that clock.
+
+    Returns:
+        ``({freq_mhz: (mean time_s, mean energy_j)}`` for the clocks where both are
+        positive, and the sorted clocks where they are not).
+    """
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for freq, time_s, energy_j in samples:
+        total = totals[int(freq)]
+        total[0] += time_s
+        total[1] += energy_j
+        total[2] += 1
+    means = {f: (t / n, e / n) for f, (t, e, n) in totals.items()}
+    unusable = sorted(f for f, (t, e) in means.items() if t <= 0 or e <= 0)
+    return {f: m for f, m in means.items() if f not in unusable}, unusable
+
+
+def _warn_unusable(clocks_mhz: Sequence[int]) -> None:
+    log.warning(
+        "Perseus: no energy measured at %s MHz: the GPU's energy counter moved too rarely "
+        "during these measurements; profile more iterations (or steps) per clock. Fitting "
+        "without these clocks.",
+        list(clocks_mhz),
+    )
 
 
 def default_profile_clocks(supported_mhz: Sequence[int], count: int = 4) -> list[int]:
@@ -142,7 +192,10 @@ def fit_profile(
     Raises:
         ProfileError: an entry cannot be fitted, or no clock lies in the profiled range.
     """
-    models = {key: ClockModel.fit(values) for key, values in samples.items()}
+    unusable = sorted({f for values in samples.values() for f in mean_per_clock(values)[1]})
+    if unusable:
+        _warn_unusable(unusable)
+    models = {key: ClockModel.fit(values, warn=False) for key, values in samples.items()}
     low = max(m.min_mhz for m in models.values())
     high = min(m.max_mhz for m in models.values())
     keep = sorted({f for f in clocks_mhz if low <= f <= high}, reverse=True)
@@ -174,7 +227,12 @@ class OnlinePerseus:
             compilation and caches make the first ones unrepresentative).
         iterations_per_clock: profiled iterations per clock.
         target_time_s: iteration time to plan for (None: no slowdown).
-        group: the process group of the pipeline ranks (None: the default group).
+        replan_every_iterations: after planning, how often (in iterations) the ranks
+            check whether rank 0's target time changed; a new target takes effect at the
+            next check.
+        group: the process group of the pipeline ranks (None: the default group). Its
+            exchanges run over a gloo group (see
+            :func:`~lightning_energy.collectives.cpu_collective_group`).
         clock: seconds in the GPU's time base (simulated GPUs: their virtual clock).
         planner_options: keyword arguments for :class:`PerseusPlanner`.
 
@@ -192,6 +250,7 @@ class OnlinePerseus:
         warmup_iterations: int = 1,
         iterations_per_clock: int = 1,
         target_time_s: float | None = None,
+        replan_every_iterations: int = 10,
         group: Any = None,
         clock: Callable[[], float] = time.perf_counter,
         planner_options: Mapping[str, Any] | None = None,
@@ -201,6 +260,8 @@ class OnlinePerseus:
             problems.append(f"warmup_iterations={warmup_iterations}: must be >= 0")
         if iterations_per_clock < 1:
             problems.append(f"iterations_per_clock={iterations_per_clock}: must be >= 1")
+        if replan_every_iterations < 1:
+            problems.append(f"replan_every_iterations={replan_every_iterations}: must be >= 1")
         clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
         if len(set(clocks)) < 2:
             problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
@@ -212,7 +273,8 @@ class OnlinePerseus:
         self.profile_clocks_mhz = clocks
         self.warmup_iterations = warmup_iterations
         self.iterations_per_clock = iterations_per_clock
-        self.group = group
+        self.replan_every_iterations = replan_every_iterations
+        self.group = cpu_collective_group(group)
         self.clock = clock
         self.planner_options = dict(planner_options or {})
         self.iteration = 0
@@ -220,6 +282,7 @@ class OnlinePerseus:
         self.profile: PipelineProfile | None = None
         self.planner: PerseusPlanner | None = None
         self._planned = False
+        self._planned_at = 0
         self._target_s = target_time_s
         self._pending_target: tuple[float | None] | None = None
         self._samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
@@ -227,10 +290,21 @@ class OnlinePerseus:
         self._iter_instr: list[tuple[float, float]] = []
         self._iter_start: tuple[float, float] | None = None
         self._meter = InstructionMeter(gpu, self._record, clock)
+        controller = runtime.controller
+        #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
+        self.enabled = agree_on_clock_control(
+            controller.guard,
+            max(self.supported_clocks_mhz),
+            controller.gpu_position,
+            self.group,
+        )
 
     @property
     def phase(self) -> str:
-        """``"warmup"``, ``"profiling"`` or ``"planned"``."""
+        """``"disabled"`` (clocks cannot be changed), ``"warmup"``, ``"profiling"`` or
+        ``"planned"``."""
+        if not self.enabled:
+            return "disabled"
         if self._planned:
             return "planned"
         if self.iteration < self.warmup_iterations:
@@ -253,14 +327,15 @@ class OnlinePerseus:
         return None
 
     def _record(self, inst: Instruction, time_s: float, energy_j: float) -> None:
-        freq = self.runtime.planned_mhz(inst)
+        # The clock read back once the change was applied (a pre-job lock may cap it).
+        freq = self.runtime.controller.current_mhz
         if freq is not None:
             self._samples[(inst.stage, inst.kind)].append((freq, time_s, energy_j))
         self._iter_instr.append((time_s, energy_j))
 
     def on_iteration_start(self) -> None:
         """Set this iteration's clocks (profiling) and start measuring."""
-        if self.phase == "planned":
+        if self.phase in ("planned", "disabled"):
             return
         if self.phase == "warmup":
             self.runtime.set_fixed_clock(max(self.supported_clocks_mhz))
@@ -279,6 +354,9 @@ class OnlinePerseus:
             ProfileError: the measurements cannot be fitted.
         """
         simulated = self.runtime.end_iteration()
+        if not self.enabled:
+            self.iteration += 1
+            return
         if self.phase == "profiling" and self._iter_start is not None:
             self.gpu.synchronize()
             t0, e0 = self._iter_start
@@ -296,7 +374,10 @@ class OnlinePerseus:
             self.runtime.measure_with(None)
             self.runtime.set_fixed_clock(None)
             self._plan_from_samples()
-        elif self._planned:
+        elif (
+            self._planned
+            and (self.iteration - self._planned_at) % self.replan_every_iterations == 0
+        ):
             self._maybe_replan()
 
     # ------------------------------------------------------------ collectives
@@ -329,22 +410,37 @@ class OnlinePerseus:
             energy = sum(e for e, _ in blocked)
             seconds = sum(t for _, t in blocked)
             blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
-            self.profile = fit_profile(
-                samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
-            )
-            self.planner = PerseusPlanner(
-                self.profile, self.runtime.schedule, **self.planner_options
-            )
-            text = self._plan_text()
-            log.info(
-                "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
-                "switching to the plan.",
-                len(samples),
-                self.profile_clocks_mhz,
-                blocked_power_w,
-            )
-        self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
+            try:
+                self.profile = fit_profile(
+                    samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
+                )
+            except ProfileError as exc:
+                log.warning(
+                    "Perseus: cannot plan from the profile (%s); GPU clocks are left as "
+                    "they were before the job.",
+                    exc,
+                )
+                text = ""
+            else:
+                self.planner = PerseusPlanner(
+                    self.profile, self.runtime.schedule, **self.planner_options
+                )
+                text = self._plan_text()
+                log.info(
+                    "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
+                    "switching to the plan.",
+                    len(samples),
+                    self.profile_clocks_mhz,
+                    blocked_power_w,
+                )
+        text = self._broadcast(text)
+        if not text:
+            self.enabled = False
+            self.runtime.controller.reset()
+            return
+        self.runtime.set_plan(Plan.from_json(text))
         self._planned = True
+        self._planned_at = self.iteration
 
     def _plan_text(self) -> str:
         assert self.planner is not None

@@ -4,9 +4,10 @@ Pieces, one per concern:
 
 * :class:`ClockController`: a dedicated thread (``lightning-energy-perseus-clock``) that
   locks the GPU clock through the :class:`~lightning_energy.device.guard.GPUGuard`. The
-  training thread only enqueues the next clock; on CUDA it also records an event on the
-  current stream and the thread waits for the GPU to reach it before changing the clock, so
-  the change lands at the instruction boundary and never stalls the CPU issuing kernels.
+  training thread only records a marker on the stream with each request (a blocking CUDA
+  event); the thread sleeps until the GPU reaches it, then applies the newest request the
+  GPU has passed (older ones coalesce), so changes land at instruction boundaries, never
+  stall the CPU issuing kernels and never queue without bound.
 * :class:`PipelineRuntime`: one per pipeline rank. Before each forward/backward of each
   microbatch it asks the controller for the planned clock; it records what ran, measures
   instructions while profiling, and resets the clocks at the end and on failure (also the
@@ -34,18 +35,18 @@ Example (one rank, inside an initialised process group)::
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.physics import PhysicsModel
@@ -59,10 +60,12 @@ __all__ = [
     "ClockController",
     "ExecutedInstruction",
     "InstructionMeter",
+    "Marker",
     "PerseusPipelineStage",
     "PipelineRuntime",
     "PipelineSimulation",
     "StageWork",
+    "agree_on_clock_control",
     "simulated_profile",
 ]
 
@@ -71,21 +74,74 @@ log = logging.getLogger(__name__)
 _THREAD_NAME = "lightning-energy-perseus-clock"
 
 
+class Marker(Protocol):
+    """A point of the GPU stream: reached once the GPU has run everything before it."""
+
+    def query(self) -> bool:
+        """True once the GPU has reached the point (never blocks)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the GPU reaches the point (sleeping, not spinning)."""
+        ...
+
+
+class _Reached:
+    """Devices without a stream (CPU, simulated GPUs): every point is reached at once."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _cuda_marker() -> Marker:
+    """A blocking CUDA event recorded on the current stream: waiting on it yields the core."""
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    return event
+
+
 class ClockController:
-    """Locks one GPU's SM clock from a dedicated thread, in request order.
+    """Locks one GPU's SM clock from a dedicated thread, following the GPU stream.
+
+    The training thread only records a marker on the stream with each request. The thread
+    waits (blocking, not spinning) for the oldest pending marker, then applies the newest
+    request whose marker the GPU has reached and drops the older ones: when setting a clock
+    takes longer than an instruction runs, requests coalesce instead of queueing without
+    bound, and the clock set is the one of the instruction the GPU runs now.
 
     Args:
         guard: the guard every change goes through (restores the GPU at the end).
         gpu_position: position of the GPU in the guard's list.
+        gpu: the GPU, to read back the clock actually locked (None: the guard's answer).
         wait_for_device: on CUDA, apply a change only when the GPU reaches the point of
-            the stream where it was requested (a recorded event); otherwise at once.
+            the stream where it was requested; otherwise at once.
+        marker: makes a marker at the current point of the stream (default: a blocking
+            CUDA event on CUDA with ``wait_for_device``, else an already reached one).
     """
 
-    def __init__(self, guard: GPUGuard, gpu_position: int = 0, *, wait_for_device: bool = True):
+    def __init__(
+        self,
+        guard: GPUGuard,
+        gpu_position: int = 0,
+        *,
+        gpu: GPU | None = None,
+        wait_for_device: bool = True,
+        marker: Callable[[], Marker] | None = None,
+    ):
         self.guard = guard
         self.gpu_position = gpu_position
-        self._wait = wait_for_device and torch.cuda.is_available()
-        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self.gpu = gpu
+        if marker is None:
+            on_cuda = wait_for_device and torch.cuda.is_available()
+            marker = _cuda_marker if on_cuda else _Reached
+        self._marker = marker
+        self._cond = threading.Condition()
+        self._pending: list[tuple[int, Marker]] = []
+        self._busy = False
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._current: int | None = None
         self._requested: int | None = None
@@ -94,13 +150,14 @@ class ClockController:
 
     @property
     def current_mhz(self) -> int | None:
-        """The clock last applied by this controller (None: none yet, or reset)."""
+        """The clock the GPU was last locked to, as read back (None: none yet, or reset)."""
         return self._current
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
         if self._thread is not None:
             return
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -114,21 +171,21 @@ class ClockController:
         if freq_mhz == self._requested:
             return
         self.start()
-        marker = None
-        if self._wait:
-            marker = torch.cuda.Event()
-            marker.record()
-        self._requested = freq_mhz
-        self._queue.put((freq_mhz, marker))
+        marker = self._marker()
+        with self._cond:
+            self._requested = freq_mhz
+            self._pending.append((freq_mhz, marker))
+            self._cond.notify_all()
 
     def flush(self) -> None:
-        """Block until every requested change is applied (simulated GPUs, tests, the end).
+        """Block until every requested change is applied (or superseded): before a
+        profiling window, on simulated GPUs, at the end.
 
         Raises:
             EnergyError: a change failed in strict mode.
         """
-        if self._thread is not None:
-            self._queue.join()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending and not self._busy)
         self._raise_pending()
 
     def reset(self) -> None:
@@ -139,10 +196,12 @@ class ClockController:
         self._requested = None
 
     def stop(self) -> None:
-        """Apply what is queued, stop the thread (idempotent)."""
+        """Apply what is pending, stop the thread (idempotent)."""
         if self._thread is None:
             return
-        self._queue.put(None)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         self._thread.join()
         self._thread = None
 
@@ -151,23 +210,52 @@ class ClockController:
             error, self._error = self._error, None
             raise error
 
+    def _next(self) -> tuple[int, Marker] | None:
+        """The oldest pending request (None: stopping with nothing pending)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._pending) or self._stopping)
+            if not self._pending:
+                return None
+            self._busy = True
+            return self._pending[0]
+
+    def _take_newest_reached(self) -> int:
+        """Drop the pending requests the GPU has passed; the newest of them."""
+        with self._cond:
+            last = 0
+            for k in range(1, len(self._pending)):
+                if not self._pending[k][1].query():
+                    break  # markers are in stream order: later ones are not reached
+                last = k
+            freq = self._pending[last][0]
+            del self._pending[: last + 1]
+            return freq
+
+    def _apply(self, freq: int) -> None:
+        if freq == self._current:
+            return
+        applied = self.guard.lock_clocks_mhz(freq, freq, gpus=[self.gpu_position])
+        if self.gpu is not None:
+            applied = self.gpu.locked_clocks_mhz()
+        self._current = None if applied is None else applied[1]
+        self.changes += 1
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._next()
+            if item is None:
+                return
             try:
-                if item is None:
-                    return
-                freq, marker = item
-                if marker is not None:
-                    marker.synchronize()
-                if freq != self._current:
-                    self.guard.lock_clocks_mhz(freq, freq, gpus=[self.gpu_position])
-                    self._current = freq
-                    self.changes += 1
+                item[1].synchronize()
+                self._apply(self._take_newest_reached())
             except BaseException as exc:  # handed to the training thread
                 self._error = exc
+                with self._cond:
+                    self._pending.clear()
             finally:
-                self._queue.task_done()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -200,12 +288,49 @@ class StageWork:
     compute_bound_share: float = 1.0
 
 
+def agree_on_clock_control(
+    guard: GPUGuard, freq_mhz: int, gpu_position: int = 0, group: Any = None
+) -> bool:
+    """Lock ``freq_mhz`` to find out whether clocks may be changed, and agree on it.
+
+    Without permission (or with a GPU that cannot lock its clocks, or observe-only for
+    any other reason) the guard logs its one warning; every rank of ``group`` then learns
+    that clocks cannot be controlled everywhere, and those that locked one reset it, so
+    no rank profiles or plans clocks that would never be applied.
+
+    Args:
+        guard: the guard of this rank's GPU.
+        freq_mhz: the clock to lock (the first one Perseus wants).
+        gpu_position: position of the GPU in the guard.
+        group: a process group taking CPU objects (None: the default group); a single
+            process decides alone.
+
+    Returns:
+        True when every rank locked ``freq_mhz``.
+    """
+    locked = not guard.observe_only and (
+        guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
+    )
+    agreed = locked
+    if dist.is_initialized():
+        votes: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(votes, locked, group=group)
+        agreed = all(votes)
+        if locked and not agreed:
+            guard.reset_clocks([gpu_position])
+            refused = [r for r, vote in enumerate(votes) if not vote]
+            log.info("Perseus disabled: rank(s) %s cannot change GPU clocks.", refused)
+    return agreed
+
+
 def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
     """A barrier on simulated clocks: every rank idles until the slowest rank's time.
 
     Args:
         gpu: this rank's simulated GPU (its clock advances, drawing blocked power).
-        group: the process group (None: the default one); a single process just returns.
+        group: a process group taking CPU tensors (see
+            :func:`~lightning_energy.collectives.cpu_collective_group`; None: the default
+            one); a single process just returns.
 
     Returns:
         The common virtual time all ranks reached.
@@ -231,7 +356,9 @@ class PipelineSimulation:
     Args:
         gpu: this rank's simulated GPU.
         works: the work of each ``(stage, kind)`` run by this rank.
-        group: the process group over the pipeline ranks (gloo); None: the default group.
+        group: the process group over the pipeline ranks; None: the default group (CPU
+            tensors go over a gloo group, see
+            :func:`~lightning_energy.collectives.cpu_collective_group`).
     """
 
     gpu: SimulatedGPU
@@ -242,6 +369,7 @@ class PipelineSimulation:
     _iteration_start_s: float = 0.0
 
     def __post_init__(self) -> None:
+        self.group = cpu_collective_group(self.group)
         self._iteration_start_s = self.gpu.clock.now()
 
     def _tag(self, schedule: PipelineSchedule, inst: Instruction) -> int:
@@ -451,6 +579,8 @@ class PipelineRuntime:
             self.controller.flush()
             self.simulation.wait_for_input(self.schedule, self.rank, inst)
         elif self._meter is not None:
+            # A measurement window starts at the clock it is attributed to.
+            self.controller.flush()
             self._meter.start(inst)
 
     def after(self, inst: Instruction) -> None:
@@ -470,7 +600,7 @@ class PipelineRuntime:
                 locked = self.simulation.gpu.locked_clocks_mhz()
                 freq = None if locked is None else locked[1]
             else:
-                freq = self.planned_mhz(inst)
+                freq = self.controller.current_mhz  # the clock read back, not the plan's
             self.trace.append(ExecutedInstruction(inst, freq, time_s, energy_j))
 
     def end_iteration(self) -> tuple[float, float] | None:

@@ -38,11 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
-from lightning_energy.perseus.runtime import StageWork, wait_for_slowest
+from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
 __all__ = ["SimulatedDataParallel", "StragglerEqualizer"]
 
@@ -60,10 +61,12 @@ class StragglerEqualizer:
         steps_per_clock: profiled steps per clock.
         window_steps: steps between re-evaluations.
         margin: finish this much (relative) before the straggler, to absorb noise.
-        group: the data-parallel process group (None: the default group).
+        group: the data-parallel process group (None: the default group). Its CPU
+            tensors go over a gloo group (see
+            :func:`~lightning_energy.collectives.cpu_collective_group`).
 
     Raises:
-        ConfigError: bad counts, margin or clocks.
+        ConfigError: bad counts, margin or clocks, or a ``group`` that rejects CPU tensors.
     """
 
     def __init__(
@@ -98,7 +101,7 @@ class StragglerEqualizer:
         self.steps_per_clock = steps_per_clock
         self.window_steps = window_steps
         self.margin = margin
-        self.group = group
+        self.group = cpu_collective_group(group)
         self.model: ClockModel | None = None
         self.blocked_power_w = 0.0
         self.straggler_rank: int | None = None
@@ -108,12 +111,16 @@ class StragglerEqualizer:
         self._samples: list[Sample] = []
         self._blocked: list[tuple[float, float]] = []
         self._window: list[float] = []
-        self._apply(self.profile_clocks_mhz[0])
+        first = self.profile_clocks_mhz[0]
+        #: False when clocks cannot be changed on some rank: the equalizer does nothing.
+        self.enabled = agree_on_clock_control(guard, first, gpu_position, self.group)
+        if self.enabled:
+            self.clock_mhz = first
 
     @property
     def profiling(self) -> bool:
-        """True until the step model is fitted."""
-        return self.model is None
+        """True until the step model is fitted (never when disabled)."""
+        return self.enabled and self.model is None
 
     def _apply(self, freq_mhz: int) -> None:
         if freq_mhz != self.clock_mhz:
@@ -139,6 +146,8 @@ class StragglerEqualizer:
         Raises:
             ConfigError: no compute energy while profiling.
         """
+        if not self.enabled:
+            return
         assert self.clock_mhz is not None
         if self.profiling:
             if compute_energy_j is None:
@@ -156,18 +165,45 @@ class StragglerEqualizer:
     def on_step_end(self) -> None:
         """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
         self.step += 1
+        if not self.enabled:
+            return
         if self.profiling:
             k = self.step // self.steps_per_clock
             if k < len(self.profile_clocks_mhz):
                 if self.step % self.steps_per_clock == 0:
                     self._apply(self.profile_clocks_mhz[k])
                 return
-            self.model = ClockModel.fit(self._samples)
+            if not self._fit():
+                return
             self._window = self._window[-self.steps_per_clock :]
             self._equalise()
             return
         if self.step % self.window_steps == 0:
             self._equalise()
+
+    def _fit(self) -> bool:
+        """Fit the step model; when it cannot be fitted on some rank, every rank stops
+        equalising and resets its clock (one warning on the ranks that failed)."""
+        try:
+            model: ClockModel | None = ClockModel.fit(self._samples)
+        except ProfileError as exc:
+            log.warning(
+                "Straggler equalisation off: cannot fit the step model (%s); the GPU clock "
+                "is left as it was before the job.",
+                exc,
+            )
+            model = None
+        fitted: list[Any] = [model is not None]
+        if dist.is_initialized():
+            fitted = [None] * _world(self.group)
+            dist.all_gather_object(fitted, model is not None, group=self.group)
+        if all(fitted):
+            self.model = model
+            return True
+        self.enabled = False
+        self.guard.reset_clocks([self.gpu_position])
+        self.clock_mhz = None
+        return False
 
     def _equalise(self) -> None:
         assert self.model is not None and self.clock_mhz is not None
@@ -221,13 +257,17 @@ class SimulatedDataParallel:
     Args:
         gpu: this rank's simulated GPU (its ``slowdown`` makes it a straggler).
         work: the compute of one step.
-        group: the data-parallel process group (None: the default group).
+        group: the data-parallel process group (None: the default group; CPU tensors go
+            over a gloo group, see :func:`~lightning_energy.collectives.cpu_collective_group`).
     """
 
     gpu: SimulatedGPU
     work: StageWork
     group: Any = None
     _step_start: tuple[float, float] = field(default=(0.0, 0.0))
+
+    def __post_init__(self) -> None:
+        self.group = cpu_collective_group(self.group)
 
     def compute(self) -> tuple[float, float]:
         """Run the step's compute at the locked clock: ``(time_s, energy_j)``."""

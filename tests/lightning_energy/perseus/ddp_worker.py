@@ -20,12 +20,15 @@ from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
 
+from . import nccl_like
+
 SLOWDOWNS = (1.0, 1.25)
 WORK = StageWork(0.2, 0.85)
 
 
 def main() -> None:
     rank, port, out_dir, lease_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    nccl_like.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     gpu = simulated_gpus(SimulatedSpec(gpu="a100", first_index=rank, slowdowns=(SLOWDOWNS[rank],)))[
         0

@@ -32,3 +32,35 @@ def physics_profile(
                 t = model.work_time_s(t0, beta, f)
                 rows.append((stage, kind, f, t, t * model.work_power_w(beta, f)))
     return PipelineProfile.from_rows(rows, blocked_power_w=blocked_power_w)
+
+
+class TickingCounter:
+    """A GPU energy counter that moves only every ``period_s``, as NVML's does on many
+    boards (~100 ms, with +-10 % jitter): a window shorter than that mostly reads 0 J,
+    sometimes a period's worth. Time is virtual: :meth:`run` advances it at a constant power.
+    """
+
+    def __init__(self, period_s: float = 0.1, seed: int = 0) -> None:
+        self.period_s = period_s
+        self.now_s = 0.0
+        self.true_j = 0.0
+        self._shown_j = 0.0
+        self._rng = np.random.default_rng(seed)
+        self._next_tick_s = self._period()
+
+    def _period(self) -> float:
+        return float(self.period_s * self._rng.uniform(0.9, 1.1))
+
+    def run(self, duration_s: float, power_w: float) -> None:
+        end_s = self.now_s + duration_s
+        while self._next_tick_s <= end_s:
+            self.true_j += power_w * (self._next_tick_s - self.now_s)
+            self.now_s = self._next_tick_s
+            self._shown_j = self.true_j
+            self._next_tick_s += self._period()
+        self.true_j += power_w * (end_s - self.now_s)
+        self.now_s = end_s
+
+    def energy_j(self) -> float:
+        """What the counter shows: the energy at its last tick."""
+        return self._shown_j

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_energy.device.simulated import SimulatedGPU
 
+from . import nccl_like
+
 NAMESPACE = os.environ.get("PERSEUS_TEST_NAMESPACE", "lightning.pytorch")
 pl: Any = importlib.import_module(NAMESPACE)
 perseus: Any = importlib.import_module(
@@ -108,6 +110,7 @@ class Report(pl.Callback):
 
 
 def main() -> None:
+    nccl_like.install()
     importlib.import_module(f"{NAMESPACE}.cli").LightningCLI(
         PipelineMLP,
         RandomData,

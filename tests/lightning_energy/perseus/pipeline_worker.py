@@ -30,6 +30,8 @@ from lightning_energy.perseus.runtime import (
     simulated_profile,
 )
 
+from . import nccl_like
+
 MICROBATCHES = 4
 TARGET_S = 0.45
 CASES = {
@@ -126,6 +128,7 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
                 gpu,
                 supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
                 profile_clocks_mhz=[1410, 1200, 990],
+                replan_every_iterations=1,
                 group=group,
                 clock=gpu.clock.now,
             )
@@ -169,6 +172,7 @@ def main() -> None:
         sys.argv[4],
         sys.argv[5],
     )
+    nccl_like.install()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -1,12 +1,31 @@
 from __future__ import annotations
 
 import itertools
+import logging
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.physics import physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.perseus.online import ClockModel, default_profile_clocks, fit_profile
+from lightning_energy.perseus import one_f_one_b
+from lightning_energy.perseus.online import (
+    ClockModel,
+    OnlinePerseus,
+    default_profile_clocks,
+    fit_profile,
+)
+from lightning_energy.perseus.runtime import (
+    ClockController,
+    PipelineRuntime,
+    PipelineSimulation,
+    StageWork,
+)
+
+from .helpers import TickingCounter
 
 
 def _samples(t0_s: float, beta: float, clocks: list[int]) -> list[tuple[int, float, float]]:
@@ -56,3 +75,140 @@ def test_default_profile_clocks() -> None:
     assert clocks[-1] == pytest.approx(846, abs=15)
     with pytest.raises(ConfigError):
         default_profile_clocks([1410], count=1)
+
+
+def _single_rank(
+    tmp_path: Path, spec: SimulatedSpec | None = None, **options: Any
+) -> tuple[OnlinePerseus, list[Any], Any]:
+    """An online Perseus on one simulated rank of a one-stage pipeline; counts broadcasts."""
+    gpu = simulated_gpus(spec or SimulatedSpec(gpu="a100"))[0]
+    schedule = one_f_one_b(1, 2)
+    works = {(0, "forward"): StageWork(0.02, 0.9), (0, "backward"): StageWork(0.04, 0.8)}
+    guard = GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False)
+    guard.acquire()
+    runtime = PipelineRuntime(
+        schedule, 0, ClockController(guard), simulation=PipelineSimulation(gpu, works)
+    )
+    try:
+        online = OnlinePerseus(
+            runtime,
+            gpu,
+            supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
+            profile_clocks_mhz=[1410, 1200, 990],
+            warmup_iterations=0,
+            clock=gpu.clock.now,
+            **options,
+        )
+    except BaseException:
+        runtime.close()
+        guard.restore()
+        raise
+    broadcasts: list[Any] = []
+    real = online._broadcast
+
+    def counting(obj: Any) -> Any:
+        broadcasts.append(obj)
+        return real(obj)
+
+    online._broadcast = counting  # type: ignore[method-assign]
+    return online, broadcasts, guard
+
+
+def _iterate(online: OnlinePerseus) -> None:
+    online.on_iteration_start()
+    for inst in online.runtime.schedule.device_orders[0]:
+        online.runtime.before(inst)
+        online.runtime.after(inst)
+    online.on_iteration_end()
+
+
+def test_replanning_is_checked_every_n_iterations_not_every_one(tmp_path: Path) -> None:
+    online, broadcasts, guard = _single_rank(tmp_path, replan_every_iterations=10)
+    try:
+        for _ in range(3):
+            _iterate(online)
+        assert online.phase == "planned"
+        planned_with = len(broadcasts)  # the plan itself
+        for _ in range(25):
+            _iterate(online)
+        assert len(broadcasts) - planned_with == 2  # after 10 and 20 planned iterations
+        plan = online.runtime.plan
+        online.set_target_time(0.5)
+        for _ in range(4):
+            _iterate(online)
+        assert online.runtime.plan is plan  # not before the next check
+        _iterate(online)
+        assert online.target_time_s == 0.5 and online.runtime.plan is not plan
+    finally:
+        online.runtime.close()
+        guard.restore()
+
+
+def test_replan_period_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="replan_every_iterations=0"):
+        _single_rank(tmp_path, replan_every_iterations=0)
+
+
+def test_without_permission_nothing_is_profiled_or_planned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = SimulatedSpec(gpu="a100", permission_denied=True)
+    with caplog.at_level(logging.INFO):
+        online, _, guard = _single_rank(tmp_path, spec)
+        try:
+            for _ in range(6):
+                _iterate(online)
+            assert online.phase == "disabled"
+            assert online.runtime.plan is None and online.profile is None
+            assert online.runtime.controller.changes == 0
+            assert guard.observe_only
+        finally:
+            online.runtime.close()
+            guard.restore()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "observe-only" in warnings[0].getMessage()
+
+
+def _ticking_samples(
+    clocks: list[int], iterations: int, counter: TickingCounter
+) -> list[tuple[int, float, float]]:
+    """One 20 ms instruction (then 5 ms blocked) per iteration, measured on ``counter``."""
+    model = physics_preset("a100")
+    samples = []
+    for f in clocks:
+        for _ in range(iterations):
+            t = model.work_time_s(0.02, 0.85, f)
+            before = counter.energy_j()
+            counter.run(t, model.work_power_w(0.85, f))
+            samples.append((f, t, counter.energy_j() - before))
+            counter.run(0.005, model.idle_power_w)
+    return samples
+
+
+def test_fit_aggregates_a_counter_that_ticks_every_100_ms() -> None:
+    """Each tick falls in an instruction or a gap with odds equal to their share of the
+    time, so the mean energy of an instruction is its time at the power averaged over the
+    counter period (instruction and gap blended): the best a 100 ms counter can tell."""
+    samples = _ticking_samples([1410, 1200, 990], 2000, TickingCounter(0.1))
+    assert sum(e == 0 for _, _, e in samples) > len(samples) / 2  # mostly zero deltas
+    fit = ClockModel.fit(samples)
+    model = physics_preset("a100")
+    for f in (1410, 1200, 990):
+        t = model.work_time_s(0.02, 0.85, f)
+        blended_w = (t * model.work_power_w(0.85, f) + 0.005 * model.idle_power_w) / (t + 0.005)
+        assert fit.time_s(f) == pytest.approx(t, rel=1e-9)
+        # ~400 ticks per clock: a few % of sampling error.
+        assert fit.energy_j(f) == pytest.approx(t * blended_w, rel=0.08)
+
+
+def test_a_clock_without_energy_is_left_out_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    samples = _ticking_samples([1410, 1200], 200, TickingCounter(0.1))
+    samples += [(990, 0.02, 0.0), (990, 0.02, 0.0)]  # two samples between ticks
+    entries = {(0, "forward"): samples, (0, "backward"): samples}
+    with caplog.at_level(logging.WARNING):
+        profile = fit_profile(entries, [1410, 1200, 990], blocked_power_w=70.0)
+    assert list(profile.frequencies_mhz) == [1410, 1200]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "[990]" in warnings[0].getMessage()

@@ -4,6 +4,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -84,18 +85,107 @@ def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
     check_online(ranks)
 
 
-def test_clock_controller_applies_requests_in_order(tmp_path: Path) -> None:
+class FakeStream:
+    """A GPU stream the test advances by hand; its markers block until reached."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.reached = 0
+        self.cond = threading.Condition()
+
+    def marker(self) -> FakeMarker:
+        self.recorded += 1
+        return FakeMarker(self, self.recorded)
+
+    def advance(self, markers: int) -> None:
+        with self.cond:
+            self.reached += markers
+            self.cond.notify_all()
+
+
+class FakeMarker:
+    def __init__(self, stream: FakeStream, position: int) -> None:
+        self.stream = stream
+        self.position = position
+
+    def query(self) -> bool:
+        return self.stream.reached >= self.position
+
+    def synchronize(self) -> None:
+        with self.stream.cond:
+            self.stream.cond.wait_for(self.query)
+
+
+def locks_applied(
+    gpu: Any, monkeypatch: pytest.MonkeyPatch, applied: threading.Event | None = None
+) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    real = gpu.set_locked_clocks_mhz
+
+    def spy(min_mhz: int, max_mhz: int) -> None:
+        calls.append((min_mhz, max_mhz))
+        real(min_mhz, max_mhz)
+        if applied is not None:
+            applied.set()
+
+    monkeypatch.setattr(gpu, "set_locked_clocks_mhz", spy)
+    return calls
+
+
+def test_clock_controller_applies_requests_as_the_stream_reaches_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    calls = locks_applied(gpu, monkeypatch)
+    stream = FakeStream()
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
-        controller = ClockController(guard)
+        controller = ClockController(guard, gpu=gpu, marker=stream.marker)
         for freq in (1200, 1200, 1005, 1410):
             controller.request(freq)
-        controller.flush()
-        assert gpu.locked_clocks_mhz() == (1410, 1410)
-        assert controller.changes == 3  # the repeated request is dropped
+            stream.advance(1)
+            controller.flush()
+        assert calls == [(1200, 1200), (1005, 1005), (1410, 1410)]  # the repeat is dropped
+        assert controller.changes == 3
         controller.reset()
         assert gpu.locked_clocks_mhz() is None
         controller.stop()
+
+
+def test_requests_the_stream_passed_coalesce_to_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting a clock is slower than the instructions: by the time the thread can act,
+    the GPU is past three requests; only the newest is applied."""
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    applied = threading.Event()
+    calls = locks_applied(gpu, monkeypatch, applied)
+    stream = FakeStream()
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        controller = ClockController(guard, gpu=gpu, marker=stream.marker)
+        for freq in (1200, 1005, 1410, 990):
+            controller.request(freq)
+        stream.advance(3)  # the GPU reached the first three markers, not the fourth
+        assert applied.wait(60)
+        assert calls == [(1410, 1410)]
+        stream.advance(1)
+        controller.flush()
+        assert calls == [(1410, 1410), (990, 990)]
+        assert controller.changes == 2
+        controller.stop()
+
+
+def test_the_clock_recorded_is_the_one_read_back(tmp_path: Path) -> None:
+    """An administrator locked the GPU at 1005 MHz before the job: asking 1410 gets 1005."""
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu.set_locked_clocks_mhz(1005, 1005)
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        controller = ClockController(guard, gpu=gpu)
+        controller.request(1410)
+        controller.flush()
+        assert controller.current_mhz == 1005
+        controller.stop()
+    assert gpu.locked_clocks_mhz() == (1005, 1005)
+    gpu.reset_locked_clocks()
 
 
 def test_runtime_resets_clocks_on_failure(tmp_path: Path) -> None:
