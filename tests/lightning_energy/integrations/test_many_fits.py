@@ -128,7 +128,11 @@ def test_a_notebook_cell_run_again_with_a_new_trainer(tmp_path: Path) -> None:
         trainer.fit(module_class(ns)(), make_loader())
         summaries.append(callback.summary)
         assert _gpu(callback).power_limit_w() == 300.0
-    assert [s.steps for s in summaries if s is not None] == [100, 100]
+    first, second = summaries
+    assert first is not None and second is not None and second is not first
+    assert second.steps == 100
+    # The second run applied the first run's choice (the same workload), then restored.
+    assert second.power_limit_w == first.power_limit_w is not None
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])
@@ -152,6 +156,12 @@ def test_other_stages_around_fits_change_nothing(stage: str, tmp_path: Path) -> 
     getattr(trainer, stage)(model, make_loader(n=32))
     assert callback.summary is fitted
     assert len(callback.controller.decisions) == decisions
+    assert _gpu(callback).power_limit_w() == 300.0
+
+    trainer.fit_loop.epoch_loop.max_steps = 90  # and a fit after it is a run of its own
+    trainer.fit(model, make_loader())
+    assert callback.summary is not fitted
+    assert callback.summary is not None and callback.summary.steps == 30
     assert _gpu(callback).power_limit_w() == 300.0
 
 
