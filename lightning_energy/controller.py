@@ -344,8 +344,8 @@ class EnergyController:
         """Close the open windows (what can still be read) and build the summary."""
         self._after_profile = None
         try:
+            self.interrupt("end of the run")  # a window cut short is measured by a later run
             if self._meter is not None:
-                self._meter.cancel(_WINDOW)
                 self._after_profile = self._end(_AFTER_PROFILE)
                 if self._meter.is_open(_INTERVAL):
                     self._close_interval()
@@ -530,7 +530,8 @@ class EnergyController:
         (energy_j,), (duration_s,) = self.collective.sum_and_max([energy_j], [duration_s])
         steps = self._window.measure_steps
         optimizer = self._optimizer()
-        if not math.isfinite(energy_j):
+        if not math.isfinite(energy_j):  # measured again by a later run
+            optimizer.report_interrupted(self._window, steps_run=self._window_steps_run)
             self._window = None
             self._measuring = False
             self._stopped_profiling = True
