@@ -3,13 +3,14 @@
 Adapters translate their framework's hooks into a handful of calls::
 
     controller = EnergyController(config)
-    controller.setup(total_steps=...)        # opens GPUs, takes the guard's lease
+    controller.setup()                       # opens GPUs, takes the guard's lease
     for step in training:
         controller.on_step_start()
         ...                                  # the user's training step
         controller.on_step_end()
     controller.interrupt("validation")       # a window must not span validation
-    controller.teardown()                    # restores every GPU exactly once
+    controller.teardown()                    # restores every GPU first, then summarises
+    controller.setup()                       # another run (a second fit), profiles kept
 
 What happens in between: the power-limit optimizer (``optimize.power_limit``) hands out
 profiling windows (a power limit, steps to settle, steps to measure); the controller applies
