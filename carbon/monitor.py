@@ -163,15 +163,21 @@ class CarbonMonitor:
             return self
 
     def stop(self) -> None:
-        """Stop polling and wait for the scheduler's threads to end; idempotent.
+        """Stop polling and close the provider's connections; idempotent, never waits.
 
-        An in-flight poll is waited for (bounded by the provider's timeouts).
+        A poll in flight is not waited for: its thread ends when the request returns or
+        times out (its answer is still recorded); closing the provider releases its
+        connections. With no poll in flight, the polling thread has ended on return. A
+        later :meth:`start` polls again.
         """
         with self._lifecycle_lock:
             scheduler, self._scheduler = self._scheduler, None
             if scheduler is not None:
-                scheduler.shutdown(wait=True)
+                scheduler.shutdown(wait=not self._poll_lock.locked())
                 logger.debug("carbon monitor stopped")
+            close = getattr(self.provider, "close", None)
+            if callable(close):
+                close()
 
     def __enter__(self) -> CarbonMonitor:
         return self.start()

@@ -3,13 +3,14 @@
 Adapters translate their framework's hooks into a handful of calls::
 
     controller = EnergyController(config)
-    controller.setup(total_steps=...)        # opens GPUs, takes the guard's lease
+    controller.setup()                       # opens GPUs, takes the guard's lease
     for step in training:
         controller.on_step_start()
         ...                                  # the user's training step
         controller.on_step_end()
     controller.interrupt("validation")       # a window must not span validation
-    controller.teardown()                    # restores every GPU exactly once
+    controller.teardown()                    # restores every GPU first, then summarises
+    controller.setup()                       # another run (a second fit), profiles kept
 
 What happens in between: the power-limit optimizer (``optimize.power_limit``) hands out
 profiling windows (a power limit, steps to settle, steps to measure); the controller applies
@@ -25,8 +26,11 @@ Every rank makes the same calls at the same steps, so collectives never mismatch
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
+import math
+import select
+import socket
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -35,7 +39,13 @@ from carbon.accounting import emissions_g
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device.base import DeviceSet, GPUInfo, gpu_info
-from lightning_energy.errors import CheckpointMismatchError, ConfigError, EnergyError, JobSetupError
+from lightning_energy.errors import (
+    CheckpointMismatchError,
+    ConfigError,
+    DeviceError,
+    EnergyError,
+    JobSetupError,
+)
 from lightning_energy.job import (
     Capability,
     JobPlan,
@@ -81,6 +91,8 @@ class RunSummary:
         slowdown: the time those steps took over their time at the highest profiled
             limit (pauses included).
         observe_only: True when GPU settings could not be changed.
+        read_error: why GPU readings failed during the run (None: they never did); the
+            energy from then on is missing and the settings were restored at that point.
         carbon: with a ``carbon:`` section: grams emitted by this process's GPUs; on rank 0
             also the same job run carbon-unaware (the selector's limit, no pacing) and at
             full power, from the end of profiling on the intensities observed (cumulative
@@ -100,6 +112,7 @@ class RunSummary:
     observe_only: bool
     carbon: dict[str, Any] | None = None
     job_energy_j: float | None = None
+    read_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -141,17 +154,32 @@ class EnergyController:
         self._local_rank = local_rank
         self._node_rank = node_rank
         self._node = node_name(node_rank)
+        self._device = device
+        self._install_signal_handlers = install_signal_handlers
+        self._optimizers: dict[str, Any] = {}
+        self._workload = "default"
+        self._restored_states: dict[str, Any] = {}
+        self._devices_closed = False
+        self._is_setup = False
+        self._torn_down = False
+        self._total_steps: int | None = None
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """Forget the previous run (fit): its guard, windows, numbers and decisions.
+
+        What was learnt about the workloads (their profiles) is kept, so a later fit of a
+        known workload applies its choice without profiling again.
+        """
+        self._guard: Any = None
+        self._meter: EnergyMeter | None = None
+        self._read_error: str | None = None
         self._ranks: list[RankInfo] = []
         self._plan = JobPlan(True, (), None)
         self._counts_energy = True
         self.job: dict[str, Any] | None = None
-        self._device = device
-        self._install_signal_handlers = install_signal_handlers
-        self._guard: Any = None
-        self._meter: EnergyMeter | None = None
-        self._optimizers: dict[str, Any] = {}
-        self._workload = "default"
-        self._restored_states: dict[str, Any] = {}
+        self._wake: socket.socket | None = None
+        self._stopped_profiling = False
         self._window: Any = None
         self._window_steps = 0
         self._window_steps_run = 0
@@ -163,11 +191,8 @@ class EnergyController:
         self._start_s = 0.0
         self._end_s: float | None = None
         self._summary: RunSummary | None = None
-        self._is_setup = False
-        self._torn_down = False
         self._pacer: CarbonPacer | None = None
         self._job_start = utc_now()
-        self._total_steps: int | None = None
         self._static_limit_w: float | None = None
         self._intensity: float | None = None
         self._scale: float | None = None
@@ -195,8 +220,15 @@ class EnergyController:
             self._collective = default_collective()
         return self._collective
 
-    def setup(self) -> None:
-        """Open the GPUs, take their lease and start measuring. Idempotent.
+    def setup(self, *, collective: Collective | None = None) -> None:
+        """Open the GPUs, take their lease and start measuring a run. Idempotent.
+
+        After :meth:`teardown`, ``setup`` starts a new run (a second ``fit``): a new lease
+        and fresh numbers; a workload profiled by an earlier run gets its chosen limit
+        at once, without profiling again.
+
+        Args:
+            collective: how ranks agree from this run on (a new trainer's); None: keep.
 
         Raises:
             ConfigError: candidate power limits outside every GPU's allowed range.
@@ -206,7 +238,15 @@ class EnergyController:
             return
         from lightning_energy.device.guard import GPUGuard
 
+        if self._torn_down:
+            self._new_run()
+            self._torn_down = False
+            if self._owns_devices and self._devices_closed:
+                self._devices = None  # reopened below: closing released them
+        if collective is not None:
+            self._collective = collective
         devices = self.devices
+        self._devices_closed = False
         self._check_candidates()
         self._guard = GPUGuard(
             devices.gpus,
@@ -216,6 +256,7 @@ class EnergyController:
         )
         try:
             self._agree(devices)
+            self._guard.add_signal_listener(self._on_signal)
             self._start(devices)
         except BaseException:
             self._guard.restore()  # nothing may stay changed, nor leased, after a failed setup
@@ -223,9 +264,14 @@ class EnergyController:
                 self._pacer.stop()
             raise
         self._is_setup = True
-        self._torn_down = False
         if self._guard.observe_only:
             self._decide("observe-only", None, self._guard.observe_only_reason or "")
+            return
+        optimizer = self._optimizers.get(self._workload)
+        if optimizer is not None and optimizer.done:
+            self._use_profile(
+                optimizer.chosen_power_limit_w, f"reuse profile of workload {self._workload}"
+            )
 
     def _agree(self, devices: DeviceSet) -> None:
         """Take the lease and find out, with every rank, who optimises (one job, one plan).
@@ -295,7 +341,7 @@ class EnergyController:
             if isinstance(first, list):
                 raise ConfigError(first, self.config.source)
             self._intensity = first
-        self._meter.begin(_INTERVAL)
+        self._begin(_INTERVAL)
 
     def _start_pacer(self, config: Any, simulated: bool) -> float | list[str]:
         """Rank 0: start polling; the first intensity, or the configuration problems."""
@@ -345,29 +391,95 @@ class EnergyController:
             raise ConfigError(problems, self.config.source)
 
     def teardown(self) -> RunSummary:
-        """Stop measuring, restore every GPU and return the run summary. Idempotent."""
+        """Restore every GPU, then stop measuring and return the run summary. Idempotent.
+
+        The GPUs are restored first, whatever happens next: a failed energy reading, a
+        sticky device error or a carbon API that does not answer cannot delay or skip it.
+        The carbon poller is stopped without waiting for a poll in flight.
+        """
         if self._summary is not None and self._torn_down:
             return self._summary
         self._torn_down = True
+        try:
+            if self._guard is not None:
+                self._guard.restore()
+        finally:
+            if self._pacer is not None:
+                self._pacer.stop()
+            self._summary = self._final_summary()
+            if self._owns_devices and self._devices is not None:
+                self._devices.close()
+                self._devices_closed = True
+            self._is_setup = False
+        return self._summary
+
+    def handle_signals(self) -> None:
+        """Restore on SIGTERM/SIGINT from now on, then hand the signal to the handler found.
+
+        For adapters whose framework installs its own handler once training starts (a
+        controller built with ``install_signal_handlers=False``): called after that, the
+        GPUs are restored the moment the signal arrives, mid-step or mid-pause, and the
+        framework still handles the signal its own way.
+        """
+        if self._guard is not None:
+            self._guard.handle_signals()
+
+    def _on_signal(self, signum: int) -> None:
+        """In the signal handler, after the restore: end a carbon pause at once."""
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(OSError):
+                wake.send(b"\0")
+
+    def _final_summary(self) -> RunSummary:
+        """Close the open windows (what can still be read) and build the summary."""
         self._after_profile = None
-        if self._meter is not None:
-            self._meter.cancel(_WINDOW)
-            if self._meter.is_open(_AFTER_PROFILE):
-                self._after_profile = self._meter.end(_AFTER_PROFILE)
-            if self._meter.is_open(_INTERVAL):
-                self._close_interval()
-        if self._devices is not None:
-            self._end_s = self._devices.clock()
-        if self._pacer is not None:
-            self._pacer.stop()
-        summary = self._build_summary()
+        try:
+            self.interrupt("end of the run")  # a window cut short is measured by a later run
+            if self._meter is not None:
+                self._after_profile = self._end(_AFTER_PROFILE)
+                if self._meter.is_open(_INTERVAL):
+                    self._close_interval()
+            if self._devices is not None:
+                self._end_s = self._devices.clock()
+        except Exception as exc:  # e.g. a sticky CUDA error: the GPUs are restored already
+            self._read_error = self._read_error or str(exc)
+            log.warning("the last GPU reading failed (%s); the summary leaves it out", exc)
+        return self._build_summary()
+
+    def _begin(self, name: str) -> None:
+        """Open a measurement window, unless readings were lost."""
+        if self._meter is None or self._read_error is not None:
+            return
+        try:
+            self._meter.begin(name)
+        except DeviceError as exc:
+            self._lose_readings(exc)
+
+    def _end(self, name: str) -> Measurement | None:
+        """Close a measurement window; None when it is not open or the reading failed."""
+        if self._meter is None or not self._meter.is_open(name):
+            return None
+        try:
+            return self._meter.end(name)
+        except DeviceError as exc:
+            self._lose_readings(exc)
+            return None
+
+    def _lose_readings(self, exc: DeviceError) -> None:
+        """A GPU reading failed mid-run: restore, change nothing more, keep training."""
+        self._read_error = str(exc)
+        assert self._meter is not None
+        for name in (_WINDOW, _INTERVAL, _AFTER_PROFILE):
+            self._meter.cancel(name)
+        self.metrics = {}
         if self._guard is not None:
             self._guard.restore()
-        if self._owns_devices and self._devices is not None:
-            self._devices.close()
-        self._summary = summary
-        self._is_setup = False
-        return summary
+        log.warning(
+            "reading the GPUs failed (%s): energy metrics are missing for the rest of this "
+            "run, GPU settings were restored and are left alone; training continues",
+            exc,
+        )
 
     # ------------------------------------------------------------------ workloads
     def set_workload(self, key: str) -> None:
@@ -421,8 +533,11 @@ class EnergyController:
 
     # ------------------------------------------------------------------ steps
     def on_step_start(self) -> None:
-        """Call before every training (optimizer) step."""
+        """Call before every training (optimizer) step (after :meth:`teardown`: ignored
+        until :meth:`setup` starts another run)."""
         if not self._is_setup:
+            if self._torn_down:
+                return
             self.setup()
         if self._window is None and self._optimizing():
             self._open_window()
@@ -433,8 +548,7 @@ class EnergyController:
             and window.measure_steps
             and self._window_steps >= window.settle_steps
         ):
-            assert self._meter is not None
-            self._meter.begin(_WINDOW)
+            self._begin(_WINDOW)
             self._measuring = True
             self._window_steps = 0
 
@@ -483,6 +597,8 @@ class EnergyController:
     def _optimizing(self) -> bool:
         if not self.config.power_limit.enabled or not self._job_changes_settings():
             return False
+        if self._stopped_profiling:
+            return False
         return not self._optimizer().done
 
     def _job_changes_settings(self) -> bool:
@@ -491,7 +607,7 @@ class EnergyController:
         a single process decides by its own guard."""
         if self.collective.world_size > 1:
             return self._plan.optimises
-        return not self._guard.observe_only
+        return not (self._guard.observe_only or self._guard.restored)
 
     def _open_window(self) -> None:
         optimizer = self._optimizer()
@@ -506,13 +622,26 @@ class EnergyController:
         self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
 
     def _close_window(self) -> None:
-        assert self._meter is not None and self._window is not None
-        m = self._meter.end(_WINDOW)
-        (energy_j,), (duration_s,) = self.collective.sum_and_max(
-            [m.energy_j if self._counts_energy else 0.0], [m.duration_s]
-        )
+        assert self._window is not None
+        m = self._end(_WINDOW)
+        # A rank whose readings failed sends NaN, so every rank learns it in this collective;
+        # a rank observing a GPU that a lower rank measures sends 0 (each GPU counted once).
+        if m is None:
+            energy_j, duration_s = math.nan, math.nan
+        else:
+            energy_j = m.energy_j if self._counts_energy else 0.0
+            duration_s = m.duration_s
+        (energy_j,), (duration_s,) = self.collective.sum_and_max([energy_j], [duration_s])
         steps = self._window.measure_steps
         optimizer = self._optimizer()
+        if not math.isfinite(energy_j):  # measured again by a later run
+            optimizer.report_interrupted(self._window, steps_run=self._window_steps_run)
+            self._window = None
+            self._measuring = False
+            self._stopped_profiling = True
+            if self._guard is not None:
+                self._guard.restore()  # every rank: no setting changes for the rest of the run
+            return
         optimizer.report(
             self._window, time_per_step_s=duration_s / steps, energy_per_step_j=energy_j / steps
         )
@@ -529,9 +658,9 @@ class EnergyController:
         """Apply the profile's choice and start measuring the steps that run at it."""
         self._static_limit_w = chosen
         self._profile_end = (self.now(), self._step, self._emissions_g)
-        assert self._meter is not None
-        self._meter.cancel(_AFTER_PROFILE)
-        self._meter.begin(_AFTER_PROFILE)
+        if self._meter is not None:
+            self._meter.cancel(_AFTER_PROFILE)
+        self._begin(_AFTER_PROFILE)
         self._apply(chosen, reason)
 
     def _apply(self, power_limit_w: float | None, reason: str, purpose: str = "choice") -> None:
@@ -544,7 +673,7 @@ class EnergyController:
         if power_limit_w is None or power_limit_w == self._power_limit_w:
             return
         applied = self._guard.set_power_limit_w(power_limit_w)
-        if self._guard.observe_only:
+        if self._guard.observe_only or self._guard.restored:
             return
         self._power_limit_w = applied
         self._decide("power_limit", applied, reason, purpose)
@@ -563,18 +692,22 @@ class EnergyController:
         self.decisions.append(entry)
         log.debug("decision at step %d: %s=%s (%s)", self._step, kind, value, reason)
 
-    def _next_interval(self) -> Measurement:
+    def _next_interval(self) -> Measurement | None:
         """Close the logging interval and open the next one."""
         m = self._close_interval()
-        assert self._meter is not None
-        self._meter.begin(_INTERVAL)
+        self._begin(_INTERVAL)
         return m
 
-    def _close_interval(self) -> Measurement:
-        """Close the logging interval: metrics, timeline and carbon accounting."""
-        assert self._meter is not None
-        m = self._meter.end(_INTERVAL)
+    def _close_interval(self) -> Measurement | None:
+        """Close the logging interval: metrics, timeline and carbon accounting.
+
+        Returns None when the readings failed (the interval's numbers are missing).
+        """
+        m = self._end(_INTERVAL)
         steps = self._interval_steps
+        if m is None:
+            self._interval_steps = 0
+            return None
         if not steps and m.duration_s <= 0:
             return m  # an interval in which nothing happened (e.g. closed at teardown)
         self._energy_j += m.energy_j
@@ -700,7 +833,10 @@ class EnergyController:
             self._pause(update)
 
     def _pause(self, first: PaceUpdate) -> None:
-        """Wait at the lowest power limit until rank 0's policy resumes training."""
+        """Wait at the lowest power limit until rank 0's policy resumes training.
+
+        The wait ends at once when a signal restores the GPUs (the job is being stopped).
+        """
         lo, _ = self._power_limit_range()
         before = self._power_limit_w
         self._apply(lo, f"paused: {first.reason}", purpose="pause")
@@ -708,19 +844,28 @@ class EnergyController:
         wait_s = self.config.carbon.poll_interval_s
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
-        while update is not None and update.pause:
-            if self.devices.run_step is not None:
-                for gpu in self.devices.gpus:
-                    gpu.idle(wait_s)  # type: ignore[attr-defined]
-            else:
-                time.sleep(wait_s)
-            # Each polling period of the pause is an interval of its own (no steps), so its
-            # idle energy is counted at the intensity of that period.
-            m = self._next_interval()
-            idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
-            update = self.collective.broadcast(self._pace_update())
-            if update is not None:
-                self._intensity = update.intensity_g_per_kwh
+        waiter, self._wake = socket.socketpair()
+        waiter.setblocking(False)
+        self._wake.setblocking(False)
+        try:
+            while update is not None and update.pause and not self._guard.restored:
+                if self.devices.run_step is not None:
+                    for gpu in self.devices.gpus:
+                        gpu.idle(wait_s)  # type: ignore[attr-defined]
+                else:
+                    select.select([waiter], [], [], wait_s)
+                # Each polling period of the pause is an interval of its own (no steps), so
+                # its idle energy is counted at the intensity of that period.
+                m = self._next_interval()
+                if m is not None:
+                    idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
+                update = self.collective.broadcast(self._pace_update())
+                if update is not None:
+                    self._intensity = update.intensity_g_per_kwh
+        finally:
+            wake, self._wake = self._wake, None
+            wake.close()
+            waiter.close()
         if idle_s > 0:  # job-wide idle power, as every rank idles alike
             self._idle_power_w = idle_j / idle_s * self.collective.world_size
         self._apply(before, "resumed", purpose="resume")
@@ -776,6 +921,7 @@ class EnergyController:
             slowdown=slowdown,
             observe_only=self.observe_only,
             carbon=self._carbon_summary() if self.config.carbon is not None else None,
+            read_error=self._read_error,
         )
 
     def gather_job_totals(self) -> dict[str, Any]:

@@ -162,6 +162,7 @@ class GPUGuard:
         self._pending_signals: list[int] = []
         self._handler = self._on_signal  # one bound method, so getsignal() can be compared
         self._previous_handlers: dict[int, _SignalHandler] = {}
+        self._signal_listeners: list[Callable[[int], None]] = []
         self._atexit_registered = False
 
     # ------------------------------------------------------------------ state
@@ -231,6 +232,8 @@ class GPUGuard:
                 self._pending_signals.append(signum)
                 return
         self.restore()
+        for listener in self._signal_listeners:
+            listener(signum)
         self._chain(signum, frame)
 
     def _chain(self, signum: int, frame: FrameType | None) -> None:
@@ -741,6 +744,29 @@ class GPUGuard:
                 log.info("cannot install a %s handler: %s", signal.Signals(signum).name, exc)
                 continue
             self._previous_handlers[signum] = previous
+
+    def handle_signals(self) -> None:
+        """Install the SIGTERM/SIGINT handlers now, also when built without them.
+
+        For frameworks that install their own handler when training starts (Lightning):
+        called after that, the guard's handler runs first, restores at once, then hands
+        the signal to the framework's. A no-op once restored, when observe-only, when
+        installed already, or outside the main thread.
+        """
+        with self._critical():
+            self._ensure_acquired()
+            if self._changes_blocked() or self._previous_handlers:
+                return
+            self._install_handlers = True
+            self._install_signal_handlers()
+
+    def add_signal_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(signum)`` when a SIGTERM/SIGINT handler of this guard has restored.
+
+        It runs inside the signal handler, before the signal is handed on: it must only do
+        what a handler may (set a flag, write to a socket), never take a lock.
+        """
+        self._signal_listeners.append(listener)
 
     def _uninstall_signal_handlers(self) -> None:
         for signum, previous in self._previous_handlers.items():

@@ -69,6 +69,8 @@ def format_summary(summary: RunSummary) -> str:
     ]
     if summary.observe_only:
         rows.append(("mode", "observe-only (GPU settings unchanged)"))
+    if summary.read_error is not None:
+        rows.append(("GPU readings", f"failed mid-run, energy incomplete ({summary.read_error})"))
     carbon = summary.carbon or {}
     if "emissions_g" in carbon:
         rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))

@@ -33,6 +33,7 @@ class EnergyCallbackCore(EnergyAdapter):
     """
 
     _pending_state: dict[str, Any] | None = None
+    _running = False
 
     @property
     def state_key(self) -> str:
@@ -42,9 +43,17 @@ class EnergyCallbackCore(EnergyAdapter):
 
     # ----------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Create the controller once the strategy (and its process group) exists."""
-        if stage != "fit" or self.controller is not None:
+        """Start a run for this fit once the strategy (and its process group) exists.
+
+        Every ``fit`` (also the one ``Tuner.lr_find`` runs, or a notebook cell run again
+        with a new ``Trainer``) is a run of its own: set up, optimised (a workload
+        profiled by an earlier fit reuses its profile), restored, summarised, reported.
+        Other stages (validate, test, predict) change nothing.
+        """
+        if stage != "fit":
             return
+        if self._running:
+            self._finish_run(trainer)  # a fit that ended without its teardown hook
         strategy = trainer.strategy
 
         def all_gather(values: list[float]) -> list[list[float]]:
@@ -54,30 +63,40 @@ class EnergyCallbackCore(EnergyAdapter):
                 gathered = gathered.unsqueeze(0)
             return [row.tolist() for row in gathered.cpu()]
 
-        self.controller = EnergyController(
-            self.config,
-            collective=GatherCollective(
-                trainer.global_rank, trainer.world_size, all_gather, strategy.broadcast
-            ),
-            local_rank=trainer.local_rank,
-            node_rank=trainer.node_rank,
-            device=strategy.root_device,
-            # Lightning turns SIGTERM into an exception at the next step and calls
-            # ``on_exception``, which restores; its own handler chains to any found
-            # installed, so the guard installs none here (the lease covers SIGKILL).
-            install_signal_handlers=False,
+        collective = GatherCollective(
+            trainer.global_rank, trainer.world_size, all_gather, strategy.broadcast
         )
-        self.controller.setup()
+        self.summary = None
+        if self.controller is None:
+            self.controller = EnergyController(
+                self.config,
+                collective=collective,
+                local_rank=trainer.local_rank,
+                node_rank=trainer.node_rank,
+                device=strategy.root_device,
+                # Lightning installs its SIGTERM handler after this hook; the guard's is
+                # installed at train start, on top of it (see ``on_train_start``).
+                install_signal_handlers=False,
+            )
+        self.controller.setup(collective=collective)
+        self._running = True
         if self._pending_state is not None:
             self.controller.load_state_dict(self._pending_state)
             self._pending_state = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Declare the workload and the job's length (carbon pacing plans to the end)."""
+        """Declare the workload and the job's length (carbon pacing plans to the end).
+
+        Installs the guard's SIGTERM/SIGINT handler on top of Lightning's: a signal
+        restores every GPU at once, even mid-step or mid-pause, then Lightning handles it
+        as usual (it stops at the next batch and calls ``on_exception``).
+        """
+        if not self._running or self.controller is None:
+            return
+        self.controller.handle_signals()
         self._declare_workload(trainer, pl_module)
-        if self.controller is not None:
-            total = trainer.estimated_stepping_batches
-            self.controller.set_total_steps(int(total) if math.isfinite(total) else None)
+        total = trainer.estimated_stepping_batches
+        self.controller.set_total_steps(int(total) if math.isfinite(total) else None)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Re-check the workload at every epoch (a datamodule may change its batch size)."""
@@ -87,7 +106,7 @@ class EnergyCallbackCore(EnergyAdapter):
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         """Open a step."""
-        if self.controller is not None:
+        if self._running and self.controller is not None:
             self.controller.on_step_start()
 
     def on_train_batch_end(
@@ -95,7 +114,7 @@ class EnergyCallbackCore(EnergyAdapter):
     ) -> None:
         """Close a step; log fresh metrics to the loggers and the progress bar."""
         controller = self.controller
-        if controller is None:
+        if not self._running or controller is None:
             return
         before = controller.metrics
         controller.on_step_end()
@@ -117,24 +136,29 @@ class EnergyCallbackCore(EnergyAdapter):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """A profiling window must not span an epoch boundary."""
-        if self.controller is not None:
+        if self._running and self.controller is not None:
             self.controller.interrupt("epoch end")
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """Pause profiling during validation (the window in progress is retried)."""
-        if self.controller is not None and trainer.training:
+        if self._running and self.controller is not None and trainer.training:
             self.controller.interrupt("validation")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Restore every GPU before the exception propagates."""
-        if self.controller is not None:
+        if self._running and self.controller is not None:
+            self._running = False
             self.summary = self.controller.teardown()
             log.warning("training failed (%s); GPU settings restored", type(exception).__name__)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Restore every GPU, then print and log the run summary."""
-        if stage != "fit" or self.controller is None or self.summary is not None:
-            return
+        """Restore every GPU, then print and log the run summary (and write the report)."""
+        if stage == "fit" and self._running:
+            self._finish_run(trainer)
+
+    def _finish_run(self, trainer: Any) -> None:
+        assert self.controller is not None
+        self._running = False
         summary = self._finish(self.controller, main_process=trainer.is_global_zero)
         for logger in trainer.loggers:
             logger.log_metrics(summary_values(summary), step=trainer.global_step)
@@ -155,7 +179,7 @@ class EnergyCallbackCore(EnergyAdapter):
 
     # ----------------------------------------------------------------- helpers
     def _declare_workload(self, trainer: Any, pl_module: Any) -> None:
-        if self.controller is None:
+        if not self._running or self.controller is None:
             return
         params = sum(p.numel() for p in pl_module.parameters())
         loader = trainer.train_dataloader

@@ -53,8 +53,12 @@ class EnergyFabricCallback(EnergyAdapter):
     _is_global_zero = True
 
     def setup(self, fabric: Any) -> None:
-        """Open this rank's GPU and take its lease (call after ``fabric.launch()``)."""
-        if self.controller is not None:
+        """Open this rank's GPU and take its lease (call after ``fabric.launch()``).
+
+        Idempotent while a run is open; after :meth:`teardown` it starts another run (a
+        second training loop), which reuses the profile of a workload already profiled.
+        """
+        if self.controller is not None and self.summary is None:
             return
 
         def all_gather(values: list[float]) -> list[list[float]]:
@@ -66,16 +70,19 @@ class EnergyFabricCallback(EnergyAdapter):
             return [row.tolist() for row in gathered.cpu()]
 
         self._is_global_zero = bool(fabric.is_global_zero)
-        self.controller = EnergyController(
-            self.config,
-            collective=GatherCollective(
-                fabric.global_rank, fabric.world_size, all_gather, fabric.broadcast
-            ),
-            local_rank=fabric.local_rank,
-            node_rank=fabric.node_rank,
-            device=fabric.device,
+        collective = GatherCollective(
+            fabric.global_rank, fabric.world_size, all_gather, fabric.broadcast
         )
-        self.controller.setup()
+        self.summary = None
+        if self.controller is None:
+            self.controller = EnergyController(
+                self.config,
+                collective=collective,
+                local_rank=fabric.local_rank,
+                node_rank=fabric.node_rank,
+                device=fabric.device,
+            )
+        self.controller.setup(collective=collective)
 
     def _require(self) -> EnergyController:
         if self.controller is None:
@@ -110,7 +117,8 @@ class EnergyFabricCallback(EnergyAdapter):
         return dict(self.controller.metrics) if self.controller is not None else {}
 
     def teardown(self) -> RunSummary | None:
-        """Restore every GPU and return the run summary (idempotent)."""
+        """Restore every GPU and return the run summary (idempotent until the next
+        :meth:`setup`)."""
         if self.controller is None:
             return None
         if self.summary is None:

@@ -1,0 +1,208 @@
+"""Restore first, on every exit path: failed readings at teardown or mid-run, SIGTERM
+mid-step under Lightning, SIGTERM during a carbon pause.
+
+Real Lightning fits and controllers on the simulated A40 (CPU), with the simulated GPU's
+fault injection standing in for NVML reads that fail. The conftest leak check also fails
+a test that leaves a GPU changed, a thread running or a signal handler behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.device import SimulatedSpec, open_devices
+from lightning_energy.errors import DriverError, GPULostError
+from tests.lightning_energy.integrations._models import make_loader, module_class
+
+PRE_JOB_W = 300.0  # the simulated A40's default limit
+CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
+
+
+def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "power_limit": {
+            "selector": "energy",
+            "power_limits_w": CANDIDATES,
+            "warmup_steps": 2,
+            "settle_steps": 1,
+        },
+        "log_every_n_steps": 5,
+    }
+    config.update(extra)
+    return config
+
+
+def _controller(tmp_path: Path) -> tuple[EnergyController, Any]:
+    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
+    controller = EnergyController(
+        EnergyConfig.from_mapping(_config(tmp_path)),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    return controller, devices.gpus[0]
+
+
+def _steps(controller: EnergyController, n: int) -> None:
+    for _ in range(n):
+        controller.on_step_start()
+        controller.on_step_end()
+
+
+@pytest.mark.parametrize(
+    ("operation", "error"), [("energy", GPULostError), ("synchronize", DriverError)]
+)
+def test_teardown_restores_before_reading_and_survives_a_failed_read(
+    operation: str, error: type, tmp_path: Path
+) -> None:
+    controller, gpu = _controller(tmp_path)
+    controller.setup()
+    _steps(controller, 12)  # inside the profile: a candidate below the pre-job limit applies
+    assert gpu.power_limit_w() < PRE_JOB_W
+    gpu.inject_fault(operation, error)
+    summary = controller.teardown()
+    assert gpu.settings() == (PRE_JOB_W, None)
+    assert summary.read_error is not None and summary.steps == 12
+    assert controller.teardown() is summary
+
+
+def test_a_read_failing_mid_run_restores_and_training_goes_on(tmp_path: Path) -> None:
+    controller, gpu = _controller(tmp_path)
+    controller.setup()
+    _steps(controller, 12)
+    assert gpu.power_limit_w() < PRE_JOB_W
+    gpu.inject_fault("energy", GPULostError, times=1)
+    _steps(controller, 60)  # no exception: training continues
+    assert gpu.power_limit_w() == PRE_JOB_W  # restored at the failure, never changed again
+    assert controller.metrics == {}  # missing, not stale
+    assert not controller.profile_done
+    summary = controller.teardown()
+    assert summary.read_error is not None and summary.steps == 72
+
+    # The GPU reads again: the next run in the same process optimises again.
+    controller.setup()
+    _steps(controller, 160)
+    assert controller.profile_done
+    assert controller.current_power_limit_w() == gpu.power_limit_w() < PRE_JOB_W
+    again = controller.teardown()
+    assert again.read_error is None and again.steps == 160
+    assert gpu.settings() == (PRE_JOB_W, None)
+
+
+def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
+    import lightning.pytorch as ns
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+
+    energy = EnergyCallback(_config(tmp_path))
+    seen: dict[str, float] = {}
+
+    class FailReads(ns.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            gpu = energy.controller.devices.gpus[0]
+            if trainer.global_step == 12:
+                seen["before"] = gpu.power_limit_w()
+                gpu.inject_fault("power", GPULostError)  # no energy counter: power fails too
+                gpu.inject_fault("energy", GPULostError)
+            if trainer.global_step == 13:
+                seen["after"] = gpu.power_limit_w()
+
+    trainer = ns.Trainer(
+        max_steps=80,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[FailReads(), energy],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    trainer.fit(module_class(ns)(), make_loader())
+    assert trainer.global_step == 80
+    assert seen["before"] < PRE_JOB_W and seen["after"] == PRE_JOB_W
+    assert energy.summary is not None and energy.summary.read_error is not None
+    assert energy.controller.devices.gpus[0].settings() == (PRE_JOB_W, None)
+
+
+def test_sigterm_under_lightning_restores_while_the_step_runs(tmp_path: Path) -> None:
+    import lightning.pytorch as ns
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+
+    energy = EnergyCallback(_config(tmp_path))
+    seen: dict[str, float] = {}
+
+    class Terminated(module_class(ns)):  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.global_step == 12:
+                gpu = energy.controller.devices.gpus[0]
+                seen["before"] = gpu.power_limit_w()
+                os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode
+                seen["during_step"] = gpu.power_limit_w()
+            return super().training_step(batch, batch_idx)
+
+    trainer = ns.Trainer(
+        max_steps=80,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[energy],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    with pytest.raises(SIGTERMException):  # Lightning still handles the signal its way
+        trainer.fit(Terminated(), make_loader())
+    assert seen["before"] < PRE_JOB_W
+    assert seen["during_step"] == PRE_JOB_W
+    assert trainer.global_step == 13  # Lightning stopped at the next batch boundary
+    assert energy.summary is not None
+
+
+def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from lightning_energy.device.base import DeviceSet
+    from lightning_energy.pacing import PaceUpdate
+
+    gpus = open_devices("simulated", simulated=SimulatedSpec(gpu="a40")).gpus
+    # A real clock and no simulated step: the pause really waits between polls.
+    devices = DeviceSet(gpus=gpus, clock=time.monotonic, backend="nvml")
+    config = _config(
+        tmp_path, carbon={"provider": "constant", "region": "test", "poll_interval_s": 20}
+    )
+    controller = EnergyController(EnergyConfig.from_mapping(config), devices=devices)
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    gpu = gpus[0]
+    lowest_w = gpu.power_limit_constraints_w()[0]
+    pausing = PaceUpdate(400.0, None, True, "dirty grid")
+    updates = [pausing, pausing, pausing]  # the policy would pause for three more polls
+    controller._pace_update = lambda: updates.pop() if updates else None  # type: ignore[method-assign]
+
+    def terminate_once_paused() -> None:
+        while gpu.power_limit_w() != lowest_w:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate_once_paused, name="test-sigterm")
+    try:
+        controller.setup()
+        killer.start()
+        controller._pause(pausing)
+        killer.join()
+        assert received == [signal.SIGTERM]  # handed on to the handler found
+        assert gpu.settings() == (PRE_JOB_W, None)
+        assert len(updates) >= 2  # the pause ended at the signal, not when the policy said
+    finally:
+        controller.teardown()
+        signal.signal(signal.SIGTERM, previous)
