@@ -44,6 +44,9 @@ __all__ = ["CarbonMonitor"]
 
 logger = logging.getLogger(__name__)
 
+#: The longest ``Retry-After`` the monitor waits for before polling again (one day).
+MAX_HOLD_BACK_S = 86400.0
+
 
 class CarbonMonitor:
     """Keep the grid carbon intensity of one provider up to date, off the caller's thread.
@@ -370,7 +373,8 @@ class CarbonMonitor:
         if starting:
             wait = ""
             if isinstance(exc, QuotaError) and exc.retry_after_s:
-                wait = f"not polling again for {exc.retry_after_s:.0f} s (Retry-After); "
+                hold_s = min(exc.retry_after_s, MAX_HOLD_BACK_S)
+                wait = f"not polling again for {hold_s:.0f} s (Retry-After); "
             logger.warning(
                 "carbon intensity from %s unavailable (%s: %s); %s%s",
                 self.provider.name,
@@ -398,9 +402,10 @@ class CarbonMonitor:
         return f"using the {self.fallback} fallback"
 
     def _hold_back(self, exc: Exception) -> None:
-        """Remember a rate limit's ``Retry-After``: no poll before it is over."""
+        """Remember a rate limit's ``Retry-After``: no poll before it is over (at most
+        :data:`MAX_HOLD_BACK_S`, so a server's absurd date cannot stop polling)."""
         if isinstance(exc, QuotaError) and exc.retry_after_s:
-            self._not_before = self._monotonic() + exc.retry_after_s
+            self._not_before = self._monotonic() + min(exc.retry_after_s, MAX_HOLD_BACK_S)
 
     def _fetch_forecast(self) -> list[IntensityPoint] | None:
         if self.forecast_horizon_s <= 0:

@@ -443,16 +443,17 @@ class HttpProvider:
 
 
 def _retry_after_s(value: str | None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date)."""
+    """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date); ``None``
+    when absent or not a finite wait."""
     if not value:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (as_utc(when) - datetime.now(timezone.utc)).total_seconds())
+        try:
+            when = as_utc(email.utils.parsedate_to_datetime(value))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        seconds = (when - datetime.now(timezone.utc)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None

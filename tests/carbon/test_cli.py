@@ -133,8 +133,9 @@ def test_bad_usage_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     path = config(tmp_path, "  provider: constant\n")
     assert main(["carbon", "now"]) == 2  # --config is required
     assert main(["carbon"]) == 2  # an action is required
-    assert main(["carbon", "forecast", "--config", path, "--hours", "0"]) == 2
-    assert "--hours must be > 0" in capsys.readouterr().err
+    for hours in ("0", "-1", "nan", "inf", "1e9"):
+        assert main(["carbon", "forecast", "--config", path, "--hours", hours]) == 2
+        assert "--hours must be > 0 and at most 8760" in capsys.readouterr().err
 
 
 def test_verbose_5xx_with_an_echoed_token_shows_no_prefix_of_it(

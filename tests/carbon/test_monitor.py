@@ -414,3 +414,26 @@ def test_forecast_cut_where_each_interval_ends() -> None:
     ]
     clock.t += 25 * 60  # 02:45: the last one lasts its own 15 min
     assert monitor.forecast() == []
+
+
+def test_an_absurd_retry_after_holds_back_one_day_at_most() -> None:
+    clock, mono = Clock(), Monotonic()
+    provider = ScriptedProvider(clock)
+    real_latest = provider.latest
+    limited = {"on": True}
+
+    def latest() -> IntensityPoint:
+        point = real_latest()
+        if limited["on"]:
+            raise QuotaError("rate limited", retry_after_s=3e11, provider="scripted", status=429)
+        return point
+
+    provider.latest = latest  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, seed_history_s=0, clock=clock, monotonic=mono)
+    monitor.poll_now()
+    limited["on"] = False
+    mono.t += 86400 - 1
+    monitor.poll_now()
+    assert provider.latest_calls == 1
+    mono.t += 2
+    assert monitor.poll_now().status is ReadingStatus.FRESH and provider.latest_calls == 2
