@@ -230,7 +230,9 @@ class HttpProvider:
     """Base of the web providers: one session, timeouts, retries, error translation.
 
     Args:
-        base_url: the API root; each provider has a public default.
+        base_url: the API root; each provider has a public default. Credentials in it
+            (``user:password@``) are used, and shown only as ``***@`` (:attr:`base_url`,
+            reprs, errors) and scrubbed from quoted bodies.
         timeout_s: (connect, read) timeouts in seconds.
         max_retries: retries after the first attempt for 429, 5xx, timeouts and
             connection errors.
