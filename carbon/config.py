@@ -30,7 +30,7 @@ import yaml
 from carbon.errors import CarbonConfigError
 from carbon.monitor import CarbonMonitor
 from carbon.providers import electricitymaps, uk, watttime
-from carbon.providers.base import CarbonProvider, Secret
+from carbon.providers.base import CarbonProvider, Secret, redact_url
 from carbon.providers.constant import ConstantProvider
 from carbon.providers.trace import SHIPPED_TRACES, TraceProvider, load_trace
 from carbon.types import as_utc
@@ -50,6 +50,8 @@ EMISSION_FACTORS = ("direct", "lifecycle")
 FORECASTERS = ("perfect", "daily")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_KEYS = ("token_env", "username_env", "password_env")
+_NOT_SHOWN = "(not shown: it looks like a credential, not the NAME of a variable)"
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([wdhms])", re.IGNORECASE)
 _DURATION_FULL = re.compile(r"^(\s*\d+(?:\.\d+)?\s*[wdhms]\s*)+$", re.IGNORECASE)
 _ISO_DURATION = re.compile(
@@ -190,6 +192,15 @@ class CarbonConfig:
         if problems:
             raise CarbonConfigError(problems, self.source)
 
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self._shown_items())
+        return f"CarbonConfig({shown})"
+
+    def _shown_items(self) -> list[tuple[str, Any]]:
+        """Field names and values, with the credentials of ``base_url`` masked."""
+        items = [(f.name, getattr(self, f.name)) for f in fields(self)]
+        return [(k, redact_url(v) if k == "base_url" and v else v) for k, v in items]
+
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], source: str | None = None) -> CarbonConfig:
         """Build from the ``carbon:`` section of a YAML file (or any mapping).
@@ -251,18 +262,19 @@ class CarbonConfig:
     def to_mapping(self) -> dict[str, Any]:
         """The section as plain YAML data (round-trips through :meth:`from_mapping`).
 
-        Credentials never appear: only the names of the variables that hold them.
+        Credentials never appear: only the names of the variables that hold them, and
+        ``base_url`` with any ``user:password@`` masked as ``***@`` (put proxy credentials
+        in the environment, e.g. ``HTTPS_PROXY``, not in a file).
         """
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "source" or value is None:
+        for name, value in self._shown_items():
+            if name == "source" or value is None:
                 continue
             if isinstance(value, datetime):
                 value = value.isoformat()
             elif isinstance(value, timedelta):
                 value = f"{value.total_seconds():g}s"
-            out[f.name] = value
+            out[name] = value
         return out
 
     def token(self) -> Secret | None:
@@ -302,9 +314,34 @@ class CarbonConfig:
         return user, Secret(password)
 
 
+def _reads_like_env_name(value: object) -> bool:
+    """Whether a ``*_env`` value reads like a variable name rather than a pasted
+    credential: letters, digits and ``_`` in one case (``EM_TOKEN``, ``em_token``), at
+    most 64 characters and 4 digits. Only such values are ever quoted in a message."""
+    return (
+        isinstance(value, str)
+        and len(value) <= 64
+        and _ENV_NAME.match(value) is not None
+        and (value.isupper() or value.islower() or not any(ch.isalpha() for ch in value))
+        and sum(ch.isdigit() for ch in value) <= 4
+    )
+
+
+def _shown_env_name(value: object) -> str:
+    """A ``*_env`` value as quoted in messages: itself when it reads like a variable
+    name, never when it may be the credential."""
+    return repr(value) if _reads_like_env_name(value) else _NOT_SHOWN
+
+
 def _env_problem(name: str, key: str) -> str | None:
     if os.environ.get(name):
         return None
+    if not _reads_like_env_name(name):
+        return (
+            f"{key}: no environment variable of that name is set, and the value "
+            f"{_NOT_SHOWN[1:-1]}; allowed: the NAME of a variable holding the credential "
+            "(e.g. EM_TOKEN), set in the environment"
+        )
     return (
         f"{key}: the environment variable {name!r} is not set or empty; set it to the "
         "credential (its value is never printed) or name another variable"
@@ -344,16 +381,17 @@ def _validate(c: CarbonConfig) -> list[str]:
         value = getattr(c, key)
         default = next(f.default for f in fields(c) if f.name == key)
         if value != default and c.provider in PROVIDERS and c.provider not in providers:
+            shown = _shown_env_name(value) if key in _ENV_KEYS else repr(value)
             problems.append(
-                f"{key}: {value!r} is not used by provider {c.provider!r}; "
+                f"{key}: {shown} is not used by provider {c.provider!r}; "
                 f"it applies to: {', '.join(providers)}"
             )
-    for key in ("token_env", "username_env", "password_env"):
+    for key in _ENV_KEYS:
         value = getattr(c, key)
         if value is not None and not (isinstance(value, str) and _ENV_NAME.match(value)):
             problems.append(
-                f"{key}: {value!r} is not allowed; allowed: the NAME of an environment "
-                "variable (letters, digits, '_'), not the credential itself"
+                f"{key}: {_shown_env_name(value)} is not allowed; allowed: the NAME of an "
+                "environment variable (letters, digits, '_'), not the credential itself"
             )
     env_keys = {"electricitymaps": ("token_env",), "watttime": ("username_env", "password_env")}
     for key in env_keys.get(c.provider, ()) if isinstance(c.provider, str) else ():
@@ -363,9 +401,8 @@ def _validate(c: CarbonConfig) -> list[str]:
     if c.base_url is not None and not (
         isinstance(c.base_url, str) and c.base_url.startswith(("http://", "https://"))
     ):
-        problems.append(
-            f"base_url: {c.base_url!r} is not allowed; allowed: an http:// or https:// URL"
-        )
+        shown = repr(redact_url(c.base_url)) if isinstance(c.base_url, str) else repr(c.base_url)
+        problems.append(f"base_url: {shown} is not allowed; allowed: an http:// or https:// URL")
     choice("emission_factor", c.emission_factor, EMISSION_FACTORS)
     poll_ok = number("poll_interval_s", c.poll_interval_s, 0, strict=True)
     staleness_ok = number("max_staleness_s", c.max_staleness_s, 0, strict=False)

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.types import IntensityPoint, PointKind, as_utc
 
-__all__ = ["DailyProfileForecaster", "step_of"]
+__all__ = ["DailyProfileForecaster", "interval_ends_s"]
 
 _DAY_S = 86400.0
 
@@ -110,8 +110,11 @@ class DailyProfileForecaster:
     ) -> DailyProfileForecaster:
         """Like :meth:`fit`, from arrays of epoch seconds and intensities (no objects).
 
+        Each value is weighted by the time it holds (until the next time, at most one
+        slot), so a history whose resolution changes is averaged over time, not rows.
+
         Args:
-            times_s: interval start times, seconds since the Unix epoch (UTC).
+            times_s: interval start times, seconds since the Unix epoch (UTC), any order.
             values_g_per_kwh: intensities, same length.
 
         Returns:
@@ -126,14 +129,20 @@ class DailyProfileForecaster:
             raise CarbonError("times and values must be 1-D arrays of the same length")
         if times_s.size == 0:
             raise CarbonError("cannot fit a daily profile on an empty history")
-        newest = float(times_s.max())
+        order = np.argsort(times_s, kind="stable")
+        times_s, values = times_s[order], values[order]
+        # Each value stands for the time until the next one, capped at one slot: rows of
+        # mixed resolution weigh by the time they cover, and a value held across a gap
+        # counts no more than a slot.
+        weights = np.minimum(interval_ends_s(times_s, self.slot_s) - times_s, self.slot_s)
+        newest = float(times_s[-1])
         if self.window_days is not None:
             keep = times_s > newest - self.window_days * _DAY_S
-            times_s, values = times_s[keep], values[keep]
+            times_s, values, weights = times_s[keep], values[keep], weights[keep]
         slots = self._slot_of(times_s)
-        sums = np.bincount(slots, weights=values, minlength=self._n_slots).astype(np.float64)
-        counts = np.bincount(slots, minlength=self._n_slots).astype(np.float64)
-        self._profile = _fill_circular(sums, counts)
+        sums = np.bincount(slots, weights=values * weights, minlength=self._n_slots)
+        covered = np.bincount(slots, weights=weights, minlength=self._n_slots)
+        self._profile = _fill_circular(sums.astype(np.float64), covered.astype(np.float64))
         last = int(np.argmax(times_s))
         self._anchor_time_s = float(times_s[last])
         self._anchor_gap = float(values[last] - self._profile[slots[last]])
@@ -259,17 +268,30 @@ def _fill_circular(sums: FloatArray, counts: FloatArray) -> FloatArray:
     return np.interp(np.arange(n, dtype=np.float64), xs, ys)
 
 
-def step_of(points: Sequence[IntensityPoint], default_s: float = 3600.0) -> float:
-    """The typical spacing of ``points`` in seconds (median gap), or ``default_s``.
+def interval_ends_s(times_s: FloatArray, default_s: float = 3600.0) -> FloatArray:
+    """Where the interval of each value of a step series ends, row by row.
+
+    A value holds from its time until the next time, so a change of resolution (30 min
+    rows, then 15 min rows) and a gap in the data are handled at each row, with no
+    "typical period". The last value holds as long as the last positive step before it
+    (its own resolution); a series with a single distinct time holds for ``default_s``.
 
     Args:
-        points: points in any order.
-        default_s: what to return with fewer than two distinct times.
+        times_s: interval starts in epoch seconds, sorted (equal times are allowed: all
+            but the last of them end where they start).
+        default_s: the length of the last interval when there is no step to copy.
 
     Returns:
-        The median positive gap between consecutive times.
+        One end per time, in epoch seconds.
+
+    Example:
+        >>> interval_ends_s(np.array([0.0, 1800.0, 3600.0, 4500.0])).tolist()
+        [1800.0, 3600.0, 4500.0, 5400.0]
     """
-    times_s = np.unique(np.array([p.time.timestamp() for p in points], dtype=np.float64))
-    if times_s.size < 2:
-        return default_s
-    return float(np.median(np.diff(times_s)))
+    times = np.asarray(times_s, dtype=np.float64)
+    if times.size == 0:
+        return times.copy()
+    steps = np.diff(times)
+    positive = steps[steps > 0]
+    last_s = float(positive[-1]) if positive.size else float(default_s)
+    return np.append(times[1:], times[-1] + last_s)

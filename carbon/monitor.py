@@ -8,7 +8,9 @@ touches the network: it reads memory under a lock held for microseconds.
 When polls fail, the last good value is served (status ``stale``) until it is
 ``max_staleness_s`` old; then the fallback (status ``fallback``): a constant, or a daily
 profile learnt from the values seen so far. One WARNING is logged when an outage starts
-and one INFO when it ends, however many polls fail in between.
+and one INFO when it ends, however many polls fail in between. A poll still running when
+the next one is due starts an outage too (polls never overlap; those due meanwhile are
+skipped quietly), and a rate limit's ``Retry-After`` holds back every poll until then.
 
 Example:
     >>> from carbon.providers.constant import ConstantProvider
@@ -28,18 +30,22 @@ from datetime import datetime, timezone
 from types import TracebackType
 from typing import Literal
 
+import numpy as np
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from carbon.errors import CarbonConfigError
-from carbon.forecast import DailyProfileForecaster, step_of
+from carbon.errors import CarbonConfigError, QuotaError
+from carbon.forecast import DailyProfileForecaster, interval_ends_s
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint, Reading, ReadingStatus
 
 __all__ = ["CarbonMonitor"]
 
 logger = logging.getLogger(__name__)
+
+#: The longest ``Retry-After`` the monitor waits for before polling again (one day).
+MAX_HOLD_BACK_S = 86400.0
 
 
 class CarbonMonitor:
@@ -61,6 +67,8 @@ class CarbonMonitor:
         clock: seconds since the epoch; the wall clock by default, a simulated job's
             virtual clock in replays. Ages and the daily fallback use it; the polling
             cadence is wall-clock time.
+        monotonic: real seconds (``time.monotonic``) for the server's ``Retry-After``
+            and the length of a poll, which are real time even in a replay.
 
     Raises:
         CarbonConfigError: on out-of-range arguments.
@@ -77,6 +85,7 @@ class CarbonMonitor:
         history_window_s: float = 7 * 86400.0,
         seed_history_s: float = 24 * 3600.0,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         problems = []
         if not poll_interval_s > 0:
@@ -105,6 +114,7 @@ class CarbonMonitor:
         self.history_window_s = float(history_window_s)
         self.seed_history_s = float(seed_history_s)
         self._clock = clock
+        self._monotonic = monotonic
         self._lifecycle_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -116,6 +126,10 @@ class CarbonMonitor:
         self._profile: DailyProfileForecaster | None = None
         self._outage_since: float | None = None
         self._failed_polls = 0
+        self._failure_logged = False
+        self._poll_started: float | None = None
+        self._overrun_noted = False
+        self._not_before: float | None = None
         self._forecast_failing = False
         self._seeded = seed_history_s == 0
 
@@ -141,13 +155,16 @@ class CarbonMonitor:
         with self._lifecycle_lock:
             if self._scheduler is not None:
                 return self
+            # Two workers and two instances: a run due while a poll is still going finds
+            # the poll lock taken and returns at once (see _poll_job), so the scheduler
+            # never has a run to skip and log.
             scheduler = BackgroundScheduler(
                 executors={
                     "default": ThreadPoolExecutor(
-                        1, pool_kwargs={"thread_name_prefix": "carbon-monitor"}
+                        2, pool_kwargs={"thread_name_prefix": "carbon-monitor"}
                     )
                 },
-                job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+                job_defaults={"coalesce": True, "max_instances": 2, "misfire_grace_time": None},
                 timezone=timezone.utc,
             )
             scheduler.add_job(
@@ -217,14 +234,18 @@ class CarbonMonitor:
         )
 
     def forecast(self) -> list[IntensityPoint]:
-        """The last forecast fetched, without the intervals already over (oldest first)."""
+        """The last forecast fetched, without the intervals already over (oldest first).
+
+        Each point's interval ends where the next one starts (the last lasts as long as
+        the step before it), so forecasts whose resolution changes are cut correctly.
+        """
         now_s = self._clock()
         with self._state_lock:
-            points = list(self._forecast)
+            points = sorted(self._forecast, key=lambda p: p.time)
         if not points:
             return []
-        step_s = step_of(points)
-        return [p for p in points if p.time.timestamp() + step_s > now_s]
+        ends_s = interval_ends_s(np.array([p.time.timestamp() for p in points]))
+        return [p for p, end_s in zip(points, ends_s, strict=True) if end_s > now_s]
 
     def history(self) -> list[IntensityPoint]:
         """The values seen so far (and the seeded history), oldest first, within
@@ -249,67 +270,148 @@ class CarbonMonitor:
         return self.latest()
 
     def _poll_job(self) -> None:
+        if not self._poll_lock.acquire(blocking=False):
+            self._note_overrun()
+            return
         try:
-            self._poll()
+            self._poll_locked()
         except Exception:  # never let a bug kill the background job silently
             logger.exception("carbon monitor: unexpected error while polling")
+        finally:
+            self._poll_lock.release()
 
     def _poll(self) -> None:
         with self._poll_lock:
-            try:
-                point = self.provider.latest()
-            except Exception as exc:
-                self._record_failure(exc)
-                return
-            forecast = self._fetch_forecast()
-            seeded = self._fetch_seed()
-            now_s = self._clock()
-            with self._state_lock:
-                recovered_after = self._outage_since
-                failed, self._failed_polls = self._failed_polls, 0
-                self._outage_since = None
-                self._last_good, self._last_good_at = point, now_s
-                if forecast is not None:
-                    self._forecast = forecast
-                for p in [*seeded, point]:
-                    self._history[p.time] = p
-                self._trim_history(point.time.timestamp())
-                self._profile = None
-            if recovered_after is not None:
-                logger.info(
-                    "carbon intensity from %s available again after %.0f s (%d failed polls): "
-                    "%.1f gCO2eq/kWh",
+            self._poll_locked()
+
+    def _poll_locked(self) -> None:
+        if self._not_before is not None:
+            wait_s = self._not_before - self._monotonic()
+            if wait_s > 0:
+                logger.debug(
+                    "not polling %s: the server asked to wait %.0f s more (Retry-After)",
                     self.provider.name,
-                    now_s - recovered_after,
-                    failed,
-                    point.intensity_g_per_kwh,
+                    wait_s,
                 )
+                return
+            self._not_before = None
+        with self._state_lock:
+            self._poll_started = self._monotonic()
+        try:
+            self._poll_provider()
+        finally:
+            with self._state_lock:
+                self._poll_started = None
+                self._overrun_noted = False
+
+    def _note_overrun(self) -> None:
+        """A run came due while a poll is still going: start an outage (one WARNING)."""
+        now_s = self._clock()
+        with self._state_lock:
+            started = self._poll_started
+            if started is None:  # the poll lock is held by poll_now() between polls
+                return
+            running_s = self._monotonic() - started
+            first = not self._overrun_noted
+            self._overrun_noted = True
+            starting = first and self._outage_since is None
+            if starting:
+                self._outage_since = now_s
+            last = self._last_good
+        if not starting:
+            logger.debug(
+                "carbon intensity poll of %s still waiting for an answer after %.0f s",
+                self.provider.name,
+                running_s,
+            )
+            return
+        logger.warning(
+            "carbon intensity from %s: no answer after %.0f s, longer than poll_interval_s "
+            "(%g s); the next polls wait for this one (still waiting); %s",
+            self.provider.name,
+            running_s,
+            self.poll_interval_s,
+            self._what_is_served(last),
+        )
+
+    def _poll_provider(self) -> None:
+        try:
+            point = self.provider.latest()
+        except Exception as exc:
+            self._record_failure(exc)
+            return
+        forecast = self._fetch_forecast()
+        seeded = self._fetch_seed()
+        now_s = self._clock()
+        with self._state_lock:
+            recovered_after = self._outage_since
+            failed, self._failed_polls = self._failed_polls, 0
+            self._outage_since = None
+            self._failure_logged = False
+            self._last_good, self._last_good_at = point, now_s
+            if forecast is not None:
+                self._forecast = forecast
+            for p in [*seeded, point]:
+                self._history[p.time] = p
+            self._trim_history(point.time.timestamp())
+            self._profile = None
+        if recovered_after is not None:
+            logger.info(
+                "carbon intensity from %s available again after %.0f s (%d failed polls): "
+                "%.1f gCO2eq/kWh",
+                self.provider.name,
+                now_s - recovered_after,
+                failed,
+                point.intensity_g_per_kwh,
+            )
 
     def _record_failure(self, exc: Exception) -> None:
+        self._hold_back(exc)
         now_s = self._clock()
         with self._state_lock:
             starting = self._outage_since is None
             if starting:
                 self._outage_since = now_s
             self._failed_polls += 1
+            first_reason = not self._failure_logged
+            self._failure_logged = True
             last = self._last_good
-        if not starting:
+        if starting:
+            wait = ""
+            if isinstance(exc, QuotaError) and exc.retry_after_s:
+                hold_s = min(exc.retry_after_s, MAX_HOLD_BACK_S)
+                wait = f"not polling again for {hold_s:.0f} s (Retry-After); "
+            logger.warning(
+                "carbon intensity from %s unavailable (%s: %s); %s%s",
+                self.provider.name,
+                type(exc).__name__,
+                exc,
+                wait,
+                self._what_is_served(last),
+            )
+        elif first_reason:  # an outage that began with a poll outlasting its interval
+            logger.info(
+                "carbon intensity poll of %s failed (%s: %s)",
+                self.provider.name,
+                type(exc).__name__,
+                exc,
+            )
+        else:
             logger.debug("carbon intensity poll failed again: %s", exc)
-            return
+
+    def _what_is_served(self, last: IntensityPoint | None) -> str:
         if last is not None:
-            then = (
+            return (
                 f"keeping the last value ({last.intensity_g_per_kwh:.1f} gCO2eq/kWh) for up "
                 f"to {self.max_staleness_s:.0f} s, then the {self.fallback} fallback"
             )
-        else:
-            then = f"using the {self.fallback} fallback"
-        logger.warning(
-            "carbon intensity from %s unavailable (%s: %s); %s",
-            self.provider.name,
-            type(exc).__name__,
-            exc,
-            then,
-        )
+        return f"using the {self.fallback} fallback"
+
+    def _hold_back(self, exc: Exception) -> None:
+        """Remember a rate limit's ``Retry-After``: no poll before it is over (at most
+        :data:`MAX_HOLD_BACK_S`, so a server's absurd date cannot stop polling)."""
+        if isinstance(exc, QuotaError) and exc.retry_after_s:
+            self._not_before = self._monotonic() + min(exc.retry_after_s, MAX_HOLD_BACK_S)
 
     def _fetch_forecast(self) -> list[IntensityPoint] | None:
         if self.forecast_horizon_s <= 0:
@@ -317,6 +419,7 @@ class CarbonMonitor:
         try:
             points = self.provider.forecast(self.forecast_horizon_s)
         except Exception as exc:
+            self._hold_back(exc)
             if not self._forecast_failing:
                 self._forecast_failing = True
                 logger.warning(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
@@ -37,12 +39,25 @@ from carbon.errors import (
 )
 from carbon.types import IntensityPoint, as_utc
 
-__all__ = ["CarbonProvider", "HttpProvider", "Secret", "parse_time"]
+__all__ = [
+    "CarbonProvider",
+    "HttpProvider",
+    "Secret",
+    "parse_intensity",
+    "parse_time",
+    "redact_url",
+    "scrub_excerpt",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Default (connect, read) timeouts in seconds.
 DEFAULT_TIMEOUT_S: tuple[float, float] = (3.05, 10.0)
+
+#: The longest excerpt of a response body quoted in an error or a log record.
+BODY_EXCERPT_CHARS = 200
+
+_URL_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>.*)@")
 
 
 @runtime_checkable
@@ -105,6 +120,90 @@ class Secret:
         raise TypeError("a Secret cannot be pickled")
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its credentials (``user:password@``) replaced by ``***@``.
+
+    Everything between the scheme and the last ``@`` is masked, so a password holding
+    ``/``, ``:`` or ``#`` is masked too. URLs are shown only through this function.
+
+    Args:
+        url: an API root such as ``"https://user:pass@proxy.example:8080/v3"``.
+
+    Returns:
+        The URL safe to show (``"https://***@proxy.example:8080/v3"``).
+
+    Example:
+        >>> redact_url("https://alice:s3cret@proxy:8080/v3")
+        'https://***@proxy:8080/v3'
+        >>> redact_url("https://api.example/v3")
+        'https://api.example/v3'
+    """
+    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme') or ''}***@", url, count=1)
+
+
+def url_secrets(url: str) -> list[Secret]:
+    """The credentials held in a URL's ``user:password@`` part (empty when none)."""
+    match = _URL_USERINFO.match(url)
+    if match is None:
+        return []
+    userinfo = match.group("userinfo")
+    parts = [userinfo, *userinfo.split(":", 1)]
+    return [Secret(p) for p in dict.fromkeys(parts) if p]
+
+
+def scrub_excerpt(text: str, secrets: list[Secret], limit: int = BODY_EXCERPT_CHARS) -> str:
+    """A short, single-line excerpt of ``text`` with every secret replaced by ``***``.
+
+    The secrets are removed from the whole text *before* it is shortened, so a secret cut
+    by the limit cannot leave a prefix behind. Every response body shown (error messages,
+    log records) goes through this function.
+
+    Args:
+        text: e.g. a response body.
+        secrets: the credentials to remove (longest first is not required).
+        limit: the most characters kept; a longer excerpt ends with ``...``.
+
+    Returns:
+        The excerpt.
+
+    Example:
+        >>> scrub_excerpt("bad token tok-123 " + "x" * 300, [Secret("tok-123")], 20)
+        'bad token *** xxx...'
+    """
+    for value in sorted((s.reveal() for s in secrets), key=len, reverse=True):
+        if value:
+            text = text.replace(value, "***")
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_intensity(value: object, factor: float = 1.0) -> float:
+    """A carbon intensity from a JSON value, checked to be a finite number >= 0.
+
+    Args:
+        value: the value as decoded from JSON (a number, or a number in a string).
+        factor: the conversion to gCO2eq/kWh (e.g. from lbs/MWh).
+
+    Returns:
+        gCO2eq/kWh.
+
+    Raises:
+        ValueError: if the value is not a number (booleans are not), is negative, NaN
+            or infinite. The message does not quote a string value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"the intensity is not a number but {type(value).__name__}")
+    try:
+        number = float(value) * factor
+    except OverflowError:
+        raise ValueError("the intensity is too large to be a number") from None
+    except ValueError:
+        raise ValueError("the intensity is not a number") from None
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"the intensity {number!r} gCO2eq/kWh is not a finite number >= 0")
+    return number
+
+
 def parse_time(text: str) -> datetime:
     """Parse an ISO 8601 time as sent by the APIs (``Z``, offsets, or naive meaning UTC).
 
@@ -116,19 +215,24 @@ def parse_time(text: str) -> datetime:
         A timezone-aware UTC datetime.
 
     Raises:
-        ValueError: if the text is not a time.
+        ValueError: if the text is not a time, or not one a UTC datetime can hold.
     """
     text = text.strip()
     if text.endswith(("Z", "z")):
         text = text[:-1] + "+00:00"
-    return as_utc(datetime.fromisoformat(text))
+    try:
+        return as_utc(datetime.fromisoformat(text))
+    except OverflowError:
+        raise ValueError("the time is out of the range of UTC datetimes") from None
 
 
 class HttpProvider:
     """Base of the web providers: one session, timeouts, retries, error translation.
 
     Args:
-        base_url: the API root; each provider has a public default.
+        base_url: the API root; each provider has a public default. Credentials in it
+            (``user:password@``) are used, and shown only as ``***@`` (:attr:`base_url`,
+            reprs, errors) and scrubbed from quoted bodies.
         timeout_s: (connect, read) timeouts in seconds.
         max_retries: retries after the first attempt for 429, 5xx, timeouts and
             connection errors.
@@ -159,7 +263,11 @@ class HttpProvider:
     ) -> None:
         if max_retries < 0:
             raise CarbonConfigError(f"max_retries must be >= 0; got {max_retries!r}")
-        self.base_url = (base_url or self.default_base_url).rstrip("/")
+        root = (base_url or self.default_base_url).rstrip("/")
+        self._root = Secret(root)
+        self._url_credentials = url_secrets(root)
+        #: The API root as shown in messages and reprs (credentials masked).
+        self.base_url = redact_url(root)
         self.timeout_s = (float(timeout_s[0]), float(timeout_s[1]))
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -194,15 +302,12 @@ class HttpProvider:
         self.close()
 
     def _secrets(self) -> list[Secret]:
-        """The credentials to scrub from any text that leaves this object."""
-        return []
+        """The credentials to scrub from any text that leaves this object (providers add
+        theirs to those of ``base_url``)."""
+        return list(self._url_credentials)
 
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets():
-            value = secret.reveal()
-            if value:
-                text = text.replace(value, "***")
-        return text
+    def _scrub(self, text: str, limit: int = BODY_EXCERPT_CHARS) -> str:
+        return scrub_excerpt(text, self._secrets(), limit)
 
     def _request_json(
         self,
@@ -218,7 +323,7 @@ class HttpProvider:
         Raises:
             ProviderError: a subclass describing the failure (see :mod:`carbon.errors`).
         """
-        url = f"{self.base_url}{path}"
+        url = f"{self._root.reveal()}{path}"
         attempts = self.max_retries + 1
         for attempt in range(attempts):
             last = attempt == attempts - 1
@@ -273,6 +378,7 @@ class HttpProvider:
                     )
                     if last:
                         raise failure
+                    logger.debug("%s %s: %s; retrying", self.name, operation, failure)
                     self._sleep(self._backoff(attempt))
                     continue
                 if not 200 <= response.status_code < 300:
@@ -290,7 +396,7 @@ class HttpProvider:
     def _decode(self, response: requests.Response, operation: str) -> Any:
         try:
             return response.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise BadResponseError(
                 "the response body is not valid JSON",
                 provider=self.name,
@@ -299,17 +405,17 @@ class HttpProvider:
             ) from exc
 
     def _body_message(self, response: requests.Response) -> str:
-        """A short, scrubbed description of an error body."""
+        """A short description of an error body, scrubbed of every credential before it
+        is shortened."""
         try:
             body = response.json()
-        except ValueError:
-            text = " ".join(response.text.split())
-            return self._scrub(text[:200]) or response.reason or "no details"
+        except (ValueError, RecursionError):
+            return self._scrub(response.text) or self._scrub(response.reason or "") or "no details"
         if isinstance(body, dict):
             parts = [str(body[k]) for k in ("error", "message", "detail") if body.get(k)]
             if parts:
-                return self._scrub("; ".join(parts)[:300])
-        return self._scrub(str(body)[:200])
+                return self._scrub("; ".join(parts))
+        return self._scrub(response.text)
 
     def _error_for(self, response: requests.Response, operation: str) -> ProviderError:
         """Translate a 3xx/4xx answer; providers refine 403 and 404."""
@@ -329,20 +435,27 @@ class HttpProvider:
         return BadResponseError(f"request refused: {message}", **kwargs)
 
     def _bad(self, message: str, operation: str) -> BadResponseError:
-        return BadResponseError(message, provider=self.name, operation=operation)
+        """A :class:`BadResponseError` whose message (which may quote the body) is
+        scrubbed of every credential."""
+        return BadResponseError(self._scrub(message, 400), provider=self.name, operation=operation)
+
+    def _no_data(self, message: str, operation: str) -> NoDataError:
+        """A :class:`NoDataError` whose message (which may quote the body) is scrubbed."""
+        return NoDataError(self._scrub(message, 400), provider=self.name, operation=operation)
 
 
 def _retry_after_s(value: str | None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date)."""
+    """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date); ``None``
+    when absent or not a finite wait."""
     if not value:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (as_utc(when) - datetime.now(timezone.utc)).total_seconds())
+        try:
+            when = as_utc(email.utils.parsedate_to_datetime(value))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        seconds = (when - datetime.now(timezone.utc)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import requests
 
-from carbon.errors import CarbonConfigError, NoDataError, ProviderError, RegionNotInPlanError
-from carbon.providers.base import HttpProvider, Secret, parse_time
+from carbon.errors import CarbonConfigError, ProviderError, RegionNotInPlanError
+from carbon.providers.base import HttpProvider, Secret, parse_intensity, parse_time
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = ["ElectricityMapsProvider", "parse_lat_lon", "validate_zone"]
@@ -114,7 +114,7 @@ class ElectricityMapsProvider(HttpProvider):
         )
 
     def _secrets(self) -> list[Secret]:
-        return [self._token]
+        return [*super()._secrets(), self._token]
 
     def latest(self) -> IntensityPoint:
         """The latest value (``carbon-intensity/latest``).
@@ -128,11 +128,7 @@ class ElectricityMapsProvider(HttpProvider):
             raise self._bad("latest: expected a JSON object", "latest")
         point = self._point(body, "latest", PointKind.MEASURED)
         if point is None:
-            raise NoDataError(
-                f"no recent carbon intensity for {self._region!r}",
-                provider=self.name,
-                operation="latest",
-            )
+            raise self._no_data(f"no recent carbon intensity for {self._region!r}", "latest")
         return point
 
     def history(self, start: datetime, end: datetime) -> list[IntensityPoint]:
@@ -209,11 +205,7 @@ class ElectricityMapsProvider(HttpProvider):
         points = [self._point(item, operation, kind) for item in body[key]]
         found = [p for p in points if p is not None]
         if not found:
-            raise NoDataError(
-                f"no {operation} data for {self._region!r}",
-                provider=self.name,
-                operation=operation,
-            )
+            raise self._no_data(f"no {operation} data for {self._region!r}", operation)
         return sorted(found, key=lambda p: p.time)
 
     def _point(self, item: Any, operation: str, kind: PointKind) -> IntensityPoint | None:
@@ -229,8 +221,8 @@ class ElectricityMapsProvider(HttpProvider):
             return None
         try:
             time = parse_time(str(item["datetime"]))
-            intensity = float(value)
-        except (KeyError, TypeError, ValueError) as exc:
+            intensity = parse_intensity(value)
+        except (KeyError, ValueError) as exc:
             raise self._bad(f"{operation}: malformed record ({exc})", operation) from exc
         if kind is PointKind.MEASURED and item.get("isEstimated"):
             kind = PointKind.ESTIMATED

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from carbon.errors import CarbonConfigError, NoDataError, TraceError
-from carbon.forecast import DailyProfileForecaster
+from carbon.forecast import DailyProfileForecaster, interval_ends_s
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = [
@@ -102,10 +102,14 @@ def shipped_trace_path(name: str) -> Path:
 
 @dataclass(frozen=True)
 class TraceSeries:
-    """A carbon-intensity time series, sorted by time, with a regular step.
+    """A carbon-intensity time series, sorted by time; the step may change and rows may
+    be missing.
 
-    Each value holds from its time until the next one (step/hold); the last one holds for
-    one period.
+    Each value holds from its time until the next row (step/hold), so a change of
+    resolution (30 min rows, then 15 min rows) is followed row by row and a gap in the
+    data holds the last value until data resumes (:meth:`gaps` lists them); the last row
+    holds for its own step (the distance from the row before it). Nothing assumes a
+    "typical" period.
 
     Attributes:
         times_s: interval starts, seconds since the Unix epoch (UTC), strictly increasing.
@@ -145,18 +149,37 @@ class TraceSeries:
 
     @cached_property
     def period_s(self) -> float:
-        """The typical step between rows in seconds (the median gap)."""
+        """The most common kind of step between rows in seconds (the median), for
+        display only: every computation uses each row's own interval (:attr:`ends_s`)."""
         return float(np.median(np.diff(self.times_s)))
+
+    @cached_property
+    def ends_s(self) -> FloatArray:
+        """Where each row's interval ends (epoch seconds): at the next row; the last row
+        after its own step."""
+        ends = interval_ends_s(self.times_s)
+        ends.setflags(write=False)
+        return ends
+
+    @property
+    def start_s(self) -> float:
+        """The start of the first interval, epoch seconds."""
+        return float(self.times_s[0])
+
+    @property
+    def end_s(self) -> float:
+        """The end of the last interval, epoch seconds: the first time with no data."""
+        return float(self.ends_s[-1])
 
     @property
     def start(self) -> datetime:
         """The start of the first interval (UTC)."""
-        return datetime.fromtimestamp(float(self.times_s[0]), tz=timezone.utc)
+        return datetime.fromtimestamp(self.start_s, tz=timezone.utc)
 
     @property
     def end(self) -> datetime:
-        """The end of the last interval (its start plus one period), UTC."""
-        return datetime.fromtimestamp(float(self.times_s[-1]) + self.period_s, tz=timezone.utc)
+        """The end of the last interval (UTC): :attr:`end_s` as a datetime."""
+        return datetime.fromtimestamp(self.end_s, tz=timezone.utc)
 
     def __len__(self) -> int:
         return int(self.times_s.size)
@@ -167,13 +190,92 @@ class TraceSeries:
         Raises:
             NoDataError: if ``t_s`` is outside ``[start, end)``.
         """
-        if not self.times_s[0] <= t_s < self.times_s[-1] + self.period_s:
-            raise NoDataError(
-                f"{datetime.fromtimestamp(t_s, tz=timezone.utc).isoformat()} is outside the "
-                f"trace {self.name!r} ({self.start.isoformat()} .. {self.end.isoformat()})",
-                provider="trace",
-            )
+        if not self.start_s <= t_s < self.end_s:
+            raise self._outside(t_s)
         return int(np.searchsorted(self.times_s, t_s, side="right")) - 1
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """The rows held across missing data: ``(start_s, end_s)`` of each interval
+        longer than the steps on both sides of it (the first and last compare with their
+        one neighbour). A change of resolution is not a gap; a lone row between two
+        equally long gaps is not told apart from a coarser resolution.
+
+        Returns:
+            The held intervals, oldest first (empty for a gap-free trace).
+        """
+        steps = np.diff(self.times_s)
+        if steps.size < 2:
+            return []
+        before = np.concatenate([[0.0], steps[:-1]])
+        after = np.concatenate([steps[1:], [0.0]])
+        held = np.flatnonzero((steps > before) & (steps > after))
+        return [(float(self.times_s[i]), float(self.times_s[i + 1])) for i in held]
+
+    def integral_g_s_per_kwh(self, start_s: float, end_s: float) -> float:
+        """The intensity integrated over ``[start_s, end_s)``, row by row, in
+        gCO2eq/kWh x s: divide by the duration for the mean intensity, or multiply by a
+        constant power in W and divide by 3.6e6 J/kWh for grams.
+
+        Args:
+            start_s: epoch seconds, inside the trace.
+            end_s: epoch seconds, at most :attr:`end_s`; 0 when ``end_s <= start_s``.
+
+        Raises:
+            NoDataError: if the range leaves ``[start, end]``.
+        """
+        if end_s <= start_s:
+            return 0.0
+        self._check_range(start_s, end_s)
+        return self._integral_to(end_s) - self._integral_to(start_s)
+
+    def segments(self, start_s: float, end_s: float) -> tuple[FloatArray, FloatArray]:
+        """The intensities and durations of the rows overlapping ``[start_s, end_s)``,
+        the first and last clipped to the range (the input of a planner that works
+        interval by interval, such as :func:`carbon.planning.plan_steps`).
+
+        Args:
+            start_s: epoch seconds, inside the trace.
+            end_s: epoch seconds, at most :attr:`end_s`.
+
+        Returns:
+            ``(intensities_g_per_kwh, durations_s)``; empty when ``end_s <= start_s``.
+
+        Raises:
+            NoDataError: if the range leaves ``[start, end]``.
+        """
+        if end_s <= start_s:
+            return np.zeros(0), np.zeros(0)
+        self._check_range(start_s, end_s)
+        first = self.index_at(start_s)
+        last = int(np.searchsorted(self.times_s, end_s, side="left")) - 1
+        edges = np.concatenate([[start_s], self.times_s[first + 1 : last + 1], [end_s]])
+        return self.values_g_per_kwh[first : last + 1].copy(), np.diff(edges)
+
+    @cached_property
+    def _cumulative(self) -> FloatArray:
+        """The integral from the start to each row's start."""
+        spans = self.ends_s - self.times_s
+        return np.concatenate([[0.0], np.cumsum(self.values_g_per_kwh * spans)])
+
+    def _integral_to(self, t_s: float) -> float:
+        k = min(int(np.searchsorted(self.times_s, t_s, side="right")) - 1, len(self) - 1)
+        return float(self._cumulative[k] + self.values_g_per_kwh[k] * (t_s - self.times_s[k]))
+
+    def _check_range(self, start_s: float, end_s: float) -> None:
+        for t_s in (start_s, end_s):
+            if not self.start_s <= t_s <= self.end_s:
+                raise self._outside(t_s)
+
+    def _outside(self, t_s: float) -> NoDataError:
+        try:
+            when = datetime.fromtimestamp(t_s, tz=timezone.utc).isoformat()
+        except (OverflowError, OSError, ValueError):
+            when = f"{t_s!r} s after the epoch"
+        return NoDataError(
+            f"{when} is outside the trace {self.name!r} "
+            f"({self.start.isoformat()} .. {self.end.isoformat()})",
+            provider="trace",
+        )
 
     def at(self, t: datetime) -> float:
         """The intensity of the interval containing ``t``.
@@ -354,7 +456,7 @@ class TraceProvider:
         self.forecaster = forecaster
         self._now = now
         self._fixed_now: datetime | None = None
-        duration_s = float(series.times_s[-1]) + series.period_s - float(series.times_s[0])
+        duration_s = series.end_s - series.start_s
         whole_days_s = math.floor(duration_s / _DAY_S) * _DAY_S
         self.wrap_period_s = whole_days_s if whole_days_s > 0 else duration_s
 
@@ -433,28 +535,50 @@ class TraceProvider:
             for p, v in zip(points, predicted, strict=True)
         ]
 
-    def _wrap(self, times_s: FloatArray) -> FloatArray:
-        """Map caller times into the trace (identity inside it)."""
-        origin = float(self.series.times_s[0])
-        end = float(self.series.times_s[-1]) + self.series.period_s
-        inside = (times_s >= origin) & (times_s < end)
-        return np.where(inside, times_s, origin + np.mod(times_s - origin, self.wrap_period_s))
+    def _region(self, t_s: float) -> tuple[float, float]:
+        """How a caller time maps into the trace: ``(offset_s, region_end_s)``.
+
+        Inside the trace the offset is 0; outside it is a whole number of wrap periods,
+        and the caller time ``t_s`` reads the trace at ``t_s - offset_s`` until
+        ``region_end_s`` (caller frame), where the mapping changes.
+        """
+        series = self.series
+        if series.start_s <= t_s < series.end_s:
+            return 0.0, series.end_s
+        k = math.floor((t_s - series.start_s) / self.wrap_period_s)
+        if series.start_s + (k + 1) * self.wrap_period_s <= t_s:  # rounding at a boundary
+            k += 1
+        offset_s = k * self.wrap_period_s
+        return offset_s, series.start_s + offset_s + self.wrap_period_s
 
     def _points(
         self, start_s: float, end_s: float, kind: PointKind, include_end: bool = False
     ) -> list[IntensityPoint]:
         """Points of the intervals from the one containing ``start_s`` to those starting
-        before ``end_s`` (or at it, with ``include_end``), in the caller's time frame."""
+        before ``end_s`` (or at it, with ``include_end``), in the caller's time frame.
+
+        Rows are followed one by one, whatever their spacing; where the mapping into the
+        trace changes (wrapping past its end), a point starts at the caller time of the
+        change.
+        """
         series = self.series
-        period = series.period_s
-        wrapped_start = float(self._wrap(np.array([start_s]))[0])
-        first_s = start_s - (wrapped_start - float(series.times_s[series.index_at(wrapped_start)]))
-        if include_end:
-            count = math.floor((end_s - first_s) / period + 1e-9) + 1
-        else:
-            count = max(1, math.ceil((end_s - first_s) / period - 1e-9))
-        times_s = first_s + period * np.arange(count, dtype=np.float64)
-        indices = np.searchsorted(series.times_s, self._wrap(times_s), side="right") - 1
-        return [
-            series._point(int(i), float(t), kind) for i, t in zip(indices, times_s, strict=True)
-        ]
+        side: Literal["left", "right"] = "right" if include_end else "left"
+        points: list[IntensityPoint] = []
+        t_s = start_s
+        while True:
+            offset_s, region_end_s = self._region(t_s)
+            local_s = t_s - offset_s
+            row = int(np.searchsorted(series.times_s, local_s, side="right")) - 1
+            row = min(max(row, 0), len(series) - 1)
+            lead_s = float(series.times_s[row]) + offset_s if not points else t_s
+            points.append(series._point(row, lead_s, kind))
+            if region_end_s > end_s:
+                stop = int(np.searchsorted(series.times_s, end_s - offset_s, side=side))
+            else:
+                stop = int(np.searchsorted(series.times_s, region_end_s - offset_s, side="left"))
+            for i in range(row + 1, stop):
+                points.append(series._point(i, float(series.times_s[i]) + offset_s, kind))
+            beyond = region_end_s > end_s or (region_end_s == end_s and not include_end)
+            if beyond:
+                return points
+            t_s = region_end_s

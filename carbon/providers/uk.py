@@ -20,8 +20,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from carbon.errors import CarbonConfigError, NoDataError
-from carbon.providers.base import HttpProvider, parse_time
+from carbon.errors import CarbonConfigError
+from carbon.providers.base import HttpProvider, parse_intensity, parse_time
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = ["UK_REGIONS", "UKCarbonIntensityProvider", "validate_region"]
@@ -199,17 +199,13 @@ class UKCarbonIntensityProvider(HttpProvider):
                     continue
                 points.append(
                     IntensityPoint(
-                        parse_time(str(record["from"])), float(value), point_kind, source
+                        parse_time(str(record["from"])), parse_intensity(value), point_kind, source
                     )
                 )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise self._bad(f"{operation}: malformed half hour ({exc})", operation) from exc
         if not points:
-            raise NoDataError(
-                f"no {operation} data for {self._region!r}",
-                provider=self.name,
-                operation=operation,
-            )
+            raise self._no_data(f"no {operation} data for {self._region!r}", operation)
         return sorted(points, key=lambda p: p.time)
 
 

@@ -14,6 +14,7 @@ endpoints answer 403, which is raised as :class:`~carbon.errors.RegionNotInPlanE
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 import time
@@ -25,13 +26,12 @@ import requests
 
 from carbon.errors import (
     AuthError,
-    BadResponseError,
     CarbonConfigError,
     NoDataError,
     ProviderError,
     RegionNotInPlanError,
 )
-from carbon.providers.base import HttpProvider, Secret, parse_time
+from carbon.providers.base import HttpProvider, Secret, parse_intensity, parse_time
 from carbon.providers.electricitymaps import parse_lat_lon
 from carbon.types import IntensityPoint, PointKind, as_utc
 
@@ -122,7 +122,9 @@ class WattTimeProvider(HttpProvider):
         )
 
     def _secrets(self) -> list[Secret]:
-        return [self._password] + ([self._token] if self._token is not None else [])
+        basic = base64.b64encode(f"{self._username}:{self._password.reveal()}".encode()).decode()
+        token = [self._token] if self._token is not None else []
+        return [*super()._secrets(), self._password, Secret(basic), *token]
 
     def grid_region(self) -> str:
         """The WattTime region abbreviation (resolving ``"lat,lon"`` on first use).
@@ -217,9 +219,12 @@ class WattTimeProvider(HttpProvider):
         if not data:
             raise NoDataError("no signal index", provider=self.name, operation="signal-index")
         try:
-            return parse_time(str(data[0]["point_time"])), float(data[0]["value"])
-        except (KeyError, TypeError, ValueError) as exc:
+            when, value = parse_time(str(data[0]["point_time"])), float(data[0]["value"])
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise self._bad(f"signal-index: malformed record ({exc})", "signal-index") from exc
+        if not 0.0 <= value <= 100.0:
+            raise self._bad(f"signal-index: {value!r} is not a percentile 0-100", "signal-index")
+        return when, value
 
     def _forecast_points(self, horizon_hours: int | None) -> list[IntensityPoint]:
         params = {"region": self.grid_region(), "signal_type": self.signal_type}
@@ -237,20 +242,19 @@ class WattTimeProvider(HttpProvider):
         units = str(meta.get("units", "lbs_co2_per_mwh"))
         factor = _UNITS_TO_G_PER_KWH.get(units)
         if factor is None:
-            raise BadResponseError(
+            raise self._bad(
                 f"{operation}: values are in {units!r}, not an emission rate; "
                 f"allowed: {', '.join(_UNITS_TO_G_PER_KWH)}",
-                provider=self.name,
-                operation=operation,
+                operation,
             )
-        records = body["data"]
-        if records and isinstance(records[0], dict) and "forecast" in records[0]:
-            # Forecast-history shape: one entry per generation time; use the newest.
-            newest = max(records, key=lambda r: str(r.get("generated_at", "")))
-            records = newest.get("forecast") or []
         region = str(meta.get("region") or self._resolved_region or self._region)
         points = []
         try:
+            records = body["data"]
+            if records and isinstance(records[0], dict) and "forecast" in records[0]:
+                # Forecast-history shape: one entry per generation time; use the newest.
+                newest = max(records, key=lambda r: str(r.get("generated_at", "")))
+                records = newest.get("forecast") or []
             for record in records:
                 point_kind = kind
                 if kind is PointKind.MEASURED and record.get("imputed_data_used"):
@@ -258,7 +262,7 @@ class WattTimeProvider(HttpProvider):
                 points.append(
                     IntensityPoint(
                         parse_time(str(record["point_time"])),
-                        float(record["value"]) * factor,
+                        parse_intensity(record["value"], factor),
                         point_kind,
                         f"{self.name}:{region}",
                     )
@@ -266,9 +270,7 @@ class WattTimeProvider(HttpProvider):
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise self._bad(f"{operation}: malformed record ({exc})", operation) from exc
         if not points:
-            raise NoDataError(
-                f"no {operation} data for {region!r}", provider=self.name, operation=operation
-            )
+            raise self._no_data(f"no {operation} data for {region!r}", operation)
         return sorted(points, key=lambda p: p.time)
 
     def _login(self) -> Secret:

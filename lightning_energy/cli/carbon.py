@@ -28,6 +28,7 @@ __all__ = ["register"]
 _EXIT_OK = 0
 _EXIT_FAILURE = 1
 _EXIT_USAGE = 2
+_MAX_FORECAST_HOURS = 8760
 
 
 def register(subparsers: Any) -> None:
@@ -62,8 +63,12 @@ def handle(args: argparse.Namespace) -> int:
     """Run ``carbon now`` or ``carbon forecast``; returns the exit code."""
     if getattr(args, "carbon_verbose", False):
         logging.getLogger().setLevel(logging.DEBUG)
-    if args.carbon_action == "forecast" and not args.hours > 0:
-        print(f"error: --hours must be > 0; got {args.hours:g}", file=sys.stderr)
+    if args.carbon_action == "forecast" and not 0 < args.hours <= _MAX_FORECAST_HOURS:
+        print(
+            f"error: --hours must be > 0 and at most {_MAX_FORECAST_HOURS} (a year); "
+            f"got {args.hours:g}",
+            file=sys.stderr,
+        )
         return _EXIT_USAGE
     try:
         config = load_carbon_config(args.config)

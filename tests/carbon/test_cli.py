@@ -135,5 +135,32 @@ def test_bad_usage_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     path = config(tmp_path, "  provider: constant\n")
     assert main(["carbon", "now"]) == 2  # --config is required
     assert main(["carbon"]) == 2  # an action is required
-    assert main(["carbon", "forecast", "--config", path, "--hours", "0"]) == 2
-    assert "--hours must be > 0" in capsys.readouterr().err
+    for hours in ("0", "-1", "nan", "inf", "1e9"):
+        assert main(["carbon", "forecast", "--config", path, "--hours", hours]) == 2
+        assert "--hours must be > 0 and at most 8760" in capsys.readouterr().err
+
+
+def test_verbose_5xx_with_an_echoed_token_shows_no_prefix_of_it(
+    tmp_path: Path,
+    api_server: ApiServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain-text 502 page quoting the token where the excerpt is cut."""
+    monkeypatch.setenv("EM_TOKEN_FOR_TEST", TOKEN)
+    body = ("Bad gateway. " * 15)[:190] + TOKEN + " upstream said no" * 20
+    api_server.route(
+        "/v3/carbon-intensity/latest", Reply(502, body.encode(), {"Content-Type": "text/plain"})
+    )
+    path = config(
+        tmp_path,
+        "  provider: electricitymaps\n  region: DE\n  token_env: EM_TOKEN_FOR_TEST\n"
+        f"  base_url: http://user:proxy-PW-PLANTED@{api_server.url.split('//')[1]}/v3\n",
+    )
+    caplog.set_level(logging.DEBUG)
+    assert main(["carbon", "now", "--config", path, "--verbose"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: electricitymaps: server error: Bad gateway.")
+    everything = captured.out + captured.err + "\n".join(r.getMessage() for r in caplog.records)
+    assert TOKEN[:6] not in everything and "proxy-PW" not in everything

@@ -145,7 +145,7 @@ def test_credentials_never_appear_in_errors(monkeypatch: pytest.MonkeyPatch) -> 
                 "token_env": SECRET_VALUE,
             }
         )
-    assert SECRET_VALUE in str(info.value)  # it was given as a NAME: quoted back as such
+    assert SECRET_VALUE not in str(info.value)  # it may be the credential: never quoted
     monkeypatch.delenv("WT_USER")
     with pytest.raises(CarbonConfigError) as missing:
         CarbonConfig.from_mapping(
@@ -340,3 +340,54 @@ def test_build_monitor_from_now_and_a_local_server(
     reading = monitor.poll_now()
     assert (reading.intensity_g_per_kwh, reading.status) == (255.0, ReadingStatus.FRESH)
     assert reading.age_s == 0.0
+
+
+@pytest.mark.parametrize("key", ["token_env", "username_env", "password_env"])
+@pytest.mark.parametrize(
+    "pasted",
+    [
+        "kG8rTq2LmZ9xW4vB7nC1",  # a mixed-case token: a valid identifier, never a name
+        "9c41e7b2a0f3d5e6b7c8",  # hex
+        "em-secret-PLANTED-0b7e",  # with dashes
+        "eyJhbGciOiJIUzI1NiJ9.e30.sig",  # a JWT
+    ],
+)
+def test_a_credential_pasted_as_a_variable_name_is_never_echoed(
+    key: str, pasted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(pasted, raising=False)
+    provider = "electricitymaps" if key == "token_env" else "watttime"
+    region = "DE" if key == "token_env" else "CAISO_NORTH"
+    for chosen in (provider, "uk"):  # its own provider, and one that does not use the key
+        mapping = {
+            "provider": chosen,
+            "region": region if chosen == provider else "13",
+            key: pasted,
+        }
+        with pytest.raises(CarbonConfigError) as info:
+            CarbonConfig.from_mapping(mapping)
+        text = str(info.value)
+        assert key in text and "looks like a credential" in text, text
+        assert pasted not in text and pasted[:8] not in text, text
+
+
+def test_credentials_in_base_url_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EM_TOKEN", SECRET_VALUE)
+    url = "https://proxyuser:pw-PLANTED-81c2@proxy.example:8443/v3"
+    config = CarbonConfig.from_mapping(
+        {"provider": "electricitymaps", "region": "DE", "token_env": "EM_TOKEN", "base_url": url}
+    )
+    assert config.base_url == url  # used as given
+    provider = build_provider(config)
+    assert isinstance(provider, ElectricityMapsProvider)
+    shown = [repr(config), str(config.to_mapping()), repr(provider), provider.base_url]
+    assert config.to_mapping()["base_url"] == "https://***@proxy.example:8443/v3"
+    provider.close()
+    with pytest.raises(CarbonConfigError) as info:
+        CarbonConfig.from_mapping(
+            {"provider": "uk", "region": "13", "base_url": "ftp://proxyuser:pw-PLANTED-81c2@x"}
+        )
+    shown.append(str(info.value))
+    assert "ftp://***@x" in str(info.value)
+    for text in shown:
+        assert "pw-PLANTED" not in text and "proxyuser" not in text and SECRET_VALUE not in text

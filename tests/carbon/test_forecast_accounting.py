@@ -9,7 +9,7 @@ import pytest
 
 from carbon.accounting import J_PER_KWH, CarbonLedger, emissions_g
 from carbon.errors import AccountingError, CarbonConfigError, CarbonError
-from carbon.forecast import DailyProfileForecaster, step_of
+from carbon.forecast import DailyProfileForecaster, interval_ends_s
 from carbon.types import IntensityPoint, PointKind
 
 UTC = timezone.utc
@@ -104,7 +104,34 @@ def test_forecaster_errors() -> None:
         DailyProfileForecaster().fit([])
     with pytest.raises(CarbonConfigError, match="slot_s"):
         DailyProfileForecaster(slot_s=7 * 3600)
-    assert step_of(daily(5)) == 3600.0 and step_of([]) == 3600.0
+
+
+def test_interval_ends_follow_each_row() -> None:
+    """30 min rows, then 15 min rows, then a 2 h gap: each value holds until the next
+    row; the last one for its own step. No 'typical period'."""
+    times = np.array([0.0, 1800.0, 3600.0, 4500.0, 5400.0, 12600.0, 13500.0])
+    assert interval_ends_s(times).tolist() == [
+        1800.0,
+        3600.0,
+        4500.0,
+        5400.0,
+        12600.0,
+        13500.0,
+        14400.0,
+    ]
+    assert interval_ends_s(np.array([7.0]), default_s=60.0).tolist() == [67.0]
+    assert interval_ends_s(np.array([7.0, 7.0]), default_s=60.0).tolist() == [7.0, 67.0]
+    assert interval_ends_s(np.array([])).size == 0
+
+
+def test_profile_weighs_rows_by_the_time_they_cover() -> None:
+    """Day 1 at 30 min rows (value 100), day 2 at 15 min rows (value 200): each day
+    counts the same in the hourly profile, however many rows it has."""
+    day1 = [(T0 + timedelta(minutes=30 * k), 100.0) for k in range(48)]
+    day2 = [(T0 + timedelta(days=1, minutes=15 * k), 200.0) for k in range(96)]
+    points = [IntensityPoint(t, v, PointKind.MEASURED, "x") for t, v in day1 + day2]
+    model = DailyProfileForecaster(level_decay_s=None).fit(points)
+    assert model.profile_g_per_kwh == pytest.approx([150.0] * 24)
 
 
 # -- accounting -------------------------------------------------------------------------

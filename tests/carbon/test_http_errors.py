@@ -6,6 +6,7 @@ HTTP server: 401, 403, 429 with Retry-After, 500, timeouts, malformed JSON, empt
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import traceback
@@ -298,3 +299,96 @@ def test_planted_credentials_never_leak(
     # and yet the credentials were sent, in headers
     assert any(s.headers.get("auth-token") == TOKEN for s in api_server.seen)
     assert any(s.headers.get("Authorization") == f"Bearer {WT_TOKEN}" for s in api_server.seen)
+
+
+@pytest.mark.parametrize("offset", [0, 150, 190, 195, 199, 250])
+def test_plain_text_5xx_body_never_leaks_a_token_prefix(
+    provider_name: str,
+    api_server: ApiServer,
+    fake_sleep: FakeSleep,
+    caplog: pytest.LogCaptureFixture,
+    offset: int,
+) -> None:
+    """A long plain-text error body echoing the credential, cut where the excerpt ends:
+    neither the credential nor a prefix of it may show."""
+    secret = {"electricitymaps": TOKEN, "watttime": WT_TOKEN, "uk": "uk-no-secret"}[provider_name]
+    body = ("e" * offset + secret + " trailing words" * 30).encode()
+    caplog.set_level(logging.DEBUG)
+    api_server.route(LATEST_PATH[provider_name], Reply(503, body, {"Content-Type": "text/plain"}))
+    provider = _factory(provider_name, api_server)(sleep=fake_sleep, max_retries=1)
+    with pytest.raises(ProviderUnavailableError) as info:
+        provider.latest()
+    texts = [str(info.value), *(r.getMessage() for r in caplog.records)]
+    assert "server error: " in texts[0] and texts[0].count("trailing") < 30  # shortened
+    for text in texts:
+        for leaked in (TOKEN[:6], WT_TOKEN[:6], PASSWORD[:6]):
+            assert leaked not in text, text
+
+
+def test_credentials_in_base_url_are_masked(
+    provider_name: str, api_server: ApiServer, api_dir: Path, fake_sleep: FakeSleep
+) -> None:
+    """A proxy password in base_url is used but never shown: repr, attribute, errors."""
+    proxy_password = "proxy-PW-PLANTED-5e1f"
+    port = api_server.url.rsplit(":", 1)[1]
+    creds_url = f"http://proxyuser:{proxy_password}@127.0.0.1:{port}"
+    kw: dict[str, Any] = {"sleep": fake_sleep, "max_retries": 0, "timeout_s": (2.0, 2.0)}
+    provider: WebProvider
+    if provider_name == "electricitymaps":
+        provider = ElectricityMapsProvider("DE", TOKEN, base_url=creds_url + "/v3", **kw)
+    elif provider_name == "watttime":
+        api_server.route("/login", Reply.json({"token": WT_TOKEN}))
+        provider = WattTimeProvider("CAISO_NORTH", "user", PASSWORD, base_url=creds_url, **kw)
+    else:
+        provider = UKCarbonIntensityProvider("national", base_url=creds_url, **kw)
+    path = LATEST_PATH[provider_name]
+    api_server.route(path, Reply.file(api_dir / GOOD_FILE[provider_name]))
+    assert provider.latest().intensity_g_per_kwh > 0  # the URL works
+    texts = [repr(provider), provider.base_url]
+    api_server.route(path, Reply(500, f"proxy says {proxy_password}".encode()))
+    with pytest.raises(ProviderUnavailableError) as info:
+        provider.latest()
+    texts.append("".join(traceback.format_exception(info.value)))
+    refused = type(provider)(
+        *{"electricitymaps": ("DE", TOKEN), "watttime": ("CAISO_NORTH", "u", PASSWORD)}.get(
+            provider_name, ("national",)
+        ),
+        base_url=f"http://proxyuser:{proxy_password}@127.0.0.1:9",
+        **kw,
+    )
+    with pytest.raises(ProviderUnavailableError, match="cannot reach") as info:
+        refused.latest()
+    texts.append("".join(traceback.format_exception(info.value)))
+    assert "***@127.0.0.1" in repr(provider) and "***@127.0.0.1:9" in str(info.value)
+    for text in texts:
+        assert proxy_password not in text and "proxyuser" not in text, text
+
+
+@pytest.mark.parametrize("value", [-12.5, "NaN", "Infinity", "-Infinity", True, "abc"])
+def test_impossible_intensity_is_a_bad_response(
+    provider_name: str, api_server: ApiServer, fake_sleep: FakeSleep, value: object
+) -> None:
+    """Negative, NaN and infinite values (JSON parsers accept NaN and Infinity) are not
+    intensities: the answer is a BadResponseError, never a point."""
+    literal = value if isinstance(value, str) and value[-1] in "Ny" else json.dumps(value)
+    if provider_name == "electricitymaps":
+        body = (
+            '{"zone": "DE", "datetime": "2024-03-05T20:00:00.000Z", '
+            f'"carbonIntensity": {literal}, "isEstimated": false}}'
+        )
+    elif provider_name == "watttime":
+        body = (
+            '{"data": [{"point_time": "2024-03-05T20:00:00+00:00", '
+            f'"value": {literal}}}], "meta": {{"units": "lbs_co2_per_mwh"}}}}'
+        )
+    else:
+        body = (
+            '{"data": [{"from": "2024-03-05T20:00Z", "to": "2024-03-05T20:30Z", '
+            f'"intensity": {{"forecast": {literal}, "actual": {literal}, "index": "low"}}}}]}}'
+        )
+    api_server.route(
+        LATEST_PATH[provider_name], Reply(200, body.encode(), {"Content-Type": "application/json"})
+    )
+    provider = _factory(provider_name, api_server)(sleep=fake_sleep)
+    with pytest.raises(BadResponseError, match="intensity"):
+        provider.latest()

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from carbon.errors import CarbonConfigError, ProviderUnavailableError
+from carbon.errors import CarbonConfigError, ProviderUnavailableError, QuotaError
 from carbon.monitor import CarbonMonitor
 from carbon.providers.trace import TraceProvider, load_trace
 from carbon.types import IntensityPoint, PointKind, ReadingStatus
@@ -286,3 +286,154 @@ def test_forecast_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> No
 def test_invalid_arguments(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(CarbonConfigError, match=message):
         CarbonMonitor(ScriptedProvider(Clock()), **kwargs)  # type: ignore[arg-type]
+
+
+class Monotonic:
+    """A monotonic clock in seconds that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _wait_for_records(
+    caplog: pytest.LogCaptureFixture, text: str, count: int, timeout_s: float = 20.0
+) -> int:
+    """Wait (bounded) until ``count`` records containing ``text`` were logged."""
+    found = 0
+    for _ in range(int(timeout_s / 0.01)):
+        found = sum(text in r.getMessage() for r in list(caplog.records))
+        if found >= count:
+            break
+        time.sleep(0.01)
+    return found
+
+
+def test_retry_after_is_honoured_across_polls(caplog: pytest.LogCaptureFixture) -> None:
+    clock, mono = Clock(), Monotonic()
+    provider = ScriptedProvider(clock)
+    real_latest = provider.latest
+    limited = {"on": True}
+
+    def latest() -> IntensityPoint:
+        point = real_latest()
+        if limited["on"]:
+            raise QuotaError("rate limited", retry_after_s=600.0, provider="scripted", status=429)
+        return point
+
+    provider.latest = latest  # type: ignore[method-assign]
+    monitor = CarbonMonitor(
+        provider,
+        poll_interval_s=60,
+        fallback_g_per_kwh=321.0,
+        seed_history_s=0,
+        clock=clock,
+        monotonic=mono,
+    )
+    assert monitor.poll_now().intensity_g_per_kwh == 321.0
+    assert provider.latest_calls == 1
+    limited["on"] = False
+    for _ in range(9):  # 9 polls, one a minute: the server asked for 10 minutes
+        mono.t += 60
+        clock.t += 60
+        assert monitor.poll_now().status is ReadingStatus.FALLBACK
+    assert provider.latest_calls == 1
+    mono.t += 61
+    reading = monitor.poll_now()
+    assert provider.latest_calls == 2 and reading.status is ReadingStatus.FRESH
+    assert len(monitor_records(caplog, logging.WARNING)) == 1
+    assert "600 s" in monitor_records(caplog, logging.WARNING)[0].getMessage()
+
+
+def test_retry_after_holds_back_the_background_polls(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="carbon.monitor")
+    clock, mono = Clock(), Monotonic()  # the monotonic clock stands still: still too early
+    provider = ScriptedProvider(clock)
+    real_latest = provider.latest
+
+    def latest() -> IntensityPoint:
+        real_latest()
+        raise QuotaError("rate limited", retry_after_s=3600.0, provider="scripted", status=429)
+
+    provider.latest = latest  # type: ignore[method-assign]
+    monitor = CarbonMonitor(
+        provider, poll_interval_s=0.05, max_staleness_s=60, clock=clock, monotonic=mono
+    )
+    with monitor:
+        held_back = _wait_for_records(caplog, "asked to wait", 5)
+    assert held_back >= 5  # five scheduled polls came and went without a request
+    assert provider.latest_calls == 1
+
+
+def test_a_poll_outlasting_the_interval_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A hung provider: the scheduler's per-run 'skipped' warnings do not appear; the
+    monitor says it once, and once that it is back."""
+    caplog.set_level(logging.DEBUG)
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    provider.gate = threading.Event()
+    monitor = CarbonMonitor(provider, poll_interval_s=0.05, max_staleness_s=60, clock=clock)
+    with monitor:
+        skipped = _wait_for_records(caplog, "still waiting", 10)
+        provider.gate.set()
+        for _ in range(2000):  # bounded wait for the hung poll to land
+            if monitor.latest().status is ReadingStatus.FRESH:
+                break
+            time.sleep(0.01)
+    assert skipped >= 10
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.name for r in warnings] == ["carbon.monitor"], [r.getMessage() for r in warnings]
+    assert "no answer" in warnings[0].getMessage()
+    assert "poll_interval_s" in warnings[0].getMessage()
+    assert monitor.latest().intensity_g_per_kwh == 100.0
+    assert any("available again" in r.getMessage() for r in monitor_records(caplog, logging.INFO))
+
+
+def test_forecast_cut_where_each_interval_ends() -> None:
+    """A forecast at 30 min, then 15 min: an interval is over when the next one starts,
+    not after a 'typical' step."""
+    clock = Clock()
+    provider = ScriptedProvider(clock)
+    minutes = [0, 30, 60, 90, 120, 135, 150]
+
+    def forecast(horizon_s: float | None = None) -> list[IntensityPoint]:
+        return [
+            IntensityPoint(T0 + timedelta(minutes=m), 100.0 + m, PointKind.FORECAST, "f")
+            for m in minutes
+        ]
+
+    provider.forecast = forecast  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, seed_history_s=0, clock=clock)
+    monitor.poll_now()
+    clock.t += 140 * 60  # 02:20: the 02:00 interval ended at 02:15
+    assert [p.time for p in monitor.forecast()] == [
+        T0 + timedelta(minutes=135),
+        T0 + timedelta(minutes=150),
+    ]
+    clock.t += 25 * 60  # 02:45: the last one lasts its own 15 min
+    assert monitor.forecast() == []
+
+
+def test_an_absurd_retry_after_holds_back_one_day_at_most() -> None:
+    clock, mono = Clock(), Monotonic()
+    provider = ScriptedProvider(clock)
+    real_latest = provider.latest
+    limited = {"on": True}
+
+    def latest() -> IntensityPoint:
+        point = real_latest()
+        if limited["on"]:
+            raise QuotaError("rate limited", retry_after_s=3e11, provider="scripted", status=429)
+        return point
+
+    provider.latest = latest  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, seed_history_s=0, clock=clock, monotonic=mono)
+    monitor.poll_now()
+    limited["on"] = False
+    mono.t += 86400 - 1
+    monitor.poll_now()
+    assert provider.latest_calls == 1
+    mono.t += 2
+    assert monitor.poll_now().status is ReadingStatus.FRESH and provider.latest_calls == 2

@@ -211,3 +211,95 @@ def test_series_is_read_only() -> None:
         series.values_g_per_kwh[0] = 5.0
     with pytest.raises(CarbonConfigError, match="forecaster"):
         TraceProvider(series, forecaster="oracle")  # type: ignore[arg-type]
+
+
+# -- irregular traces: a change of resolution and a gap ----------------------------------
+
+T_IRR = datetime(2024, 1, 1, tzinfo=UTC)
+#: 30 min rows for 5 h, 15 min rows for 2 h, no rows for 3 h 15 (a gap), 15 min rows again.
+IRREGULAR_MIN = [30 * k for k in range(10)] + [300 + 15 * k for k in range(8)] + [600, 615, 630]
+
+
+def irregular_series(tmp_path: Path) -> TraceSeries:
+    lines = ["Time,Carbon Intensity"]
+    for k, m in enumerate(IRREGULAR_MIN):
+        lines.append(f"{(T_IRR + timedelta(minutes=m)).isoformat()},{100 + 10 * k}")
+    path = tmp_path / "irregular.csv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return load_trace(path)
+
+
+def test_irregular_trace_rows_hold_until_the_next_row(tmp_path: Path) -> None:
+    series = irregular_series(tmp_path)
+    t0 = T_IRR.timestamp()
+    assert series.period_s == 1800.0  # the median: 30 min, yet the last rows are 15 min
+    ends_min = [(e - t0) / 60 for e in series.ends_s]
+    assert ends_min == [*IRREGULAR_MIN[1:], 645.0]  # the last row lasts its own 15 min
+    assert series.end == T_IRR + timedelta(minutes=645) and series.end_s == t0 + 645 * 60
+    for k, m in enumerate(IRREGULAR_MIN):
+        end_m = ends_min[k]
+        for inside_m in (m, (m + end_m) / 2, end_m - 1 / 60):
+            assert series.at(T_IRR + timedelta(minutes=inside_m)) == 100 + 10 * k
+    assert series.at(T_IRR + timedelta(minutes=500)) == 100 + 10 * 17  # held across the gap
+    with pytest.raises(NoDataError, match="outside"):
+        series.at(series.end)
+    assert series.gaps() == [(t0 + 405 * 60, t0 + 600 * 60)]
+    assert load_trace("FR").gaps() == [] and load_trace("CISO").gaps() == []
+
+
+def test_irregular_trace_integral_and_segments(tmp_path: Path) -> None:
+    series = irregular_series(tmp_path)
+    t0 = T_IRR.timestamp()
+    # whole trace: each value times its own interval
+    expected = sum(
+        (100 + 10 * k) * (e - (t0 + m * 60))
+        for k, (m, e) in enumerate(zip(IRREGULAR_MIN, series.ends_s, strict=True))
+    )
+    assert series.integral_g_s_per_kwh(series.start_s, series.end_s) == pytest.approx(expected)
+    # from 04:50 (inside a 30 min row) to 05:20 (inside a 15 min row)
+    start_s, end_s = t0 + 290 * 60, t0 + 320 * 60
+    values, durations = series.segments(start_s, end_s)
+    assert values.tolist() == [190.0, 200.0, 210.0]
+    assert durations.tolist() == [600.0, 900.0, 300.0]
+    assert series.integral_g_s_per_kwh(start_s, end_s) == pytest.approx(values @ durations)
+    # across the gap, up to the very end
+    values, durations = series.segments(t0 + 400 * 60, series.end_s)
+    assert values.tolist() == [260.0, 270.0, 280.0, 290.0, 300.0]
+    assert durations.tolist() == [300.0, 195 * 60.0, 900.0, 900.0, 900.0]
+    assert series.integral_g_s_per_kwh(start_s, start_s) == 0.0
+    with pytest.raises(NoDataError):
+        series.integral_g_s_per_kwh(start_s, series.end_s + 1)
+    with pytest.raises(NoDataError):
+        series.segments(series.start_s - 1, end_s)
+
+
+def test_irregular_trace_replayed_row_by_row(tmp_path: Path) -> None:
+    """latest, history and forecast follow every row, and wrapping past the end goes on
+    without a hole, a repeat or a stall."""
+    series = irregular_series(tmp_path)
+    clock = {"now": T_IRR}
+    provider = TraceProvider(series, now=lambda: clock["now"])
+    row_times = [T_IRR + timedelta(minutes=m) for m in IRREGULAR_MIN]
+    for minute in range(0, 645, 5):
+        clock["now"] = T_IRR + timedelta(minutes=minute)
+        point = provider.latest()
+        assert point.time == max(t for t in row_times if t <= clock["now"])
+        assert point.intensity_g_per_kwh == series.at(clock["now"])
+    clock["now"] = series.end - timedelta(seconds=1)
+    history = provider.history(T_IRR, series.end)
+    assert [p.time for p in history] == row_times
+    assert [p.intensity_g_per_kwh for p in history] == series.values_g_per_kwh.tolist()
+    clock["now"] = T_IRR
+    forecast = provider.forecast(645 * 60)
+    assert [p.time for p in forecast] == row_times and len(forecast) == len(series)
+    # past the end: the trace again, shifted by its length (shorter than a day)
+    assert provider.wrap_period_s == 645 * 60
+    clock["now"] = T_IRR + timedelta(minutes=560)
+    later = provider.forecast(24 * 3600)
+    times = [p.time for p in later]
+    assert times == sorted(set(times))  # strictly increasing, and it ended
+    assert times[-1] >= clock["now"] + timedelta(hours=23, minutes=45)
+    shift = timedelta(minutes=645)
+    assert times[times.index(series.end) : times.index(series.end) + len(series)] == [
+        t + shift for t in row_times
+    ]
