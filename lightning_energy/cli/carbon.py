@@ -22,6 +22,7 @@ from carbon.config import build_provider, load_carbon_config
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint
+from lightning_energy.cli import float_in
 
 __all__ = ["register"]
 
@@ -42,7 +43,11 @@ def register(subparsers: Any) -> None:
     now = actions.add_parser("now", help="print the current carbon intensity")
     forecast = actions.add_parser("forecast", help="print the forecast as a table")
     forecast.add_argument(
-        "--hours", type=float, default=24.0, metavar="N", help="hours ahead (default: 24)"
+        "--hours",
+        type=float_in(0, 8760, low_inclusive=False),
+        default=24.0,
+        metavar="N",
+        help="hours ahead (default: 24)",
     )
     for action in (now, forecast):
         action.add_argument(

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, float_in
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.errors import (
     ConfigError,
@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=float_in(0, 600, low_inclusive=False),
         default=5.0,
         metavar="SECONDS",
         help="timeout of the carbon provider request (default: 5)",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, non_empty
 from lightning_energy.device.guard import recover
 from lightning_energy.device.lease import LEASE_DIR_ENV, resolve_lease_dir
 
@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--lease-dir",
+        type=non_empty,
         metavar="DIR",
         default=None,
         help=f"lease directory (default: ${LEASE_DIR_ENV}, else the per-user state directory)",

@@ -134,4 +134,4 @@ def test_bad_usage_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["carbon", "now"]) == 2  # --config is required
     assert main(["carbon"]) == 2  # an action is required
     assert main(["carbon", "forecast", "--config", path, "--hours", "0"]) == 2
-    assert "--hours must be > 0" in capsys.readouterr().err
+    assert "--hours: '0' is not allowed; use a number > 0" in capsys.readouterr().err
