@@ -160,6 +160,15 @@ def test_recover_refuses_an_empty_lease_dir(
     assert (tmp_path / "stray.json").read_text() == "{}"
 
 
+def test_report_refuses_an_empty_plot_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "run.json", "--out", ""]) == EXIT_USAGE
+    assert "--out: '' is not allowed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plan_refuses_a_grid_too_fine_to_compute(
     data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
