@@ -16,9 +16,9 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import date, datetime, timedelta, timezone
@@ -61,6 +61,9 @@ _ISO_DURATION = re.compile(
 )
 _UNIT_S = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 
+#: The longest deadline duration accepted: a year (a leap one).
+MAX_DEADLINE = timedelta(days=366)
+
 #: Keys that only mean something for some providers.
 _PROVIDER_KEYS: dict[str, tuple[str, ...]] = {
     "token_env": ("electricitymaps",),
@@ -86,6 +89,7 @@ def parse_deadline(value: object) -> datetime | timedelta:
         value: a timezone-aware ``datetime`` or ISO 8601 time with an offset
             (``"2025-06-01T18:00:00Z"``), a ``timedelta``, a duration such as ``"36h"``,
             ``"2d 4h"``, ``"90m"``, or an ISO 8601 duration (``"PT36H"``, ``"P2DT4H"``).
+            A duration is at most :data:`MAX_DEADLINE` (366 days).
 
     Returns:
         A UTC ``datetime`` or a positive ``timedelta``.
@@ -93,31 +97,43 @@ def parse_deadline(value: object) -> datetime | timedelta:
     Raises:
         ValueError: with the reason, if the value is neither.
     """
-    if isinstance(value, timedelta):
-        result: datetime | timedelta = value
-    elif isinstance(value, datetime):
-        if value.tzinfo is None:
-            raise ValueError("a time needs a UTC offset or 'Z'")
-        result = as_utc(value)
-    elif isinstance(value, date):
-        raise ValueError("a date needs a time and a UTC offset (e.g. '2025-06-01T18:00:00Z')")
-    elif isinstance(value, str) and value.strip():
-        result = _parse_deadline_text(value.strip())
-    else:
-        raise ValueError("expected a time or a duration")
+    try:
+        result = _parse_deadline_value(value)
+    except OverflowError:
+        raise ValueError(_TOO_FAR) from None
     if isinstance(result, timedelta) and result <= timedelta(0):
         raise ValueError("a duration must be positive")
+    if isinstance(result, timedelta) and result > MAX_DEADLINE:
+        raise ValueError(_TOO_FAR)
     return result
+
+
+_TOO_FAR = "allowed: a duration of at most 366 days ('8784h') or a time in years 1 to 9999"
+
+
+def _parse_deadline_value(value: object) -> datetime | timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("a time needs a UTC offset or 'Z'")
+        return as_utc(value)
+    if isinstance(value, date):
+        raise ValueError("a date needs a time and a UTC offset (e.g. '2025-06-01T18:00:00Z')")
+    if isinstance(value, str) and value.strip():
+        return _parse_deadline_text(value.strip())
+    raise ValueError("expected a time or a duration")
 
 
 def _parse_deadline_text(text: str) -> datetime | timedelta:
     iso = _ISO_DURATION.match(text)
     if iso and text.upper() not in ("P", "PT") and any(iso.groupdict().values()):
         parts = {k: float(v) for k, v in iso.groupdict().items() if v}
-        return timedelta(seconds=sum(_UNIT_S[k] * v for k, v in parts.items()))
+        return _duration(sum(_UNIT_S[k] * v for k, v in parts.items()))
     if _DURATION_FULL.match(text):
-        seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in _DURATION_PART.findall(text))
-        return timedelta(seconds=seconds)
+        return _duration(
+            sum(float(n) * _UNIT_S[u.lower()] for n, u in _DURATION_PART.findall(text))
+        )
     try:
         moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
     except ValueError:
@@ -128,6 +144,13 @@ def _parse_deadline_text(text: str) -> datetime | timedelta:
     if moment.tzinfo is None:
         raise ValueError("a time needs a UTC offset or 'Z'")
     return as_utc(moment)
+
+
+def _duration(seconds: float) -> timedelta:
+    """``seconds`` as a duration; beyond :data:`MAX_DEADLINE` is refused, not overflowed."""
+    if not seconds <= MAX_DEADLINE.total_seconds():
+        raise OverflowError(seconds)
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -367,12 +390,14 @@ def _validate(c: CarbonConfig) -> list[str]:
         ok = (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and math.isfinite(value)
+            and -_MAX_NUMBER <= value <= _MAX_NUMBER
             and (value > minimum if strict else value >= minimum)
         )
         if not ok:
             rel = ">" if strict else ">="
-            problems.append(f"{key}: {value!r} is not allowed; allowed: a number {rel} {minimum:g}")
+            problems.append(
+                f"{key}: {_shown(value)} is not allowed; allowed: a finite number {rel} {minimum:g}"
+            )
         return ok
 
     choice("provider", c.provider, PROVIDERS)
@@ -431,6 +456,8 @@ def _validate(c: CarbonConfig) -> list[str]:
         problems.append(f"deadline: {c.deadline!r} is not valid: a time needs a UTC offset")
     elif isinstance(c.deadline, timedelta) and c.deadline <= timedelta(0):
         problems.append(f"deadline: {c.deadline!r} is not valid: a duration must be positive")
+    elif isinstance(c.deadline, timedelta) and c.deadline > MAX_DEADLINE:
+        problems.append(f"deadline: {c.deadline!r} is not valid: {_TOO_FAR}")
     if c.max_slowdown is not None:
         number("max_slowdown", c.max_slowdown, 1, strict=False)
         if c.deadline is not None:
@@ -441,6 +468,16 @@ def _validate(c: CarbonConfig) -> list[str]:
     if not isinstance(c.allow_pause, bool):
         problems.append(f"allow_pause: {c.allow_pause!r} is not allowed; allowed: true, false")
     return problems
+
+
+#: The largest magnitude a number may have (the largest finite float); NaN fails the test.
+_MAX_NUMBER = sys.float_info.max
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` cut to a readable length."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _mentions(problems: list[str], key: str) -> bool:

@@ -25,10 +25,11 @@ problem at once (key, bad value, allowed values) in one :class:`ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,7 +200,9 @@ class EnergyConfig:
         known = {"device", "power_limit", "carbon", "strict", "report", "log_every_n_steps"}
         for key in data:
             if key not in known:
-                problems.append(f"unknown key {key!r}; allowed keys: {', '.join(sorted(known))}")
+                problems.append(
+                    f"unknown key {_shown(key)}; allowed keys: {', '.join(sorted(known))}"
+                )
         device = _build(DeviceConfig, data.get("device"), "device", problems)
         power_limit = _build(PowerLimitConfig, data.get("power_limit"), "power_limit", problems)
         if device is not None:
@@ -209,13 +212,15 @@ class EnergyConfig:
         carbon = _build_carbon(data.get("carbon"), problems)
         strict = data.get("strict", False)
         if not isinstance(strict, bool):
-            problems.append(f"strict: {strict!r} is not allowed; use true or false")
+            problems.append(f"strict: {_shown(strict)} is not allowed; use true or false")
         report = data.get("report")
-        if report is not None and not isinstance(report, str):
-            problems.append(f"report: {report!r} is not allowed; use a file path or null")
+        if report is not None and not (isinstance(report, str) and report.strip()):
+            problems.append(f"report: {_shown(report)} is not allowed; use a file path or null")
         every = data.get("log_every_n_steps", 50)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            problems.append(f"log_every_n_steps: {every!r} is not allowed; use an integer >= 1")
+            problems.append(
+                f"log_every_n_steps: {_shown(every)} is not allowed; use an integer >= 1"
+            )
         if problems:
             raise ConfigError(problems, source)
         assert device is not None and power_limit is not None
@@ -241,10 +246,16 @@ class EnergyConfig:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read the file: {exc.strerror or exc}", str(path)) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"not a UTF-8 text file (byte {exc.start}); save the YAML as UTF-8", str(path)
+            ) from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"not valid YAML: {exc}", str(path)) from exc
+        except RecursionError as exc:
+            raise ConfigError("not valid YAML: nested too deeply", str(path)) from exc
         return cls.from_mapping(data if data is not None else {}, source=str(path))
 
     def merged(self, overrides: Mapping[str, Any]) -> EnergyConfig:
@@ -303,16 +314,19 @@ def _build(cls: type[Any], section: Any, name: str, problems: list[str]) -> Any:
     if section is None:
         return cls()
     if not isinstance(section, Mapping):
-        problems.append(f"{name}: must be a mapping of keys, got {section!r}")
+        problems.append(f"{name}: must be a mapping of keys, got {_shown(section)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in section.items():
         if key not in fields:
-            problems.append(f"{name}.{key}: unknown key; allowed keys: {', '.join(sorted(fields))}")
+            problems.append(
+                f"{name}.{key if isinstance(key, str) else _shown(key)}: unknown key; "
+                f"allowed keys: {', '.join(sorted(fields))}"
+            )
             continue
-        default = fields[key].default
-        converted = _convert(value, default, f"{name}.{key}", problems)
+        field_ = fields[key]
+        converted = _convert(value, str(field_.type), f"{name}.{key}", problems)
         if converted is not _INVALID:
             values[key] = converted
     return cls(**values)
@@ -321,41 +335,65 @@ def _build(cls: type[Any], section: Any, name: str, problems: list[str]) -> Any:
 _INVALID = object()
 
 
-def _convert(value: Any, default: Any, key: str, problems: list[str]) -> Any:
-    """Coerce ``value`` to the type of ``default`` (None-able fields accept null)."""
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to a readable length (a whole YAML document can be a value)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _convert(value: Any, annotation: str, key: str, problems: list[str]) -> Any:
+    """Check ``value`` against a field's type annotation; ``_INVALID`` when it is wrong.
+
+    ``X | None`` fields accept null; numbers must be finite; times written unquoted in
+    YAML (which reads them as dates) are taken as their ISO 8601 text.
+    """
+    kind = annotation.removesuffix(" | None")
     if value is None:
-        if default is None:
+        if kind != annotation:
             return None
-        problems.append(f"{key}: null is not allowed; expected a value like {default!r}")
+        problems.append(f"{key}: null is not allowed; {_EXPECTED[kind]}")
         return _INVALID
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        problems.append(f"{key}: {value!r} is not allowed; use true or false")
-        return _INVALID
-    if isinstance(default, tuple) or (default is None and isinstance(value, list | tuple)):
-        if isinstance(value, list | tuple) and all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in value
-        ):
-            return tuple(float(v) for v in value)
-        problems.append(f"{key}: {value!r} is not allowed; use a list of numbers")
-        return _INVALID
-    if isinstance(default, float) or (default is None and isinstance(value, int | float)):
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        problems.append(f"{key}: {value!r} is not allowed; use a number")
-        return _INVALID
-    if isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        problems.append(f"{key}: {value!r} is not allowed; use an integer")
-        return _INVALID
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and default is None:
-        return value
-    problems.append(f"{key}: {value!r} is not allowed; use a string")
-    return _INVALID
+    converted: Any = _INVALID
+    if kind == "bool":
+        converted = value if isinstance(value, bool) else _INVALID
+    elif kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
+            converted = value
+    elif kind == "float":
+        number = _number(value)
+        converted = _INVALID if number is None else number
+    elif kind == "tuple[float, ...]":
+        if isinstance(value, list | tuple):
+            numbers = [_number(v) for v in value]
+            if all(n is not None for n in numbers):
+                converted = tuple(n for n in numbers if n is not None)
+    elif isinstance(value, str):
+        converted = value
+    elif isinstance(value, datetime | date) and key == "device.start":
+        converted = value.isoformat()
+    if converted is _INVALID:
+        problems.append(f"{key}: {_shown(value)} is not allowed; {_EXPECTED[kind]}")
+    return converted
+
+
+_EXPECTED = {
+    "bool": "use true or false",
+    "int": "use an integer (64-bit)",
+    "float": "use a finite number",
+    "tuple[float, ...]": "use a list of numbers, each finite",
+    "str": "use a string",
+}
 
 
 def _check_device(device: DeviceConfig, problems: list[str]) -> None:
@@ -377,12 +415,16 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
         problems.append(f"device.batch_size: {device.batch_size} is not allowed; use >= 1")
     if device.step_time_s is not None and device.step_time_s <= 0:
         problems.append(f"device.step_time_s: {device.step_time_s} is not allowed; use > 0")
+    for key in ("gpu", "workload", "lease_dir"):
+        value = getattr(device, key)
+        if value is not None and (not value.strip() or "\0" in value):
+            problems.append(f"device.{key}: {value!r} is not allowed; use a non-empty name or path")
     if device.start is not None:
         try:
             device.start_time()
-        except ValueError:
+        except (ValueError, OverflowError):
             problems.append(
-                f"device.start: {device.start!r} is not allowed; use an ISO 8601 date and "
+                f"device.start: {_shown(device.start)} is not allowed; use an ISO 8601 date and "
                 "time such as 2023-06-01T00:00:00Z"
             )
     if problems or device.backend == "nvml":
@@ -407,8 +449,8 @@ def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
         section.make_selector()
     except ConfigError as exc:
         problems.extend(f"power_limit.{p}" for p in exc.problems)
-    if section.step_w <= 0:
-        problems.append(f"power_limit.step_w: {section.step_w} is not allowed; use a number > 0")
+    if not section.step_w >= 1:
+        problems.append(f"power_limit.step_w: {section.step_w} is not allowed; use watts >= 1")
     if section.power_limits_w is not None and (
         not section.power_limits_w or any(p <= 0 for p in section.power_limits_w)
     ):

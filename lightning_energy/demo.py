@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from lightning_energy.cli import positive_int
+from lightning_energy.cli import int_in, positive_int
 from lightning_energy.config import EnergyConfig
 
 __all__ = [
@@ -175,7 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never pause training for a cleaner grid (pacing only changes the power limit)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--seed", type=int_in(0, 2**32 - 1), default=0, help="random seed (default: 0)"
+    )
     parser.add_argument(
         "--no-progress", action="store_true", help="hide the progress bar (for logs)"
     )

@@ -211,12 +211,18 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = source.read_text(encoding="utf-8")
     except OSError as exc:
         raise ReportError(f"cannot read the report {source}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ReportError(
+            f"{source} is not a JSON report: not UTF-8 text (byte {exc.start})"
+        ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReportError(
             f"{source} is not a JSON report: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from exc
+    except (ValueError, RecursionError) as exc:  # a number too long, nesting too deep
+        raise ReportError(f"{source} is not a JSON report: {exc}") from exc
     if not isinstance(data, dict):
         raise ReportError(f"{source} is not a report: expected a JSON object")
     version = data.get("version")
@@ -232,9 +238,144 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     ]
     if "carbon" in data and not isinstance(data["carbon"], dict):
         problems.append("'carbon' should be an object")
+    if not problems:
+        problems = _field_problems(data)
     if problems:
         raise ReportError(f"{source} is not a valid report: " + "; ".join(problems))
     return data
+
+
+#: What the readers (summary table, plots) take from each section: a field's kind is
+#: ``num`` (a finite number), ``num?`` (a number or null), ``bool?``, ``str?`` or ``obj?``.
+#: Fields marked ``!`` are required. Other fields are kept as they are.
+_ITEM_FIELDS: dict[str, dict[str, str]] = {
+    "devices": {"min_power_limit_w": "num?", "max_power_limit_w": "num?"},
+    "timeline": {
+        key: "num?"
+        for key in (
+            "step",
+            "time_s",
+            "duration_s",
+            "steps",
+            "energy_j",
+            "power_w",
+            "power_limit_w",
+            "intensity_g_per_kwh",
+            "emissions_g",
+            "scale",
+        )
+    },
+    "profile": {
+        "power_limit_w": "num!",
+        "time_per_step_s": "num!",
+        "energy_per_step_j": "num!",
+        "steps": "num?",
+    },
+    "decisions": {
+        "time_s": "num?",
+        "value": "num?",
+        "kind": "str?",
+        "purpose": "str?",
+        "reason": "str?",
+    },
+}
+_SECTION_FIELDS: dict[str, dict[str, str]] = {
+    "summary": {
+        "steps": "num?",
+        "energy_j": "num?",
+        "duration_s": "num?",
+        "power_limit_w": "num?",
+        "pre_job_power_limit_w": "num?",
+        "energy_saved_j": "num?",
+        "slowdown": "num?",
+        "observe_only": "bool?",
+    },
+    "carbon": {
+        "emissions_g": "num?",
+        "carbon_unaware_emissions_g": "num?",
+        "full_power_emissions_g": "num?",
+        "deadline_met": "bool?",
+        "carbon_unaware_meets_deadline": "bool?",
+        "full_power_meets_deadline": "bool?",
+        "provider": "str?",
+        "region": "str?",
+        "policy": "str?",
+        "deadline": "str?",
+        "finished": "str?",
+        "baselines": "obj?",
+    },
+    "config": {"power_limit": "obj?"},
+}
+#: The largest magnitude a number in a report may have (far beyond any real run).
+_MAX_NUMBER = 1e18
+
+
+def _field_problems(data: Mapping[str, Any]) -> list[str]:
+    """Every field the readers use that has the wrong type, named by its path."""
+    problems: list[str] = []
+    for section, fields in _SECTION_FIELDS.items():
+        if isinstance(data.get(section), dict):
+            problems.extend(_check_fields(data[section], fields, section))
+    for section, fields in _ITEM_FIELDS.items():
+        for i, item in enumerate(data[section]):
+            where = f"{section}[{i}]"
+            if not isinstance(item, dict):
+                problems.append(f"'{where}' should be an object")
+            else:
+                problems.extend(_check_fields(item, fields, where))
+            if len(problems) >= 10:
+                return problems
+    for i, entry in enumerate(data["timeline"]):
+        lasted = isinstance(entry, dict) and _is_number(entry.get("duration_s"))
+        if lasted and entry["duration_s"] > 0 and not _is_number(entry.get("time_s")):
+            problems.append(f"'timeline[{i}].time_s' should be a finite number")
+    power_limit = data["config"].get("power_limit")
+    selector = power_limit.get("selector") if isinstance(power_limit, dict) else None
+    if selector is not None and not isinstance(selector, str):
+        problems.append("'config.power_limit.selector' should be a string")
+    baselines = (data.get("carbon") or {}).get("baselines")
+    for name, series in baselines.items() if isinstance(baselines, dict) else ():
+        if not isinstance(series, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(_is_number(v) for v in p) for p in series
+        ):
+            problems.append(f"'carbon.baselines.{name}' should be a list of [time, grams] pairs")
+    return problems
+
+
+def _check_fields(section: Mapping[str, Any], fields: Mapping[str, str], where: str) -> list[str]:
+    problems = []
+    for key, kind in fields.items():
+        if key not in section:
+            if kind.endswith("!"):
+                problems.append(f"'{where}.{key}' is missing")
+            continue
+        value = section[key]
+        if value is None and kind.endswith("?"):
+            continue
+        ok = {
+            "num": _is_number,
+            "bool": lambda v: isinstance(v, bool),
+            "str": lambda v: isinstance(v, str),
+            "obj": lambda v: isinstance(v, dict),
+        }[kind[:-1]](value)
+        if not ok:
+            wanted = {
+                "num": f"a finite number (at most {_MAX_NUMBER:g} in size)",
+                "bool": "true or false",
+                "str": "a string",
+                "obj": "an object",
+            }[kind[:-1]]
+            nullable = " or null" if kind.endswith("?") else ""
+            problems.append(f"'{where}.{key}' should be {wanted}{nullable}")
+    return problems
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and -_MAX_NUMBER <= value <= _MAX_NUMBER
+    )
 
 
 def _kind(kind: type | tuple[type, ...]) -> str:

@@ -22,13 +22,14 @@ from carbon.config import build_provider, load_carbon_config
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint
+from lightning_energy.cli import float_in
 
 __all__ = ["register"]
 
 _EXIT_OK = 0
 _EXIT_FAILURE = 1
 _EXIT_USAGE = 2
-_MAX_FORECAST_HOURS = 8760
+_MAX_FORECAST_HOURS = 8760  # a year
 
 
 def register(subparsers: Any) -> None:
@@ -43,7 +44,11 @@ def register(subparsers: Any) -> None:
     now = actions.add_parser("now", help="print the current carbon intensity")
     forecast = actions.add_parser("forecast", help="print the forecast as a table")
     forecast.add_argument(
-        "--hours", type=float, default=24.0, metavar="N", help="hours ahead (default: 24)"
+        "--hours",
+        type=float_in(0, _MAX_FORECAST_HOURS, low_inclusive=False),
+        default=24.0,
+        metavar="N",
+        help="hours ahead (default: 24)",
     )
     for action in (now, forecast):
         action.add_argument(
@@ -63,13 +68,6 @@ def handle(args: argparse.Namespace) -> int:
     """Run ``carbon now`` or ``carbon forecast``; returns the exit code."""
     if getattr(args, "carbon_verbose", False):
         logging.getLogger().setLevel(logging.DEBUG)
-    if args.carbon_action == "forecast" and not 0 < args.hours <= _MAX_FORECAST_HOURS:
-        print(
-            f"error: --hours must be > 0 and at most {_MAX_FORECAST_HOURS} (a year); "
-            f"got {args.hours:g}",
-            file=sys.stderr,
-        )
-        return _EXIT_USAGE
     try:
         config = load_carbon_config(args.config)
         provider = build_provider(config)

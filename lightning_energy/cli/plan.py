@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_energy.cli import EXIT_OK
+from lightning_energy.cli import EXIT_OK, float_in, int_in
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import FrontierPoint, PerseusPlanner
@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 
 #: Power an A100 draws while blocked on a pipeline send/recv (the shipped profiles' value).
 DEFAULT_P2P_POWER_W = 70.0
+
+#: The most microbatches per iteration and virtual stages per GPU a plan may have.
+MAX_MICROBATCHES = 1024
+MAX_VIRTUAL_STAGES = 64
+#: The most iteration times the frontier grid may have (``--time-step-s`` too fine).
+MAX_GRID_POINTS = 10_000
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,25 +54,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)"
     )
     parser.add_argument(
-        "--microbatches", required=True, type=int, metavar="M", help="microbatches per iteration"
+        "--microbatches",
+        required=True,
+        type=int_in(1, MAX_MICROBATCHES),
+        metavar="M",
+        help=f"microbatches per iteration (1 to {MAX_MICROBATCHES})",
     )
     parser.add_argument(
         "--virtual-stages",
-        type=int,
+        type=int_in(1, MAX_VIRTUAL_STAGES),
         default=1,
         metavar="V",
         help="stages per GPU (interleaved_1f1b; the profile lists all virtual stages)",
     )
     parser.add_argument(
         "--p2p-power-w",
-        type=float,
+        type=float_in(0, 10_000),
         default=DEFAULT_P2P_POWER_W,
         metavar="W",
         help=f"power drawn while blocked on bubbles/send/recv (default {DEFAULT_P2P_POWER_W} W)",
     )
     goal = parser.add_mutually_exclusive_group()
     goal.add_argument(
-        "--target-time", type=float, metavar="S", help="plan for this iteration time (s)"
+        "--target-time",
+        type=float_in(0, 86_400, low_inclusive=False),
+        metavar="S",
+        help="plan for this iteration time (s)",
     )
     goal.add_argument(
         "--no-slowdown", action="store_true", help="plan for the fastest iteration (default)"
@@ -82,9 +95,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="where to write the plan (default perseus_plan.json)",
     )
     parser.add_argument(
-        "--time-step-s", type=float, default=None, metavar="S", help="frontier grid spacing"
+        "--time-step-s",
+        type=float_in(0, 86_400, low_inclusive=False),
+        default=None,
+        metavar="S",
+        help=f"frontier grid spacing (at most {MAX_GRID_POINTS} iteration times)",
     )
-    parser.add_argument("--rows", type=int, default=8, help="frontier rows to print (default 8)")
+    parser.add_argument(
+        "--rows",
+        type=int_in(1, 1000),
+        default=8,
+        help="frontier rows to print (1 to 1000, default 8)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
@@ -108,13 +130,8 @@ def _progress_bar(enabled: bool) -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print the frontier summary and the chosen plan, write the plan JSON."""
-    problems = []
-    if args.microbatches < 1:
-        problems.append(f"--microbatches={args.microbatches}: must be >= 1")
-    if args.target_time is not None and not args.target_time > 0:
-        problems.append(f"--target-time={args.target_time}: must be > 0 seconds")
-    if problems:
-        raise ConfigError(problems, source="command line")
+    if args.output.is_dir():
+        raise ConfigError(f"--output {args.output}: is a folder; give a file path", "command line")
     try:
         profile = PipelineProfile.from_csv(args.profile, blocked_power_w=args.p2p_power_w)
         schedule = build_schedule(
@@ -126,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         planner = PerseusPlanner(profile, schedule)
     except ProfileError as exc:
         raise ConfigError(str(exc), source=str(args.profile)) from exc
+    _check_time_step(planner, args.time_step_s)
     bar, callback = _progress_bar(not args.no_progress and not args.json)
     try:
         frontier = planner.frontier(time_step_s=args.time_step_s, progress=callback)
@@ -152,7 +170,14 @@ def run(args: argparse.Namespace) -> int:
     metadata["baseline_iteration_time_s"] = baseline.iteration_time_s
     if args.target_time is not None:
         metadata["target_time_s"] = args.target_time
-    Plan(schedule, chosen.plan.frequencies_mhz, metadata).save(args.output)
+    try:
+        Plan(schedule, chosen.plan.frequencies_mhz, metadata).save(args.output)
+    except OSError as exc:
+        raise ConfigError(
+            f"--output {args.output}: cannot write the plan ({exc.strerror or exc}); give a "
+            "file path in a writable folder",
+            "command line",
+        ) from exc
     rows = frontier.summary(args.rows)
     if args.json:
         print(json.dumps(_summary(args, baseline, chosen, rows, len(frontier)), indent=2))
@@ -176,6 +201,21 @@ def run(args: argparse.Namespace) -> int:
         f"({1 - chosen.energy_j / baseline.energy_j:.1%} less energy{gap}) -> {args.output}"
     )
     return EXIT_OK
+
+
+def _check_time_step(planner: PerseusPlanner, time_step_s: float | None) -> None:
+    """Refuse a grid spacing that would make the frontier too large to compute."""
+    if time_step_s is None or planner.exact:
+        return
+    span_s = planner.energy_optimal_time_s() - planner.min_iteration_time_s
+    if span_s / time_step_s > MAX_GRID_POINTS:
+        raise ConfigError(
+            f"--time-step-s={time_step_s:g}: {span_s / time_step_s:.3g} iteration times from "
+            f"{planner.min_iteration_time_s:.4f} s to {planner.min_iteration_time_s + span_s:.4f}"
+            f" s; allowed: >= {span_s / MAX_GRID_POINTS:.3g} s for this profile (at most "
+            f"{MAX_GRID_POINTS} iteration times)",
+            "command line",
+        )
 
 
 def _summary(

@@ -21,20 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, non_empty
 from lightning_energy.device.guard import recover
 from lightning_energy.device.lease import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, resolve_lease_dir
 
 __all__ = ["register", "run"]
-
-
-def _directory(text: str) -> str:
-    """``argparse`` type: a non-empty directory path (empty would scan the current one)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "an empty path would be the current directory; name the lease directory"
-        )
-    return text
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--lease-dir",
         metavar="DIR",
         default=None,
-        type=_directory,
+        type=non_empty,
         help=f"lease directory (default: ${LEASE_DIR_ENV}, else {DEFAULT_LEASE_DIR})",
     )
     parser.add_argument("--dry-run", action="store_true", help="only list what would be restored")

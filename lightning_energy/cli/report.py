@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, non_empty
 
 __all__ = ["register", "run"]
 
@@ -33,7 +33,9 @@ def register(subparsers: Any) -> None:
         "point) and emissions.png (cumulative grams vs. the baselines).",
     )
     parser.add_argument("path", metavar="RUN.json", help="the report file")
-    parser.add_argument("--out", metavar="DIR", help="write the PNG plots into this folder")
+    parser.add_argument(
+        "--out", type=non_empty, metavar="DIR", help="write the PNG plots into this folder"
+    )
     parser.add_argument(
         "--json",
         action="store_true",

@@ -420,7 +420,7 @@ class Store:
                         conn.execute(
                             _meta.insert().values(name="schema_version", value=str(_SCHEMA_VERSION))
                         )
-                    elif int(row[0]) > _SCHEMA_VERSION:
+                    elif self._schema_version(row[0]) > _SCHEMA_VERSION:
                         raise StoreError(
                             f"the store {self.url} has schema version {row[0]}, written by a "
                             f"newer lightning-energy (this one reads version {_SCHEMA_VERSION})"
@@ -483,8 +483,7 @@ class Store:
                         sa.select(_jobs.c.settings).where(*self._job_where(_jobs, job))
                     ).first()
                     if row is not None:
-                        stored: dict[str, Any] = json.loads(row[0])
-                        return stored
+                        return self._json_object(row[0], f"the settings of job {job}")
                     conn.execute(
                         _jobs.insert().values(
                             job_key=job.key,
@@ -512,7 +511,7 @@ class Store:
         return [
             JobRecord(
                 job=JobId(row.job_key, row.gpu_model, row.gpu_count),
-                settings=json.loads(row.settings),
+                settings=self._json_object(row.settings, f"the settings of job {row.job_key!r}"),
                 created_at=row.created_at,
             )
             for row in rows
@@ -618,10 +617,34 @@ class Store:
             ).first()
         if row is None:
             return None
-        state: dict[str, Any] = json.loads(row[0])
-        return state
+        return self._json_object(row[0], f"the power profile of job {job}, batch {batch_size}")
 
     # ------------------------------------------------------------------ helpers
+    def _schema_version(self, value: object) -> int:
+        """The ``schema_version`` row as a number >= 1, or a StoreError explaining it."""
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise StoreError(
+            f"the store {self.url} has schema_version {str(value)[:40]!r} in le_meta, which is "
+            f"not a version number (this lightning-energy writes {_SCHEMA_VERSION}); the "
+            "table was changed by something else: restore it or use another store"
+        )
+
+    def _json_object(self, text: object, what: str) -> dict[str, Any]:
+        """A stored JSON object, or a StoreError naming what holds something else."""
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            raise StoreError(
+                f"{what} in the store {self.url} is not a JSON object; the row was changed "
+                "by something else: delete it or use another store"
+            )
+        return value
+
     @staticmethod
     def _job_where(table: sa.Table, job: JobId) -> tuple[sa.ColumnElement[bool], ...]:
         return (

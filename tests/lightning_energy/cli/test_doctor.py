@@ -272,7 +272,7 @@ def test_unwritable_lease_directory_fails(
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--timeout", "0"]) == 2
-    assert "--timeout must be > 0" in capsys.readouterr().err
+    assert "--timeout: '0' is not allowed; use a number > 0" in capsys.readouterr().err
     assert main(["doctor", "--bogus"]) == 2
 
 

@@ -1,0 +1,95 @@
+"""A store whose bookkeeping rows were changed by something else (``schema_version``, a
+job's settings, a saved power profile) gives one StoreError saying so, never another
+exception."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_energy.errors import StoreError
+from lightning_energy.optimize.store import JobId, Store
+
+JOB = JobId("resnet50-imagenet", "NVIDIA A40", 2)
+
+_SETTINGS = settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+#: What SQLite lets a NOT NULL column hold, whatever its declared type.
+_CELLS = st.one_of(
+    st.text(max_size=20),
+    st.sampled_from(["1", "0", "-1", " 1", "1.0", "٣", "[]", "null", "{", "[" * 5000, "{}"]),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+    st.binary(max_size=10),
+)
+
+
+def _fresh(tmp_path: Path) -> Path:
+    path = tmp_path / "h.sqlite"
+    path.unlink(missing_ok=True)
+    with Store.open(f"sqlite:///{path}") as store:
+        store.register_job(JOB, {"batch_sizes": [32, 64]})
+        store.save_power_profile(JOB, 32, {"measured": {}})
+    return path
+
+
+@_SETTINGS
+@given(value=_CELLS)
+def test_any_schema_version_opens_or_is_refused(tmp_path: Path, value: object) -> None:
+    path = _fresh(tmp_path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_meta SET value = ? WHERE name = 'schema_version'", (value,))
+    try:
+        Store.open(f"sqlite:///{path}").close()
+    except StoreError as exc:
+        assert "schema" in str(exc) and str(path) in str(exc)
+
+
+@_SETTINGS
+@given(value=_CELLS)
+def test_any_stored_settings_and_profile_are_read_or_refused(tmp_path: Path, value: object) -> None:
+    path = _fresh(tmp_path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_jobs SET settings = ?", (value,))
+        conn.execute("UPDATE le_power_profiles SET state = ?", (value,))
+    with Store.open(f"sqlite:///{path}") as store:
+        for read in (
+            store.jobs,
+            lambda: store.register_job(JOB, {}),
+            lambda: store.load_power_profile(JOB, 32),
+        ):
+            try:
+                result = read()
+            except StoreError as exc:
+                assert "not a JSON object" in str(exc)
+            else:
+                assert result is not None
+
+
+@pytest.mark.parametrize("value", ["one", "", "-3", "1e3"])
+def test_a_schema_version_that_is_not_a_number_is_named(tmp_path: Path, value: str) -> None:
+    path = _fresh(tmp_path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_meta SET value = ? WHERE name = 'schema_version'", (value,))
+    with pytest.raises(StoreError, match=f"schema_version {value!r} in le_meta"):
+        Store.open(f"sqlite:///{path}")
+
+
+def test_history_of_a_store_with_bad_settings_fails_with_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_energy.cli import EXIT_FAILURE, main
+
+    path = _fresh(tmp_path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_jobs SET settings = 'not json'")
+    assert main(["history", "--store", f"sqlite:///{path}"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "settings of job 'resnet50-imagenet'" in err
+    with sqlite3.connect(path) as conn:  # nothing was changed
+        assert conn.execute("SELECT settings FROM le_jobs").fetchone() == ("not json",)
