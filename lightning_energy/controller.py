@@ -445,11 +445,14 @@ class EnergyController:
 
         ``purpose`` tells reports what the change was for: ``profile`` (a profiling
         window), ``choice`` (the optimizer's or the carbon pace's limit), ``pause`` or
-        ``resume``.
+        ``resume``. Every decision is recorded, also one that keeps the limit already
+        set (the GPU is then left alone).
         """
-        if power_limit_w is None or power_limit_w == self._power_limit_w:
+        if power_limit_w is None:
             return
-        applied = self._guard.set_power_limit_w(power_limit_w)
+        applied = self._power_limit_w
+        if power_limit_w != applied:
+            applied = self._guard.set_power_limit_w(power_limit_w)
         if self._guard.observe_only:
             return
         self._power_limit_w = applied

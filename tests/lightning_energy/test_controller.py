@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,35 @@ def test_carbon_problem_at_setup_is_a_config_error_and_leaves_nothing_changed(
         controller.setup()
     assert "t0ken-value" not in str(info.value)
     assert devices.gpus[0].power_limit_w() == 300.0
+
+
+@pytest.mark.parametrize("candidates", [[300, 250, 200, 150], [300, 250, 200]])
+def test_the_choice_is_recorded_even_when_it_is_the_limit_already_set(
+    tmp_path: Path, candidates: list[int]
+) -> None:
+    devices = _devices()
+    controller = EnergyController(
+        _config(tmp_path, selector="energy", power_limits_w=candidates),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    controller.setup()
+    sets: list[float] = []
+    guard_set = controller._guard.set_power_limit_w
+
+    def counting_set(power_limit_w: float) -> float:
+        sets.append(power_limit_w)
+        return float(guard_set(power_limit_w))
+
+    controller._guard.set_power_limit_w = counting_set
+    _run(controller, 150)
+    assert controller.profile_done
+    profiled_last = [d["value"] for d in controller.decisions if d["purpose"] == "profile"][-1]
+    choices = [d for d in controller.decisions if d["purpose"] == "choice"]
+    assert [d["value"] for d in choices] == [controller.current_power_limit_w()]
+    assert "profile complete" in choices[0]["reason"]
+    # The GPU is not set again to the limit it already has.
+    assert all(a != b for a, b in itertools.pairwise(sets))
+    if candidates[-1] == 200:  # the least-energy limit is the last one profiled
+        assert choices[0]["value"] == profiled_last == 200.0
+    controller.teardown()
