@@ -429,7 +429,22 @@ class EnergyController:
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
-        self._use_profile(chosen, f"profile complete; selector {self._selector.describe()}")
+        reason = f"profile complete; selector {self._selector.describe()}"
+        profile = self._profile_by_limit()
+        if chosen in profile:
+            top_w = max(profile)
+            (t, e), (t_top, e_top) = profile[chosen], profile[top_w]
+            log.info(
+                "power-limit profile complete after %d steps: %.0f W chosen by the %s "
+                "selector (%.1f %% less energy and %+.1f %% time per step than %.0f W)",
+                self._step,
+                chosen,
+                self._selector.describe(),
+                100.0 * (1.0 - e / e_top),
+                100.0 * (t / t_top - 1.0),
+                top_w,
+            )
+        self._use_profile(chosen, reason)
 
     def _use_profile(self, chosen: float | None, reason: str) -> None:
         """Apply the profile's choice and start measuring the steps that run at it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,22 @@ def test_the_choice_is_recorded_even_when_it_is_the_limit_already_set(
     if candidates[-1] == 200:  # the least-energy limit is the last one profiled
         assert choices[0]["value"] == profiled_last == 200.0
     controller.teardown()
+
+
+def test_end_of_profiling_says_at_info_what_was_chosen_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    controller = EnergyController(
+        _config(tmp_path, selector="energy"), devices=_devices(), install_signal_handlers=False
+    )
+    with caplog.at_level(logging.INFO, logger="lightning_energy.controller"):
+        _run(controller, 150)
+    chosen = controller.current_power_limit_w()
+    controller.teardown()
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "lightning_energy.controller" and r.levelno == logging.INFO
+    ]
+    assert len(lines) == 1
+    assert f"{chosen:.0f} W" in lines[0] and "energy" in lines[0] and "less energy" in lines[0]
