@@ -447,10 +447,16 @@ class EnergyController:
         self._use_profile(chosen, reason)
 
     def _use_profile(self, chosen: float | None, reason: str) -> None:
-        """Apply the profile's choice and start measuring the steps that run at it."""
+        """Apply the profile's choice and start measuring the steps that run at it.
+
+        The logging interval closes here, so the grams before the carbon baselines are
+        those of whole intervals and the baselines cover exactly the steps after it.
+        """
         self._static_limit_w = chosen
-        self._profile_end = (self.now(), self._step, self._emissions_g)
         assert self._meter is not None
+        if self._meter.is_open(_INTERVAL):
+            self._next_interval()
+        self._profile_end = (self.now(), self._step, self._emissions_g)
         self._meter.cancel(_AFTER_PROFILE)
         self._meter.begin(_AFTER_PROFILE)
         self._apply(chosen, reason)
@@ -567,11 +573,18 @@ class EnergyController:
         when, step, grams_before = self._profile_end
         steps = max(self._step - step, 0)
         ranks = self.collective.world_size
+        carbon["baselines_from_step"] = step
+        carbon["baselines_from_s"] = (when - self._job_start).total_seconds()
+        carbon["baselines_steps"] = steps
+        carbon["emissions_before_baselines_g"] = grams_before
         baselines = {}
         for name, limit in (("carbon_unaware", self._static_limit_w), ("full_power", max(profile))):
             t, e = profile[limit]
             series = pacer.emissions_at_pace(when, steps, t, e / ranks)
-            baselines[name] = [(s, grams_before + g) for s, g in series[:: max(steps // 200, 1)]]
+            kept = series[:: max(steps // 200, 1)]
+            if series and kept[-1] != series[-1]:
+                kept.append(series[-1])  # the plotted series ends at the total
+            baselines[name] = [(s, grams_before + g) for s, g in kept]
             carbon[f"{name}_emissions_g"] = grams_before + (series[-1][1] if series else 0.0)
             if pacer.deadline is not None:
                 finish = when + timedelta(seconds=steps * t)

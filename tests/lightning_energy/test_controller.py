@@ -243,3 +243,47 @@ def test_end_of_profiling_says_at_info_what_was_chosen_and_why(
     ]
     assert len(lines) == 1
     assert f"{chosen:.0f} W" in lines[0] and "energy" in lines[0] and "less energy" in lines[0]
+
+
+def test_carbon_baselines_cover_exactly_the_steps_and_time_of_the_totals(tmp_path: Path) -> None:
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a40",
+                "start": "2023-03-01T00:00:00Z",
+                "lease_dir": str(tmp_path / "leases"),
+            },
+            "power_limit": {
+                "power_limits_w": [300, 250, 200, 150],
+                "warmup_steps": 2,
+                "settle_steps": 1,
+                "selector": "energy",
+            },
+            "carbon": {"provider": "trace", "region": "DE", "poll_interval_s": 600},
+            "log_every_n_steps": 7,  # divides neither the profile's steps nor the run's
+        }
+    )
+    controller = EnergyController(config, install_signal_handlers=False)
+    _run(controller, 103)
+    summary = controller.teardown()
+    carbon = summary.carbon
+    assert carbon is not None
+    timeline = controller.timeline
+    assert sum(e["steps"] for e in timeline) == summary.steps == 103
+    assert sum(e["duration_s"] for e in timeline) == pytest.approx(summary.duration_s)
+    assert sum(e["emissions_g"] for e in timeline) == pytest.approx(carbon["emissions_g"])
+    # The baselines start where a logging interval ends: the grams before them are those
+    # of the intervals up to that step, and they cover the remaining steps exactly.
+    from_step = carbon["baselines_from_step"]
+    assert 0 < from_step < 103 and from_step % 7 != 0
+    before = [e for e in timeline if e["step"] <= from_step]
+    assert before[-1]["step"] == from_step
+    assert before[-1]["time_s"] == pytest.approx(carbon["baselines_from_s"])
+    assert carbon["emissions_before_baselines_g"] == pytest.approx(
+        sum(e["emissions_g"] for e in before)
+    )
+    assert carbon["baselines_steps"] == summary.steps - from_step
+    for name in ("carbon_unaware", "full_power"):
+        series = carbon["baselines"][name]
+        assert carbon[f"{name}_emissions_g"] == pytest.approx(series[-1][1])
