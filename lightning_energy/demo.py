@@ -82,6 +82,7 @@ _QUIET_LOGGERS = (
     "lightning.pytorch.utilities.rank_zero",
     "lightning.fabric.utilities.rank_zero",
     "lightning_energy.integrations._lightning_core",
+    "lightning_energy.integrations._common",
 )
 
 
@@ -305,7 +306,12 @@ def _intro(options: DemoOptions, config: EnergyConfig) -> str:
         f"the energy callback\ndrives the GPU (a simulated {model.name} unless a real one "
         f"is present: {length} of device time at full power)\nand follows the {options.region} "
         f"grid's carbon intensity ({_TRACE_SOURCES[options.region]}),\nreplayed on the "
-        "virtual clock. Power limits are profiled first, then paced by the carbon policy.\n"
+        "virtual clock. Power limits are profiled first, then paced by the carbon policy"
+        + (
+            "\n(which may pause training while the grid is dirty and the deadline allows it).\n"
+            if options.allow_pause
+            else ".\n"
+        )
     )
 
 
