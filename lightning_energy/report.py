@@ -291,7 +291,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     )
     slowdown = f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %"
     rows.append(("slowdown vs. full power", slowdown + (" (pauses included)" if pauses else "")))
-    pace = _pace(report)
+    pace = _pace(report, paused=bool(pauses))
     if pace:
         rows.append(("carbon pace (step time)", pace))
     rows.extend(_carbon_rows(report.get("carbon"), energy_j))
@@ -372,17 +372,17 @@ def _pauses(report: Mapping[str, Any]) -> tuple[int, float]:
     return count, sum(float(e.get("duration_s", 0.0)) for e in timeline if not e.get("steps"))
 
 
-def _pace(report: Mapping[str, Any]) -> str | None:
+def _pace(report: Mapping[str, Any], *, paused: bool) -> str | None:
     """The range of the carbon pace (target step time over the fastest), or that it
-    never moved; None without carbon pacing."""
+    never moved (between pauses); None without carbon pacing."""
     scales = [float(e["scale"]) for e in report.get("timeline", []) if e.get("scale") is not None]
     if not scales:
         return None
     lo, hi = min(scales), max(scales)
     if round(lo, 2) == round(hi, 2):
         return (
-            f"x{lo:.2f} throughout: the pace never moved (the least-energy limit meets the "
-            "deadline; see docs/carbon-aware.md)"
+            f"x{lo:.2f} throughout{' between pauses' if paused else ''}: the pace never "
+            "moved (the least-energy limit meets the deadline; see docs/carbon-aware.md)"
         )
     return f"x{lo:.2f} to x{hi:.2f} of the fastest step time, as the grid's intensity changed"
 

@@ -287,3 +287,27 @@ def test_carbon_baselines_cover_exactly_the_steps_and_time_of_the_totals(tmp_pat
     for name in ("carbon_unaware", "full_power"):
         series = carbon["baselines"][name]
         assert carbon[f"{name}_emissions_g"] == pytest.approx(series[-1][1])
+
+
+@pytest.mark.parametrize(("max_slowdown", "moves"), [(1.04, True), (1.5, False)])
+def test_the_example_pacing_config_moves_the_pace_and_a_loose_deadline_does_not(
+    tmp_path: Path, max_slowdown: float, moves: bool
+) -> None:
+    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
+    config = EnergyConfig.from_yaml(example).merged(
+        {
+            "device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")},
+            "carbon": {"max_slowdown": max_slowdown},
+            "report": None,
+        }
+    )
+    steps = 1200  # about half a day of device time on the simulated A40
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    controller.set_total_steps(steps)
+    _run(controller, steps)
+    summary = controller.teardown()
+    scales = {round(e["scale"], 2) for e in controller.timeline if e.get("scale") is not None}
+    assert scales
+    assert (len(scales) > 1) == moves
+    assert summary.carbon is not None and summary.carbon["deadline_met"] is True

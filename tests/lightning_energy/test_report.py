@@ -331,3 +331,21 @@ def test_table_gives_the_pace_range_or_says_it_never_moved() -> None:
     assert "x1.00 to x1.20" in moved
     still = format_report(_paused_report([1.05, 1.05, 1.05]))
     assert "x1.05 throughout" in still
+
+
+@pytest.mark.parametrize(("scales", "flat"), [([1.05, 1.05, 1.05], True), ([1.0, 1.0, 1.2], False)])
+def test_power_plot_says_so_when_the_pace_never_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scales: list[float], flat: bool
+) -> None:
+    import lightning_energy.plots as plots
+
+    notes: list[str] = []
+    draw = plots._note
+    monkeypatch.setattr(
+        plots, "_note", lambda ax, message: notes.append(message) or draw(ax, message)
+    )
+    report = _paused_report(scales)
+    for entry in report["timeline"]:
+        entry["intensity_g_per_kwh"] = 300.0
+    plots.plot_power(report, tmp_path / "power.png")
+    assert any("never moved" in n for n in notes) == flat
