@@ -449,6 +449,24 @@ class IntensityOutlook:
         integral = cum[k] + knot_v[k] * (edges_s - knot_t[k])
         return np.diff(integral) / np.diff(edges_s)
 
+    def worst_same_time_of_day(self, times_s: FloatArray, days: int = 7) -> FloatArray:
+        """The dirtiest intensity recorded at the same time of day on each of the past
+        ``days`` days before each of ``times_s`` (NaN where nothing was recorded).
+
+        A value counts when it was recorded at most an hour before that time of day.
+        """
+        hist_t = np.array(sorted(self._history), dtype=np.float64)
+        hist_v = np.array([self._history[t] for t in hist_t], dtype=np.float64)
+        worst = np.full(np.shape(times_s), np.nan)
+        if hist_t.size == 0:
+            return worst
+        for k in range(1, days + 1):
+            q = np.asarray(times_s, dtype=np.float64) - k * 86400.0
+            i = np.searchsorted(hist_t, q, side="right") - 1
+            ok = (i >= 0) & (q - hist_t[np.maximum(i, 0)] <= 3600.0)
+            worst = np.fmax(worst, np.where(ok, hist_v[np.maximum(i, 0)], np.nan))
+        return worst
+
     def _fit(self, knot_t: FloatArray, knot_v: FloatArray) -> None:
         past = [(t, v) for t, v in self._history.items() if t < knot_t[0]]
         times = np.concatenate([np.array([t for t, _ in past], dtype=np.float64), knot_t])

@@ -359,6 +359,40 @@ class ThresholdPolicy(_BasePolicy):
         return rate, False, f"threshold: now {now:.0f}, ahead {ahead:.0f} g/kWh"
 
 
+@dataclass
+class _Unaware:
+    """The carbon-unaware run of one job, and what it and the job have emitted so far.
+
+    The unaware run starts when the job's first decision is made, at the least-energy
+    constant pace that meets the deadline, and never pauses. Grams are counted at the
+    intensity observed at each decision, held until the next one.
+    """
+
+    deadline_s: float
+    power_w: float
+    end_s: float
+    last_s: float
+    last_steps: int
+    last_intensity: float
+    last_energy_per_step_j: float | None = None
+    last_idle_power_w: float = 0.0
+    job_g: float = 0.0
+    unaware_g: float = 0.0
+    left: bool = False
+
+    def account(self, now_s: float, steps: int) -> None:
+        """Add the grams of both runs since the last decision."""
+        span_s = max(now_s - self.last_s, 0.0)
+        if self.last_energy_per_step_j is None:
+            job_j = self.last_idle_power_w * span_s
+        else:
+            job_j = max(self.last_steps - steps, 0) * self.last_energy_per_step_j
+        unaware_s = max(min(now_s, self.end_s) - self.last_s, 0.0)
+        self.job_g += self.last_intensity * job_j / _J_PER_KWH
+        self.unaware_g += self.last_intensity * self.power_w * unaware_s / _J_PER_KWH
+        self.last_s, self.last_steps = now_s, steps
+
+
 @dataclass(kw_only=True, eq=False)
 class ForecastPolicy(_BasePolicy):
     """Plan every interval up to the deadline for the least carbon; re-plan at each call.
@@ -371,9 +405,16 @@ class ForecastPolicy(_BasePolicy):
     efficient work first. The first interval of the plan is what to do now: its pace; or,
     when the plan pauses for part of it, whichever of pausing all of it or working all of
     it at the least-energy point is cheaper when followed by the best plan for the rest.
-    When the plan would emit less than ``min_saving`` (a share) below the steady
-    least-energy pace that meets the deadline, that steady pace is kept: a gain that small
-    is within the forecast's error and not worth changing settings for.
+
+    The plan must pay. At every call the policy weighs, under the same outlook, the job's
+    grams so far plus the plan's against the grams of the carbon-unaware run of the same
+    job (the least-energy constant pace that met the deadline when the job started, never
+    pausing), counted over the same past and the same outlook; and the plan's grams
+    against keeping the steady least-energy pace from now. Unless the plan saves at least
+    ``min_saving`` (a share) on both counts, the job runs at the carbon-unaware pace (or
+    faster, when that is needed to keep the deadline): a gain that small is within the
+    forecast's error and not worth changing settings for, and a job that has not left the
+    carbon-unaware pace stays exactly on it.
 
     Attributes:
         min_saving: the predicted share of emissions a plan must save to be followed.
@@ -381,6 +422,56 @@ class ForecastPolicy(_BasePolicy):
 
     name: ClassVar[str] = "forecast"
     min_saving: float = 0.002
+    _unaware: _Unaware | None = field(default=None, init=False, repr=False)
+
+    def decide(
+        self,
+        progress: JobProgress,
+        intensity_now_g_per_kwh: float,
+        forecast: Sequence[IntensityPoint],
+        frontier: Sequence[OperatingPoint],
+        *,
+        idle_power_w: float = 0.0,
+    ) -> PacingDecision:
+        """Choose the pace until the next call (see :meth:`_BasePolicy.decide`), keeping
+        the account of the job against its carbon-unaware run."""
+        now_s = progress.now.timestamp()
+        deadline_s = progress.deadline.timestamp()
+        steps = progress.remaining_steps
+        unaware = self._unaware
+        if unaware is None or unaware.deadline_s != deadline_s or steps > unaware.last_steps:
+            unaware = self._unaware = self._start_unaware(progress, frontier)
+        else:
+            unaware.account(now_s, steps)
+        decision = super().decide(
+            progress, intensity_now_g_per_kwh, forecast, frontier, idle_power_w=idle_power_w
+        )
+        unaware.left = unaware.left or decision.pause or "carbon-unaware" not in decision.reason
+        unaware.last_intensity = intensity_now_g_per_kwh
+        unaware.last_idle_power_w = idle_power_w
+        unaware.last_energy_per_step_j = (
+            None
+            if decision.pause
+            else energy_per_step_j(self._frontier(frontier), decision.target_time_per_step_s)
+        )
+        return decision
+
+    def _start_unaware(self, progress: JobProgress, frontier: Sequence[OperatingPoint]) -> _Unaware:
+        hull = self._frontier(frontier)
+        steps = progress.remaining_steps
+        time_left_s = progress.time_left_s - self.reserve_fraction * steps * hull[0].time_per_step_s
+        rate = 1.0 / hull[0].time_per_step_s
+        if time_left_s > 0:
+            rate = min(max(steps / time_left_s, 1.0 / hull[-1].time_per_step_s), rate)
+        now_s = progress.now.timestamp()
+        return _Unaware(
+            deadline_s=progress.deadline.timestamp(),
+            power_w=rate * energy_per_step_j(hull, 1.0 / rate),
+            end_s=now_s + steps / rate,
+            last_s=now_s,
+            last_steps=steps,
+            last_intensity=0.0,
+        )
 
     def _choose(self, s: _Situation) -> tuple[float, bool, str]:
         offsets = np.append(np.arange(0.0, s.time_left_s, self.interval_s), s.time_left_s)
@@ -401,11 +492,25 @@ class ForecastPolicy(_BasePolicy):
             )
 
         plan = replan(0, s.steps)
-        pace_power_w = s.pace * energy_per_step_j(s.hull, 1.0 / s.pace)
-        working_s = np.clip(s.steps / s.pace - offsets[:-1], 0.0, durations)
-        steady_g = float(intensity @ working_s) * pace_power_w / _J_PER_KWH
-        if steady_g - plan.emissions_g <= self.min_saving * steady_g:
-            return s.pace, False, "forecast: steady pace, a plan would save too little"
+        steady_rate = s.pace
+        steady_s = np.clip(s.steps / steady_rate - offsets[:-1], 0.0, durations)
+        steady_j = steady_s * steady_rate * energy_per_step_j(s.hull, 1.0 / steady_rate)
+        unaware = self._unaware
+        unaware_j, past_job_g, past_unaware_g = steady_j, 0.0, 0.0
+        if unaware is not None:
+            unaware_j = np.clip(unaware.end_s - edges[:-1], 0.0, durations) * unaware.power_w
+            past_job_g, past_unaware_g = unaware.job_g, unaware.unaware_g
+        # Once the job has left the carbon-unaware pace, the past is spent: only the plan
+        # and the steady pace from now remain to weigh.
+        leaving = unaware is None or not unaware.left
+        keep = 1.0 - self.min_saving
+        for outlook in (intensity, self._pessimistic(s, edges, intensity)):
+            plan_g = float(outlook @ plan.energy_j) / _J_PER_KWH
+            unaware_g = past_unaware_g + float(outlook @ unaware_j) / _J_PER_KWH
+            if plan_g >= keep * float(outlook @ steady_j) / _J_PER_KWH or (
+                leaving and past_job_g + plan_g >= keep * unaware_g
+            ):
+                return s.pace, False, "forecast: carbon-unaware pace, a plan would not pay"
         span_s, planned = float(durations[0]), float(plan.steps[0])
         detail = f"{planned:.0f} steps planned now, {plan.emissions_g:.0f} g to go"
         if planned >= s.r_eff * span_s * (1.0 - 1e-9) or not self.allow_pause:
@@ -419,6 +524,16 @@ class ForecastPolicy(_BasePolicy):
         run_g = now_g_per_j * s.hull[-1].power_w * run_s + after_run.emissions_g
         pause = after_pause.feasible and pause_g < run_g
         return s.r_eff, pause, f"forecast: {'pause, ' if pause else ''}{detail}"
+
+    def _pessimistic(self, s: _Situation, edges: FloatArray, intensity: FloatArray) -> FloatArray:
+        """The outlook with every interval past the forecast at the dirtiest value seen at
+        that time of day over the past week (or, with no such history, the dirtiest value
+        now or forecast): the plan must pay even if the daily profile is optimistic."""
+        ahead = [p.time.timestamp() for p in s.forecast if p.time.timestamp() > s.now_s]
+        known = edges[:-1] < max(ahead, default=s.now_s) + self.interval_s
+        worst = self._outlook.worst_same_time_of_day(edges[:-1])
+        worst = np.where(np.isnan(worst), float(intensity[known].max()), worst)
+        return np.where(known, intensity, np.maximum(worst, intensity))
 
 
 def make_policy(

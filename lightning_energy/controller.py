@@ -652,11 +652,32 @@ class EnergyController:
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
-        self._use_profile(chosen, f"profile complete; selector {self._selector.describe()}")
+        reason = f"profile complete; selector {self._selector.describe()}"
+        profile = self._profile_by_limit()
+        if chosen in profile:
+            top_w = max(profile)
+            (t, e), (t_top, e_top) = profile[chosen], profile[top_w]
+            log.info(
+                "power-limit profile complete after %d steps: %.0f W chosen by the %s "
+                "selector (%.1f %% less energy and %+.1f %% time per step than %.0f W)",
+                self._step,
+                chosen,
+                self._selector.describe(),
+                100.0 * (1.0 - e / e_top),
+                100.0 * (t / t_top - 1.0),
+                top_w,
+            )
+        self._use_profile(chosen, reason)
 
     def _use_profile(self, chosen: float | None, reason: str) -> None:
-        """Apply the profile's choice and start measuring the steps that run at it."""
+        """Apply the profile's choice and start measuring the steps that run at it.
+
+        The logging interval closes here, so the grams before the carbon baselines are
+        those of whole intervals and the baselines cover exactly the steps after it.
+        """
         self._static_limit_w = chosen
+        if self._meter is not None and self._meter.is_open(_INTERVAL):
+            self._next_interval()
         self._profile_end = (self.now(), self._step, self._emissions_g)
         if self._meter is not None:
             self._meter.cancel(_AFTER_PROFILE)
@@ -668,11 +689,14 @@ class EnergyController:
 
         ``purpose`` tells reports what the change was for: ``profile`` (a profiling
         window), ``choice`` (the optimizer's or the carbon pace's limit), ``pause`` or
-        ``resume``.
+        ``resume``. Every decision is recorded, also one that keeps the limit already
+        set (the GPU is then left alone).
         """
-        if power_limit_w is None or power_limit_w == self._power_limit_w:
+        if power_limit_w is None:
             return
-        applied = self._guard.set_power_limit_w(power_limit_w)
+        applied = self._power_limit_w
+        if power_limit_w != applied:
+            applied = self._guard.set_power_limit_w(power_limit_w)
         if self._guard.observe_only or self._guard.restored:
             return
         self._power_limit_w = applied
@@ -776,11 +800,18 @@ class EnergyController:
         when, step, grams_before = self._profile_end
         steps = max(self._step - step, 0)
         ranks = self.collective.world_size
+        carbon["baselines_from_step"] = step
+        carbon["baselines_from_s"] = (when - self._job_start).total_seconds()
+        carbon["baselines_steps"] = steps
+        carbon["emissions_before_baselines_g"] = grams_before
         baselines = {}
         for name, limit in (("carbon_unaware", self._static_limit_w), ("full_power", max(profile))):
             t, e = profile[limit]
             series = pacer.emissions_at_pace(when, steps, t, e / ranks)
-            baselines[name] = [(s, grams_before + g) for s, g in series[:: max(steps // 200, 1)]]
+            kept = series[:: max(steps // 200, 1)]
+            if series and kept[-1] != series[-1]:
+                kept.append(series[-1])  # the plotted series ends at the total
+            baselines[name] = [(s, grams_before + g) for s, g in kept]
             carbon[f"{name}_emissions_g"] = grams_before + (series[-1][1] if series else 0.0)
             if pacer.deadline is not None:
                 finish = when + timedelta(seconds=steps * t)

@@ -14,7 +14,10 @@ while :class:`~lightning_energy.integrations.lightning.EnergyCallback` drives a 
 
 The callback profiles the power limits, picks one with the selector, then lets the
 carbon-aware pacing policy re-choose it as intensity changes, within a deadline of 1.5x
-the full-speed time. At the end the demo prints the summary table (energy, time, power
+the full-speed time (``--max-slowdown``). The least-energy limit alone already meets that
+deadline, so the pace moves only through pauses; with ``--max-slowdown 1.04 --no-pause``
+it must run faster part of the time and does so while the grid is cleanest. At the end
+the demo prints the summary table (energy, time, power
 limits, grams CO2eq and the savings against the carbon-unaware and full-power settings)
 and, with ``report``, writes the run report.
 
@@ -37,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from lightning_energy.cli import int_in, positive_int
+from lightning_energy.cli import float_in, int_in, positive_int
 from lightning_energy.config import EnergyConfig
 
 __all__ = [
@@ -82,6 +85,7 @@ _QUIET_LOGGERS = (
     "lightning.pytorch.utilities.rank_zero",
     "lightning.fabric.utilities.rank_zero",
     "lightning_energy.integrations._lightning_core",
+    "lightning_energy.integrations._common",
 )
 
 
@@ -105,6 +109,9 @@ class DemoOptions:
         start: when the simulated job starts (ISO 8601): the day of the trace replayed.
         allow_pause: let the carbon policy pause training (GPUs idle at the lowest
             limit) while the grid is dirty.
+        max_slowdown: the deadline, as a factor of the full-speed time. The pace moves
+            only when this is below the least-energy limit's slowdown (about 1.07 on the
+            A40), or when pauses are allowed.
     """
 
     gpu: str = "a40"
@@ -118,6 +125,7 @@ class DemoOptions:
     progress: bool = True
     start: str = DEFAULT_START
     allow_pause: bool = True
+    max_slowdown: float = 1.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +184,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="never pause training for a cleaner grid (pacing only changes the power limit)",
     )
     parser.add_argument(
+        "--max-slowdown",
+        type=float_in(1.0, 100.0),
+        default=1.5,
+        metavar="X",
+        help="the deadline as a factor of the full-speed time (default: 1.5); below the "
+        "least-energy limit's own slowdown (about 1.07 on the A40), e.g. 1.04 with "
+        "--no-pause, the pace visibly follows the grid",
+    )
+    parser.add_argument(
         "--seed", type=int_in(0, 2**32 - 1), default=0, help="random seed (default: 0)"
     )
     parser.add_argument(
@@ -197,6 +214,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         progress=not args.no_progress,
         start=args.start,
         allow_pause=not args.no_pause,
+        max_slowdown=args.max_slowdown,
     )
 
 
@@ -220,7 +238,7 @@ def demo_config(options: DemoOptions) -> EnergyConfig:
                 "provider": "trace",
                 "region": options.region,
                 "policy": options.policy,
-                "max_slowdown": 1.5,
+                "max_slowdown": options.max_slowdown,
                 "allow_pause": options.allow_pause,
             },
             "report": options.report,
@@ -307,7 +325,12 @@ def _intro(options: DemoOptions, config: EnergyConfig) -> str:
         f"the energy callback\ndrives the GPU (a simulated {model.name} unless a real one "
         f"is present: {length} of device time at full power)\nand follows the {options.region} "
         f"grid's carbon intensity ({_TRACE_SOURCES[options.region]}),\nreplayed on the "
-        "virtual clock. Power limits are profiled first, then paced by the carbon policy.\n"
+        "virtual clock. Power limits are profiled first, then paced by the carbon policy"
+        + (
+            "\n(which may pause training while the grid is dirty and the deadline allows it).\n"
+            if options.allow_pause
+            else ".\n"
+        )
     )
 
 

@@ -133,6 +133,12 @@ def _empty(ax: Axes, message: str) -> None:
     ax.set_yticks([])
 
 
+def _note(ax: Axes, message: str) -> None:
+    """Say in words what a panel would show (its time axis is kept)."""
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, wrap=True)
+    ax.set_yticks([])
+
+
 # --------------------------------------------------------------------------- power
 def _limit_steps(report: Mapping[str, Any], end_s: float) -> tuple[list[float], list[float]]:
     """Times and values of the power limit as a step function from 0 to ``end_s``."""
@@ -225,7 +231,16 @@ def plot_power(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         twin.set_ylim(bottom=0)
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize="small")
     bottom: Axes = axes[-1][0]
-    if scale is not None:
+    if scale is not None and round(float(np.nanmin(scale)), 2) == round(float(np.nanmax(scale)), 2):
+        bottom.set_title("carbon-aware pace", fontsize="small", loc="left")
+        paused = any(d.get("purpose") == "pause" for d in report.get("decisions", []))
+        _note(
+            bottom,
+            f"the pace never moved: x{float(np.nanmin(scale)):.2f} of the fastest step time "
+            f"throughout{' (between pauses)' if paused else ''}\nthe least-energy power limit "
+            "already meets the deadline (see docs/carbon-aware.md)",
+        )
+    elif scale is not None:
         bottom.stairs(scale, x, baseline=None, color=_COLORS["scale"], linewidth=1.5)
         bottom.axhline(1.0, color="black", linewidth=0.8, alpha=0.5)
         bottom.set_ylabel("target time per step\n(x fastest)")

@@ -410,13 +410,25 @@ def format_report(report: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = [("GPUs", _gpus(report.get("devices", [])))]
     rows.append(("steps", f"{int(summary.get('steps', 0))}"))
     energy_j = float(summary.get("energy_j", 0.0))
-    rows.append(("energy", _energy(energy_j)))
+    kwh = abs(energy_j) >= 0.1 * J_PER_KWH  # one energy unit for the whole table
+    rows.append(("energy", _energy(energy_j, kwh)))
     job = report.get("job")
     if isinstance(job, Mapping) and int(job.get("ranks", 1)) > 1:
         rows[-1] = (f"energy ({summary.get('scope', 'rank 0')})", rows[-1][1])
         scope = f"whole job: {job['ranks']} ranks on {job.get('nodes', 1)} node(s)"
-        rows.append((f"energy ({scope})", _energy(float(job.get("energy_j", 0.0)))))
-    rows.append(("time (device clock)", _duration(float(summary.get("duration_s", 0.0)))))
+        rows.append((f"energy ({scope})", _energy(float(job.get("energy_j", 0.0)), kwh)))
+    duration_s = float(summary.get("duration_s", 0.0))
+    rows.append(("time (device clock)", _duration(duration_s)))
+    pauses, paused_s = _pauses(report)
+    if pauses:
+        times = "1 time" if pauses == 1 else f"{pauses} times"
+        rows.append(
+            (
+                "paused (carbon pacing)",
+                f"{times}, {_duration(paused_s)} ({_share(paused_s, duration_s, base=True)} "
+                "of the time)",
+            )
+        )
     chosen = chosen_power_limits_w(report)
     pre = summary.get("pre_job_power_limit_w")
     if chosen:
@@ -427,11 +439,13 @@ def format_report(report: Mapping[str, Any]) -> str:
         rows.append(("pre-job power limit", f"{float(pre):.0f} W"))
     saved_j = float(summary.get("energy_saved_j", 0.0))
     rows.append(
-        ("energy saved vs. full power", f"{_energy(saved_j)} ({_share(saved_j, energy_j)})")
+        ("energy saved vs. full power", f"{_energy(saved_j, kwh)} ({_share(saved_j, energy_j)})")
     )
-    rows.append(
-        ("slowdown vs. full power", f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %")
-    )
+    slowdown = f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %"
+    rows.append(("slowdown vs. full power", slowdown + (" (pauses included)" if pauses else "")))
+    pace = _pace(report, paused=bool(pauses))
+    if pace:
+        rows.append(("carbon pace (step time)", pace))
     rows.extend(_carbon_rows(report.get("carbon"), energy_j))
     if summary.get("observe_only"):
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
@@ -457,9 +471,10 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
     if emitted is None:
         return rows
     emitted = float(emitted)
+    kg = abs(emitted) >= 1000  # one mass unit for the whole table
     if energy_j > 0:
         rows.append(("mean intensity", f"{emitted / (energy_j / J_PER_KWH):.0f} gCO2eq/kWh"))
-    rows.append(("emissions", _grams(emitted)))
+    rows.append(("emissions", _grams(emitted, kg)))
     for name, label in (("carbon_unaware", "vs. carbon-unaware"), ("full_power", "vs. full power")):
         baseline = carbon.get(f"{name}_emissions_g")
         if baseline is None:
@@ -468,14 +483,14 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
         saved = baseline - emitted
         share = _share(abs(saved), baseline, base=True)
         outcome = (
-            f"saved {_grams(saved)} ({share})"
+            f"saved {_grams(saved, kg)} ({share})"
             if saved >= 0
-            else f"emitted {_grams(-saved)} more ({share})"
+            else f"emitted {_grams(-saved, kg)} more ({share})"
         )
         late = (
             " (it would miss the deadline)" if carbon.get(f"{name}_meets_deadline") is False else ""
         )
-        rows.append((label, f"{_grams(baseline)}; this run {outcome}{late}"))
+        rows.append((label, f"{_grams(baseline, kg)}; this run {outcome}{late}"))
     return rows
 
 
@@ -499,14 +514,39 @@ def _gpus(devices: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(f"{count}x {name}" for name, count in names.items())
 
 
-def _energy(energy_j: float) -> str:
-    if abs(energy_j) >= 0.1 * J_PER_KWH:
+def _pauses(report: Mapping[str, Any]) -> tuple[int, float]:
+    """How many times the carbon pacing paused training, and for how long in all (the
+    logging intervals without a step)."""
+    count = sum(1 for d in report.get("decisions", []) if d.get("purpose") == "pause")
+    if not count:
+        return 0, 0.0
+    timeline = report.get("timeline", [])
+    return count, sum(float(e.get("duration_s", 0.0)) for e in timeline if not e.get("steps"))
+
+
+def _pace(report: Mapping[str, Any], *, paused: bool) -> str | None:
+    """The range of the carbon pace (target step time over the fastest), or that it
+    never moved (between pauses); None without carbon pacing."""
+    scales = [float(e["scale"]) for e in report.get("timeline", []) if e.get("scale") is not None]
+    if not scales:
+        return None
+    lo, hi = min(scales), max(scales)
+    if round(lo, 2) == round(hi, 2):
+        return (
+            f"x{lo:.2f} throughout{' between pauses' if paused else ''}: the pace never "
+            "moved (the least-energy limit meets the deadline; see docs/carbon-aware.md)"
+        )
+    return f"x{lo:.2f} to x{hi:.2f} of the fastest step time, as the grid's intensity changed"
+
+
+def _energy(energy_j: float, kwh: bool) -> str:
+    if kwh:
         return f"{energy_j / J_PER_KWH:.2f} kWh"
     return f"{energy_j / 1000:.2f} kJ"
 
 
-def _grams(grams: float) -> str:
-    return f"{grams / 1000:.2f} kgCO2eq" if abs(grams) >= 1000 else f"{grams:.1f} gCO2eq"
+def _grams(grams: float, kg: bool) -> str:
+    return f"{grams / 1000:.2f} kgCO2eq" if kg else f"{grams:.1f} gCO2eq"
 
 
 def _share(part: float, total: float, *, base: bool = False) -> str:

@@ -98,13 +98,32 @@ def _point_dict(point: IntensityPoint) -> dict[str, Any]:
     }
 
 
+def _kind(provider: CarbonProvider, point: IntensityPoint) -> str:
+    """What a point is, in words: recorded traces are replayed, not measured now."""
+    if provider.name == "trace":
+        return "replayed"
+    return point.kind.value
+
+
 def _print_now(provider: CarbonProvider, point: IntensityPoint, as_json: bool) -> None:
     if as_json:
         body = {"provider": provider.name, "region": provider.region, **_point_dict(point)}
+        body["replayed"] = provider.name == "trace"
         print(json.dumps(body))
         return
+    value = f"{point.intensity_g_per_kwh:.1f} gCO2eq/kWh"
+    if provider.name == "constant":
+        print(f"constant: {value} (a fixed value from the configuration, not grid data)")
+        return
+    if provider.name == "trace":
+        print(
+            f"trace {provider.region}: {value} (replayed from a recorded trace, not measured "
+            f"now: the trace's value for the interval from {point.time:%m-%d %H:%M} UTC, its "
+            f"year wrapped onto {point.time:%Y}; source {point.source})"
+        )
+        return
     print(
-        f"{provider.name} {provider.region}: {point.intensity_g_per_kwh:.1f} gCO2eq/kWh "
+        f"{provider.name} {provider.region}: {value} "
         f"({point.kind.value}, interval from {point.time:%Y-%m-%d %H:%M} UTC, "
         f"source {point.source})"
     )
@@ -122,4 +141,4 @@ def _print_forecast(provider: CarbonProvider, points: list[IntensityPoint], as_j
     print(f"{provider.name} {provider.region}: {len(points)} points")
     print(f"{'time (UTC)':<17}  {'gCO2eq/kWh':>10}  kind")
     for p in points:
-        print(f"{p.time:%Y-%m-%d %H:%M}  {p.intensity_g_per_kwh:>10.1f}  {p.kind.value}")
+        print(f"{p.time:%Y-%m-%d %H:%M}  {p.intensity_g_per_kwh:>10.1f}  {_kind(provider, p)}")

@@ -38,17 +38,24 @@ def test_now_from_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["carbon", "now", "--config", path]) == 0
     out = capsys.readouterr().out
     assert out.startswith("trace FR: ") and "gCO2eq/kWh" in out
+    assert "replayed from a recorded trace" in out and "measured" not in out.split("not")[0]
     assert main(["carbon", "now", "--config", path, "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["provider"] == "trace" and body["region"] == "FR"
     assert isinstance(body["g_per_kwh"], float) and body["g_per_kwh"] > 0
     assert body["kind"] == "measured" and body["source"] == "trace:FR"
+    assert body["replayed"] is True
 
 
 def test_now_constant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = config(tmp_path, "  provider: constant\n  constant_g_per_kwh: 123.5\n")
     assert main(["carbon", "now", "--config", path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["g_per_kwh"] == 123.5
+    assert main(["carbon", "now", "--config", path]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out == "constant: 123.5 gCO2eq/kWh (a fixed value from the configuration, not grid data)\n"
+    )
 
 
 @pytest.mark.wall_clock  # 5 hours ahead from now: 5 or 6 rows at any date and time of day
@@ -58,7 +65,7 @@ def test_forecast_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["time", "(UTC)", "gCO2eq/kWh", "kind"]
     rows = lines[2:]
-    assert len(rows) in (5, 6) and all(r.endswith("forecast") for r in rows)
+    assert len(rows) in (5, 6) and all(r.endswith("replayed") for r in rows)
     assert main(["carbon", "forecast", "--config", path, "--hours", "5", "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert len(body["points"]) == len(rows)

@@ -372,10 +372,10 @@ def test_forecast_keeps_the_steady_pace_when_a_plan_saves_too_little() -> None:
     steady = make_policy("forecast", allow_pause=True).decide(
         progress, 300.0, almost_flat, FRONTIER
     )
-    assert "steady" in steady.reason
+    assert "carbon-unaware pace" in steady.reason
     assert steady.scale == pytest.approx(1.25)
     eager = make_policy("forecast", allow_pause=True, min_saving=0.0)
-    assert "steady" not in eager.decide(progress, 300.0, almost_flat, FRONTIER).reason
+    assert "carbon-unaware" not in eager.decide(progress, 300.0, almost_flat, FRONTIER).reason
 
 
 def test_outlook_holds_each_value_and_extends_past_the_forecast() -> None:

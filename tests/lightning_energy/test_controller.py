@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +192,122 @@ def test_carbon_problem_at_setup_is_a_config_error_and_leaves_nothing_changed(
         controller.setup()
     assert "t0ken-value" not in str(info.value)
     assert devices.gpus[0].power_limit_w() == 300.0
+
+
+@pytest.mark.parametrize("candidates", [[300, 250, 200, 150], [300, 250, 200]])
+def test_the_choice_is_recorded_even_when_it_is_the_limit_already_set(
+    tmp_path: Path, candidates: list[int]
+) -> None:
+    devices = _devices()
+    controller = EnergyController(
+        _config(tmp_path, selector="energy", power_limits_w=candidates),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    controller.setup()
+    sets: list[float] = []
+    guard_set = controller._guard.set_power_limit_w
+
+    def counting_set(power_limit_w: float) -> float:
+        sets.append(power_limit_w)
+        return float(guard_set(power_limit_w))
+
+    controller._guard.set_power_limit_w = counting_set
+    _run(controller, 150)
+    assert controller.profile_done
+    profiled_last = [d["value"] for d in controller.decisions if d["purpose"] == "profile"][-1]
+    choices = [d for d in controller.decisions if d["purpose"] == "choice"]
+    assert [d["value"] for d in choices] == [controller.current_power_limit_w()]
+    assert "profile complete" in choices[0]["reason"]
+    # The GPU is not set again to the limit it already has.
+    assert all(a != b for a, b in itertools.pairwise(sets))
+    if candidates[-1] == 200:  # the least-energy limit is the last one profiled
+        assert choices[0]["value"] == profiled_last == 200.0
+    controller.teardown()
+
+
+def test_end_of_profiling_says_at_info_what_was_chosen_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    controller = EnergyController(
+        _config(tmp_path, selector="energy"), devices=_devices(), install_signal_handlers=False
+    )
+    with caplog.at_level(logging.INFO, logger="lightning_energy.controller"):
+        _run(controller, 150)
+    chosen = controller.current_power_limit_w()
+    controller.teardown()
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "lightning_energy.controller" and r.levelno == logging.INFO
+    ]
+    assert len(lines) == 1
+    assert f"{chosen:.0f} W" in lines[0] and "energy" in lines[0] and "less energy" in lines[0]
+
+
+def test_carbon_baselines_cover_exactly_the_steps_and_time_of_the_totals(tmp_path: Path) -> None:
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a40",
+                "start": "2023-03-01T00:00:00Z",
+                "lease_dir": str(tmp_path / "leases"),
+            },
+            "power_limit": {
+                "power_limits_w": [300, 250, 200, 150],
+                "warmup_steps": 2,
+                "settle_steps": 1,
+                "selector": "energy",
+            },
+            "carbon": {"provider": "trace", "region": "DE", "poll_interval_s": 600},
+            "log_every_n_steps": 7,  # divides neither the profile's steps nor the run's
+        }
+    )
+    controller = EnergyController(config, install_signal_handlers=False)
+    _run(controller, 103)
+    summary = controller.teardown()
+    carbon = summary.carbon
+    assert carbon is not None
+    timeline = controller.timeline
+    assert sum(e["steps"] for e in timeline) == summary.steps == 103
+    assert sum(e["duration_s"] for e in timeline) == pytest.approx(summary.duration_s)
+    assert sum(e["emissions_g"] for e in timeline) == pytest.approx(carbon["emissions_g"])
+    # The baselines start where a logging interval ends: the grams before them are those
+    # of the intervals up to that step, and they cover the remaining steps exactly.
+    from_step = carbon["baselines_from_step"]
+    assert 0 < from_step < 103 and from_step % 7 != 0
+    before = [e for e in timeline if e["step"] <= from_step]
+    assert before[-1]["step"] == from_step
+    assert before[-1]["time_s"] == pytest.approx(carbon["baselines_from_s"])
+    assert carbon["emissions_before_baselines_g"] == pytest.approx(
+        sum(e["emissions_g"] for e in before)
+    )
+    assert carbon["baselines_steps"] == summary.steps - from_step
+    for name in ("carbon_unaware", "full_power"):
+        series = carbon["baselines"][name]
+        assert carbon[f"{name}_emissions_g"] == pytest.approx(series[-1][1])
+
+
+@pytest.mark.parametrize(("max_slowdown", "moves"), [(1.04, True), (1.5, False)])
+def test_the_example_pacing_config_moves_the_pace_and_a_loose_deadline_does_not(
+    tmp_path: Path, max_slowdown: float, moves: bool
+) -> None:
+    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
+    config = EnergyConfig.from_yaml(example).merged(
+        {
+            "device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")},
+            "carbon": {"max_slowdown": max_slowdown},
+            "report": None,
+        }
+    )
+    steps = 1200  # about half a day of device time on the simulated A40
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    controller.set_total_steps(steps)
+    _run(controller, steps)
+    summary = controller.teardown()
+    scales = {round(e["scale"], 2) for e in controller.timeline if e.get("scale") is not None}
+    assert scales
+    assert (len(scales) > 1) == moves
+    assert summary.carbon is not None and summary.carbon["deadline_met"] is True

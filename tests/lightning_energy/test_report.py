@@ -255,3 +255,102 @@ def test_plots_into_an_unwritable_place_fail_clearly(
     blocker.write_text("")
     with pytest.raises(ReportError, match="cannot create the folder"):
         render_plots(build_report(plain), blocker / "plots")
+
+
+def _paused_report(scales: list[float | None]) -> dict[str, Any]:
+    """A paced run: 3 intervals of steps, one paused hour between them."""
+    timeline = [
+        {
+            "step": 10,
+            "time_s": 3600.0,
+            "duration_s": 3600.0,
+            "steps": 10,
+            "energy_j": 9.0e5,
+            "power_w": 250.0,
+            "power_limit_w": 200.0,
+            "emissions_g": 90.0,
+            "scale": scales[0],
+        },
+        {
+            "step": 10,
+            "time_s": 7200.0,
+            "duration_s": 3600.0,
+            "steps": 0,
+            "energy_j": 3.0e4,
+            "power_w": 8.0,
+            "power_limit_w": 100.0,
+            "emissions_g": 4.0,
+            "scale": scales[1],
+        },
+        {
+            "step": 20,
+            "time_s": 10800.0,
+            "duration_s": 3600.0,
+            "steps": 10,
+            "energy_j": 9.5e5,
+            "power_w": 260.0,
+            "power_limit_w": 250.0,
+            "emissions_g": 60.0,
+            "scale": scales[2],
+        },
+    ]
+    return {
+        "devices": [{"name": "NVIDIA A40"}],
+        "summary": {
+            "steps": 20,
+            "energy_j": 1.88e6,
+            "duration_s": 10800.0,
+            "energy_saved_j": 2.0e3,
+            "slowdown": 1.4,
+            "pre_job_power_limit_w": 300.0,
+        },
+        "decisions": [
+            {"purpose": "choice", "value": 200.0, "step": 5, "time_s": 1800.0},
+            {"purpose": "pause", "value": 100.0, "step": 10, "time_s": 3600.0},
+            {"purpose": "resume", "value": 200.0, "step": 10, "time_s": 7200.0},
+            {"purpose": "choice", "value": 250.0, "step": 10, "time_s": 7200.0},
+        ],
+        "timeline": timeline,
+        "carbon": {
+            "emissions_g": 154.0,
+            "carbon_unaware_emissions_g": 154.5,
+            "full_power_emissions_g": 2100.0,
+        },
+    }
+
+
+def test_table_states_pauses_and_their_share_of_the_time() -> None:
+    table = format_report(_paused_report([1.0, 1.0, 1.2]))
+    assert "paused" in table and "1 time" in table and "1 h 00 min (33.3 % of the time)" in table
+    assert "pauses included" in table
+
+
+def test_table_uses_one_energy_unit_and_one_mass_unit() -> None:
+    table = format_report(_paused_report([1.0, 1.0, 1.2]))
+    assert "kWh" in table and "kJ" not in table  # 2 kJ saved shows as 0.00 kWh
+    assert "kgCO2eq" not in table  # 154 g emitted: every mass in grams
+
+
+def test_table_gives_the_pace_range_or_says_it_never_moved() -> None:
+    moved = format_report(_paused_report([1.0, 1.0, 1.2]))
+    assert "x1.00 to x1.20" in moved
+    still = format_report(_paused_report([1.05, 1.05, 1.05]))
+    assert "x1.05 throughout" in still
+
+
+@pytest.mark.parametrize(("scales", "flat"), [([1.05, 1.05, 1.05], True), ([1.0, 1.0, 1.2], False)])
+def test_power_plot_says_so_when_the_pace_never_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scales: list[float], flat: bool
+) -> None:
+    import lightning_energy.plots as plots
+
+    notes: list[str] = []
+    draw = plots._note
+    monkeypatch.setattr(
+        plots, "_note", lambda ax, message: notes.append(message) or draw(ax, message)
+    )
+    report = _paused_report(scales)
+    for entry in report["timeline"]:
+        entry["intensity_g_per_kwh"] = 300.0
+    plots.plot_power(report, tmp_path / "power.png")
+    assert any("never moved" in n for n in notes) == flat

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,20 @@ def _leases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_demo_trains_prints_the_summary_and_writes_the_report(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     report_path = tmp_path / "runs" / "demo.json"
     args = ["demo", "--steps", "200", "--region", "CISO", "--backend", "simulated"]
-    assert main([*args, "--no-progress", "--report", str(report_path), "--seed", "3"]) == 0
+    with caplog.at_level(logging.INFO):
+        assert main([*args, "--no-progress", "--report", str(report_path), "--seed", "3"]) == 0
     out = capsys.readouterr().out
+    # One summary: the callback's own (in other units) is not logged besides the table.
+    assert not [r for r in caplog.records if "energy summary" in r.getMessage()]
+    assert out.count("Summary\n") == 1
     assert "simulated NVIDIA A40" in out and "CISO grid" in out
     summary = out.split("Summary\n", 1)[1]
-    for row in ("energy", "power limits chosen", "emissions", "vs. carbon-unaware", "vs. full"):
+    rows = ("energy", "power limits chosen", "carbon pace", "emissions", "vs. carbon-unaware")
+    for row in (*rows, "vs. full"):
         assert row in summary
     assert f"Report written to {report_path}" in out
     assert "Electricity Maps (ODbL)" in out
