@@ -26,7 +26,9 @@ in training does); runs with and without pausing allowed are reported separately
 
 Usage::
 
+    python benchmarks/carbon_policy.py --trace DE            # one trace, 10 starts per shape
     python benchmarks/carbon_policy.py                       # the three shipped traces
+    python benchmarks/carbon_policy.py --starts 100          # the full run
     python benchmarks/carbon_policy.py --trace my.csv --time-col Time --value-col CI --json
 
 Data: Electricity Maps 2023 (CISO, DE; ODbL), Wiesner et al. 2021 (FR); Zeus A40 power
