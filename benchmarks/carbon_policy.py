@@ -10,16 +10,25 @@ trace's resolution until the next call; a target time between two frontier point
 by time sharing. Grams = energy x intensity of the interval it is used in.
 
 Baselines: ``full`` runs at the fastest point from the start; ``oracle`` is the least-carbon
-schedule for the true trace up to the same deadline, planned once at the trace's
-resolution and executed exactly (no re-planning, no rounding to hourly decisions).
+schedule for the true trace up to the same deadline on the policies' own operating points
+(the convex frontier), planned once at the trace's resolution and executed exactly (no
+re-planning, no rounding to hourly decisions); ``oracle_all_limits`` is the same with every
+measured power limit (a limit off the frontier draws less power, which pays when the job may
+not pause and the grid is dirty).
 
-Forecast modes: ``perfect`` hands the policies the trace's true values for the next 24 h
-(a perfect day-ahead forecast; the policies continue it with their daily profile);
-``daily`` hands them none, so they rely on the daily profile they fit on the past week.
+Forecast modes (both by default, reported side by side): ``perfect`` hands the policies the
+trace's true values for the next 24 h (an upper bound: no real forecast is exact; the
+policies continue it with their daily profile); ``daily`` hands them none, so they rely on
+the daily profile they fit on the past week.
+
+A paused job draws the GPU's idle power (by default the power trace's, as the simulated GPU
+in training does); runs with and without pausing allowed are reported separately.
 
 Usage::
 
+    python benchmarks/carbon_policy.py --trace DE            # one trace, 10 starts per shape
     python benchmarks/carbon_policy.py                       # the three shipped traces
+    python benchmarks/carbon_policy.py --starts 100          # the full run
     python benchmarks/carbon_policy.py --trace my.csv --time-col Time --value-col CI --json
 
 Data: Electricity Maps 2023 (CISO, DE; ODbL), Wiesner et al. 2021 (FR); Zeus A40 power
@@ -45,19 +54,23 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from carbon.planning import energy_per_step_j, plan_steps
+from carbon.planning import _fill, energy_per_step_j
 from carbon.policy import JobProgress, OperatingPoint, frontier_from_profile, make_policy
 from carbon.providers.trace import SHIPPED_TRACES, TraceSeries, load_trace
 from carbon.types import IntensityPoint, PointKind
+from lightning_energy.device.traces import TRACE_GPUS, PowerTrace
 
 FloatArray = npt.NDArray[np.float64]
 
 POLICIES = ("static", "threshold", "forecast")
-REPORTED = (*POLICIES, "oracle")
+ORACLES = ("oracle", "oracle_all_limits")
+REPORTED = (*POLICIES, *ORACLES)
+FORECAST_MODES = ("perfect", "daily")
 POLL_S = 3600.0
 DAY_S = 86400.0
 HISTORY_S = 7 * DAY_S
 FORECAST_HORIZON_S = DAY_S
+J_PER_KWH = 3.6e6
 #: The simulation splits one measured epoch into this many steps; ratios do not depend on it.
 STEPS_PER_EPOCH = 1000
 
@@ -78,7 +91,11 @@ class Shape:
 
 @dataclass(frozen=True)
 class Task:
-    """The jobs of one shape on one trace, run in one worker."""
+    """The jobs of one shape on one trace in one forecast mode, run in one worker.
+
+    ``measured`` holds every measured operating point for ``oracle_all_limits``; empty
+    means the frontier.
+    """
 
     trace_name: str
     times_s: FloatArray
@@ -88,19 +105,20 @@ class Task:
     starts: tuple[int, ...]
     forecast_mode: str
     idle_power_w: float
+    measured: tuple[OperatingPoint, ...] = ()
 
 
-def load_frontier(path: Path, workload: str, batch_size: int) -> tuple[OperatingPoint, ...]:
-    """Time and energy per step at each power limit of one workload of a Zeus power trace.
+def load_points(path: Path, workload: str, batch_size: int) -> tuple[OperatingPoint, ...]:
+    """Time and energy per step at every measured power limit of one workload.
 
     Args:
-        path: a CSV with columns dataset, network, batch_size, power_limit, time_per_epoch,
-            average_power.
+        path: a Zeus power trace: a CSV with columns dataset, network, batch_size,
+            power_limit, time_per_epoch, average_power.
         workload: ``dataset/network``.
         batch_size: the batch size.
 
     Returns:
-        The convex frontier, fastest first.
+        One point per power limit, fastest first (the policies take the convex frontier).
     """
     dataset, _, network = workload.partition("/")
     points = []
@@ -118,29 +136,42 @@ def load_frontier(path: Path, workload: str, batch_size: int) -> tuple[Operating
             points.append(OperatingPoint(step_s, step_s * power_w, label))
     if not points:
         raise SystemExit(f"no rows for workload {workload!r} at batch size {batch_size} in {path}")
-    return frontier_from_profile(points)
+    return tuple(sorted(points, key=lambda p: p.time_per_step_s))
 
 
-def start_indices(series_len: int, period_s: float, max_span_s: float, count: int) -> list[int]:
-    """``count`` start rows spread evenly, each with a week of history before it and room
-    for the longest job after it, aligned to whole hours."""
-    first = math.ceil(HISTORY_S / period_s)
-    last = series_len - math.ceil((max_span_s + POLL_S) / period_s) - 1
-    if last <= first:
+def gpu_idle_power_w(path: Path) -> float:
+    """The idle power of the power trace's GPU, as the trace-driven simulated GPU uses it."""
+    for file_name, _, idle_power_w in TRACE_GPUS.values():
+        if path.name == file_name:
+            return idle_power_w
+    return PowerTrace.load(path).idle_power_w
+
+
+def start_indices(times_s: FloatArray, max_span_s: float, count: int) -> list[int]:
+    """``count`` start rows spread evenly in time, each with a week of history before it and
+    room for the longest job after it, at the first row at or after a whole hour.
+
+    Works by time, not by row counts, so gaps and changes of resolution do not move a
+    start too close to the end of the trace.
+    """
+    first_s = float(times_s[0]) + HISTORY_S
+    last_s = float(times_s[-1]) - max_span_s - POLL_S
+    if last_s <= first_s:
         raise SystemExit("the trace is too short for a week of history and the longest job")
-    step_rows = max(1, round(POLL_S / period_s))
-    rows = np.linspace(first, last, count)
-    return [int(r) // step_rows * step_rows for r in rows]
+    hours_s = np.floor(np.linspace(first_s, last_s, count) / POLL_S) * POLL_S
+    rows = np.searchsorted(times_s, np.maximum(hours_s, first_s), side="left")
+    return [int(r) for r in rows]
 
 
 class _Trace:
-    """Fast lookups into one trace for a simulation."""
+    """Fast lookups into one trace for a simulation (each value holds until the next row;
+    the last one holds on)."""
 
     def __init__(self, name: str, times_s: FloatArray, values: FloatArray) -> None:
         self.name = name
         self.times_s = times_s
         self.values = values
-        self.period_s = float(np.median(np.diff(times_s)))
+        self.ends_s = np.append(times_s[1:], np.inf)
         self.points = [
             IntensityPoint(
                 datetime.fromtimestamp(float(t), tz=timezone.utc),
@@ -162,8 +193,7 @@ class _Trace:
         ]
 
     def forecast(self, t_s: float) -> list[IntensityPoint]:
-        k = self.index(t_s)
-        return self.points[k + 1 : k + 1 + round(FORECAST_HORIZON_S / self.period_s)]
+        return self.points[self.index(t_s) + 1 : self.index(t_s + FORECAST_HORIZON_S) + 1]
 
 
 def simulate_policy(
@@ -196,12 +226,12 @@ def simulate_policy(
         poll_end_s = t_s + POLL_S
         while t_s < poll_end_s - 1e-9 and left > 1e-9:
             k = trace.index(t_s)
-            span_s = min(float(trace.times_s[k]) + trace.period_s, poll_end_s) - t_s
+            span_s = min(float(trace.ends_s[k]), poll_end_s) - t_s
             if decision.pause:
-                grams += trace.values[k] * idle_power_w * span_s / 3.6e6
+                grams += trace.values[k] * idle_power_w * span_s / J_PER_KWH
             else:
                 span_s = min(span_s, left / rate)
-                grams += trace.values[k] * power_w * span_s / 3.6e6
+                grams += trace.values[k] * power_w * span_s / J_PER_KWH
                 left -= rate * span_s
             t_s += span_s
     return grams, t_s > deadline_s + 1e-6
@@ -222,39 +252,131 @@ def _grams_at_constant_power(trace: _Trace, start_s: float, end_s: float, power_
     if edges.size < k1 - k0 + 2:
         edges = np.append(edges, end_s)
     spans = np.diff(edges)
-    return float(trace.values[k0 : k1 + 1] @ spans) * power_w / 3.6e6
+    return float(trace.values[k0 : k1 + 1] @ spans) * power_w / J_PER_KWH
+
+
+def _lower_hull(vertices: Sequence[tuple[float, float]]) -> FloatArray:
+    """The lower convex hull of (rate, power) vertices, by increasing rate, as rows."""
+    hull: list[tuple[float, float]] = []
+    for v in sorted(set(vertices)):
+        if hull and hull[-1][0] == v[0]:
+            continue  # the same rate at a higher power
+        while len(hull) >= 2:
+            (r0, p0), (r1, p1) = hull[-2], hull[-1]
+            if (r1 - r0) * (v[1] - p0) - (p1 - p0) * (v[0] - r0) > 0.0:
+                break
+            hull.pop()
+        hull.append(v)
+    return np.array(hull, dtype=np.float64)
+
+
+def plan_least_carbon(
+    intensity: FloatArray,
+    durations: FloatArray,
+    need: float,
+    points: Sequence[OperatingPoint],
+    *,
+    allow_pause: bool,
+    idle_power_w: float,
+) -> float:
+    """Grams of the least-carbon schedule on given operating points, for the true trace.
+
+    Any mix of the points may run in an interval: a point on the lower convex hull of
+    power against rate. Until the interval in which the job ends, it runs at least at its
+    slowest point (no pausing) or idles at ``idle_power_w`` (pausing); in that last
+    interval it may also stop, which costs nothing (the hull with the origin). Each
+    possible last interval is tried and the cheapest plan kept, so idle time after the
+    end is never charged. With the convex frontier as ``points`` and no idle power this
+    is the schedule of :func:`carbon.planning.plan_steps`.
+
+    Args:
+        intensity: carbon intensity of each interval.
+        duration_s: length of each interval (the last one ends at the deadline).
+        need: steps to do.
+        points: the operating points the schedule may use.
+        allow_pause: whether the job may stop during an interval before it ends.
+        idle_power_w: power drawn while paused.
+
+    Returns:
+        The grams; when the work does not fit even at full speed, those of full speed in
+        every interval.
+    """
+    vertices = [(1.0 / p.time_per_step_s, p.power_w) for p in points]
+    r_max = max(r for r, _ in vertices)
+    if need > r_max * float(durations.sum()):
+        p_fast = min(p for r, p in vertices if r == r_max)
+        return float(intensity @ durations) * p_fast / J_PER_KWH
+
+    def segments(hull: FloatArray) -> tuple[FloatArray, FloatArray]:
+        widths = np.diff(hull[:, 0])
+        return np.diff(hull[:, 1]) / widths, widths
+
+    run = _lower_hull([(0.0, idle_power_w), *vertices] if allow_pause else vertices)
+    run_slopes, run_widths = segments(run)
+    stop_slopes, stop_widths = segments(_lower_hull([(0.0, 0.0), *vertices]))
+    r_base, p_base = float(run[0, 0]), float(run[0, 1])
+    before = np.concatenate([[0.0], np.cumsum(durations)])
+    first = int(np.searchsorted(r_max * before[1:], need, side="left"))
+    last = min(int(np.searchsorted(r_base * before[1:], need, side="left")), durations.size - 1)
+    best = math.inf
+    k = run_slopes.size
+    for m in range(first, last + 1):
+        extra = need - r_base * before[m]
+        if extra < 0.0:
+            break
+        costs = np.concatenate(
+            [np.outer(intensity[:m], run_slopes).ravel(), intensity[m] * stop_slopes]
+        )
+        caps = np.concatenate(
+            [np.outer(durations[:m], run_widths).ravel(), durations[m] * stop_widths]
+        )
+        if extra > caps.sum():
+            continue
+        alloc = _fill(costs, caps, extra)
+        energy_j = p_base * durations[:m] + alloc[: m * k].reshape(m, k) @ run_slopes
+        grams = (
+            float(intensity[:m] @ energy_j) + intensity[m] * float(alloc[m * k :] @ stop_slopes)
+        ) / J_PER_KWH
+        best = min(best, grams)
+    assert math.isfinite(best), "the full-speed run always ends in a candidate interval"
+    return best
 
 
 def simulate_oracle(
     trace: _Trace,
-    frontier: tuple[OperatingPoint, ...],
+    points: tuple[OperatingPoint, ...],
     steps: int,
     start_s: float,
     deadline_s: float,
     allow_pause: bool,
     idle_power_w: float,
 ) -> float:
-    """Grams of the least-carbon schedule for the true trace (perfect foresight)."""
+    """Grams of the least-carbon schedule on ``points`` for the true trace (perfect
+    foresight), at the trace's resolution, up to the deadline."""
     k0, k1 = trace.index(start_s), trace.index(deadline_s - 1e-6)
     edges = np.append(np.clip(trace.times_s[k0 : k1 + 1], start_s, None), deadline_s)
-    intensity = trace.values[k0 : k1 + 1]
-    plan = plan_steps(
-        intensity,
+    return plan_least_carbon(
+        trace.values[k0 : k1 + 1],
         np.diff(edges),
         steps,
-        frontier,
+        points,
         allow_pause=allow_pause,
         idle_power_w=idle_power_w,
     )
-    working = np.flatnonzero(plan.steps > 0)
-    after = slice(int(working[-1]) + 1 if working.size else 0, None)
-    idle_after = float(intensity[after] @ np.diff(edges)[after]) * idle_power_w / 3.6e6
-    return plan.emissions_g - (idle_after if allow_pause else 0.0)
+
+
+#: Traces already prepared in this worker process, by name and extent.
+_TRACES: dict[tuple[str, int, float, float], _Trace] = {}
 
 
 def run_task(task: Task) -> dict[str, list[float]]:
     """Simulate every start of one shape on one trace."""
-    trace = _Trace(task.trace_name, task.times_s, task.values)
+    key = (task.trace_name, task.times_s.size, float(task.times_s[0]), float(task.times_s[-1]))
+    trace = _TRACES.get(key)
+    if trace is None or not (
+        np.array_equal(trace.times_s, task.times_s) and np.array_equal(trace.values, task.values)
+    ):
+        trace = _TRACES[key] = _Trace(task.trace_name, task.times_s, task.values)
     fastest_s = task.frontier[0].time_per_step_s
     steps = round(task.shape.work_hours * 3600.0 / fastest_s)
     out: dict[str, list[float]] = {name: [] for name in ("full", *REPORTED)}
@@ -263,17 +385,21 @@ def run_task(task: Task) -> dict[str, list[float]]:
         start_s = float(trace.times_s[row])
         deadline_s = start_s + steps * fastest_s * (1.0 + task.shape.slack)
         out["full"].append(simulate_full(trace, task.frontier, steps, start_s))
-        out["oracle"].append(
-            simulate_oracle(
-                trace,
-                task.frontier,
-                steps,
-                start_s,
-                deadline_s,
-                task.shape.allow_pause,
-                task.idle_power_w,
+        for name, points in (
+            ("oracle", task.frontier),
+            ("oracle_all_limits", task.measured or task.frontier),
+        ):
+            out[name].append(
+                simulate_oracle(
+                    trace,
+                    points,
+                    steps,
+                    start_s,
+                    deadline_s,
+                    task.shape.allow_pause,
+                    task.idle_power_w,
+                )
             )
-        )
         missed = []
         for name in POLICIES:
             grams, miss = simulate_policy(
@@ -294,15 +420,19 @@ def run_task(task: Task) -> dict[str, list[float]]:
 
 
 def summarise(results: Sequence[dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    """Per policy: ratios to full power and to static, oracle capture, worse share, misses."""
+    """Per policy: ratios to full power and to static, oracle captures, worse share, misses."""
     arrays = {k: np.concatenate([np.asarray(r[k]) for r in results]) for k in results[0]}
-    full, static, oracle = arrays["full"], arrays["static"], arrays["oracle"]
+    full, static = arrays["full"], arrays["static"]
     missed = arrays["missed"].reshape(-1, len(POLICIES))
-    oracle_gain = float(np.sum(static - oracle))
+    gains = {name: float(np.sum(static - arrays[name])) for name in ORACLES}
     summary: dict[str, dict[str, float]] = {}
     for name in REPORTED:
         grams = arrays[name]
         vs_full, vs_static = grams / full, grams / static
+        captures = {
+            f"{oracle}_capture": float(np.sum(static - grams)) / gain if gain > 0 else math.nan
+            for oracle, gain in gains.items()
+        }
         summary[name] = {
             "jobs": float(grams.size),
             "vs_full_median": float(np.median(vs_full)),
@@ -311,9 +441,8 @@ def summarise(results: Sequence[dict[str, list[float]]]) -> dict[str, dict[str, 
             "vs_static_median": float(np.median(vs_static)),
             "vs_static_p10": float(np.percentile(vs_static, 10)),
             "vs_static_p90": float(np.percentile(vs_static, 90)),
-            "oracle_capture": float(np.sum(static - grams)) / oracle_gain
-            if oracle_gain > 0
-            else float("nan"),
+            "vs_static_mean": float(np.sum(grams) / np.sum(static)),
+            **captures,
             "worse_than_static_share": float(np.mean(grams > static * (1 + 1e-9))),
             "deadline_misses": float(missed[:, POLICIES.index(name)].sum())
             if name in POLICIES
@@ -322,24 +451,27 @@ def summarise(results: Sequence[dict[str, list[float]]]) -> dict[str, dict[str, 
     return summary
 
 
-def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
-    """A Markdown table of one summary."""
+def _percent(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.0%}"
+
+
+def format_table(rows: Sequence[tuple[str, dict[str, dict[str, float]]]]) -> str:
+    """A Markdown table: one row per policy of each labelled summary."""
     lines = [
-        f"**{title}** ({int(summary['static']['jobs'])} jobs)",
-        "",
-        "| policy | g / full: median [p10, p90] | g / static: median [p10, p90] "
-        "| oracle capture | worse than static | deadline misses |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| trace, pausing | policy | jobs | g / static: median [p10, p90] | g / static: total "
+        "| oracle capture | all-limits oracle capture | worse than static | deadline misses |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name in REPORTED:
-        s = summary[name]
-        capture = "n/a" if math.isnan(s["oracle_capture"]) else f"{s['oracle_capture']:.0%}"
-        lines.append(
-            f"| {name} | {s['vs_full_median']:.3f} [{s['vs_full_p10']:.3f}, "
-            f"{s['vs_full_p90']:.3f}] | {s['vs_static_median']:.3f} "
-            f"[{s['vs_static_p10']:.3f}, {s['vs_static_p90']:.3f}] | {capture} "
-            f"| {s['worse_than_static_share']:.1%} | {int(s['deadline_misses'])} |"
-        )
+    for label, summary in rows:
+        for name in REPORTED:
+            s = summary[name]
+            lines.append(
+                f"| {label} | {name} | {int(s['jobs'])} | {s['vs_static_median']:.3f} "
+                f"[{s['vs_static_p10']:.3f}, {s['vs_static_p90']:.3f}] | "
+                f"{s['vs_static_mean']:.4f} | {_percent(s['oracle_capture'])} | "
+                f"{_percent(s['oracle_all_limits_capture'])} | "
+                f"{s['worse_than_static_share']:.1%} | {int(s['deadline_misses'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -347,7 +479,7 @@ def _json_value(key: str, value: float) -> float | int | None:
     """Counts as integers, NaN (no oracle gain to capture) as null."""
     if math.isnan(value):
         return None
-    return int(value) if key == "deadline_misses" else value
+    return int(value) if key in ("deadline_misses", "jobs") else value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -370,13 +502,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--power-trace", type=Path, default=Path(str(default_power)))
     parser.add_argument("--workload", default="imagenet/resnet50", help="dataset/network")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--forecast", choices=("perfect", "daily"), default="perfect")
-    parser.add_argument("--starts", type=int, default=100, help="start times per job shape")
+    parser.add_argument(
+        "--forecast",
+        choices=("both", *FORECAST_MODES),
+        default="both",
+        help="perfect: the true next 24 h (an upper bound); daily: the past week's daily "
+        "profile only; default: both, side by side",
+    )
+    parser.add_argument(
+        "--starts",
+        type=int,
+        default=10,
+        help="start times per job shape (default 10; the published full run uses 100)",
+    )
     parser.add_argument("--work-hours", type=float, nargs="+", default=[24.0, 72.0])
     parser.add_argument("--slack", type=float, nargs="+", default=[0.10, 0.25, 0.50])
     parser.add_argument("--pause", choices=("both", "yes", "no"), default="both")
-    parser.add_argument("--idle-power-w", type=float, default=0.0)
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--idle-power-w",
+        type=float,
+        help="power drawn while paused (default: the power trace's GPU idle power)",
+    )
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -384,7 +531,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the tables (or JSON)."""
     args = parse_args(argv)
-    frontier = load_frontier(args.power_trace, args.workload, args.batch_size)
+    if args.starts < 1:
+        raise SystemExit(f"--starts must be at least 1; got {args.starts}")
+    measured = load_points(args.power_trace, args.workload, args.batch_size)
+    frontier = frontier_from_profile(measured)
+    idle_power_w = (
+        gpu_idle_power_w(args.power_trace) if args.idle_power_w is None else args.idle_power_w
+    )
+    modes = FORECAST_MODES if args.forecast == "both" else (args.forecast,)
     pauses = {"both": (False, True), "yes": (True,), "no": (False,)}[args.pause]
     shapes = [Shape(h, s, p) for h in args.work_hours for s in args.slack for p in pauses]
     max_span_s = max(s.work_hours * 3600.0 * (1 + s.slack) for s in shapes)
@@ -394,59 +548,91 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     tasks = []
     for series in traces:
-        rows = start_indices(len(series), series.period_s, max_span_s, args.starts)
-        for shape in shapes:
-            tasks.append(
-                Task(
-                    series.name,
-                    np.asarray(series.times_s),
-                    np.asarray(series.values_g_per_kwh),
-                    frontier,
-                    shape,
-                    tuple(rows),
-                    args.forecast,
-                    args.idle_power_w,
+        times_s = np.asarray(series.times_s, dtype=np.float64)
+        start_rows = tuple(start_indices(times_s, max_span_s, args.starts))
+        values = np.asarray(series.values_g_per_kwh, dtype=np.float64)
+        for mode in modes:
+            for shape in shapes:
+                tasks.append(
+                    Task(
+                        series.name,
+                        times_s,
+                        values,
+                        frontier,
+                        shape,
+                        start_rows,
+                        mode,
+                        idle_power_w,
+                        measured,
+                    )
                 )
-            )
     began = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        results = list(pool.map(run_task, tasks))
+    workers = max(1, min(args.workers, len(tasks)))
+    if workers == 1:
+        results = [run_task(task) for task in tasks]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(run_task, tasks))
     elapsed_s = time.perf_counter() - began
-    by_trace: dict[str, list[dict[str, list[float]]]] = {}
-    by_shape: dict[tuple[str, bool], list[dict[str, list[float]]]] = {}
+    groups: dict[tuple[str, str, bool], list[dict[str, list[float]]]] = {}
     for task, result in zip(tasks, results, strict=True):
-        by_trace.setdefault(task.trace_name, []).append(result)
-        by_shape.setdefault((task.trace_name, task.shape.allow_pause), []).append(result)
-    overall = summarise(results)
+        for trace in (task.trace_name, "all"):
+            groups.setdefault((task.forecast_mode, trace, task.shape.allow_pause), []).append(
+                result
+            )
+    summaries = {key: summarise(res) for key, res in groups.items()}
     if args.json:
-        keys = ("oracle_capture", "worse_than_static_share", "deadline_misses")
-        trace_summaries = {trace: summarise(res) for trace, res in by_trace.items()}
-        out: dict[str, dict[str, object]] = {}
-        for name in REPORTED:
-            out[name] = {key: _json_value(key, overall[name][key]) for key in keys}
-            out[name]["by_trace"] = {
-                trace: {key: _json_value(key, summary[name][key]) for key in keys}
-                for trace, summary in trace_summaries.items()
-            }
+        out = {
+            "settings": {
+                "workload": args.workload,
+                "batch_size": args.batch_size,
+                "starts": args.starts,
+                "work_hours": args.work_hours,
+                "slack": args.slack,
+                "frontier": [p.label for p in frontier],
+                "measured_limits": [p.label for p in measured],
+            },
+            "elapsed_s": elapsed_s,
+            "results": [
+                {
+                    "settings": {
+                        "forecast": mode,
+                        "trace": trace,
+                        "allow_pause": allow_pause,
+                        "idle_power_w": idle_power_w,
+                    },
+                    "policies": {
+                        name: {k: _json_value(k, v) for k, v in summary[name].items()}
+                        for name in REPORTED
+                    },
+                }
+                for (mode, trace, allow_pause), summary in summaries.items()
+            ],
+        }
         print(json.dumps(out, indent=2))
         return 0
     hull = ", ".join(
         f"{p.label} ({p.time_per_step_s / frontier[0].time_per_step_s:.3f}x)" for p in frontier
     )
     print(
-        f"workload {args.workload} bs {args.batch_size}; frontier: {hull}; forecast "
-        f"{args.forecast}; idle {args.idle_power_w:g} W; {len(shapes)} shapes x "
-        f"{args.starts} starts; {elapsed_s:.0f} s"
+        f"workload {args.workload} bs {args.batch_size}; frontier: {hull} (of "
+        f"{len(measured)} measured limits); idle {idle_power_w:g} W; {len(shapes)} shapes x "
+        f"{args.starts} starts per trace and forecast mode; {elapsed_s:.0f} s"
     )
-    for trace, res in by_trace.items():
+    for mode in modes:
+        title = {
+            "perfect": "perfect forecast of the next 24 h (an upper bound)",
+            "daily": "no forecast: daily profile of the past week",
+        }[mode]
+        rows = [
+            (f"{trace}, {'pause' if allow_pause else 'no pause'}", summary)
+            for (m, trace, allow_pause), summary in summaries.items()
+            if m == mode
+        ]
         print()
-        print(format_table(f"{trace}, all shapes", summarise(res)))
-        for allow_pause in pauses:
-            label = "pause allowed" if allow_pause else "no pause"
-            print()
-            print(format_table(f"{trace}, {label}", summarise(by_shape[(trace, allow_pause)])))
-    print()
-    print(format_table("all traces", overall))
+        print(f"**{title}**")
+        print()
+        print(format_table(rows))
     return 0
 
 

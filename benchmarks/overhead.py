@@ -1,13 +1,20 @@
 """Controller overhead per training step, and Lightning fit time with/without the callback.
 
-Two measurements, in one run:
+Three measurements, in one run:
 
-1. ``median_step_overhead_us``: the time spent inside ``EnergyController.on_step_start``
-   plus ``on_step_end`` per step, over a whole profile-and-train run (profiling windows,
-   interval closes and metric updates included). The GPU is a simulated A40 whose
-   simulated work is excluded (``run_step`` is not called), so only the controller's own
-   bookkeeping and the energy-counter reads are timed.
-2. ``fit_time_ratio``: wall time of ``Trainer.fit`` on a small MLP with the
+1. Controller time per step: the time spent inside ``EnergyController.on_step_start``
+   plus ``on_step_end``, over a whole profile-and-train run (profiling windows, interval
+   closes and metric updates included), as ``mean_step_overhead_us`` (what it costs in
+   total), ``median_step_overhead_us``, ``p99_step_overhead_us``,
+   ``p999_step_overhead_us`` (the steps that close a window or an interval) and
+   ``first_step_overhead_us`` (the one-time cost of the first step). The GPU is a simulated
+   A40 whose simulated work is excluded (its ``run_step`` is not timed), so only the
+   controller's own bookkeeping and the energy-counter reads are timed.
+2. ``sampler_cpu_share``: the CPU time of the NVML power-sampler thread (GPUs without an
+   energy counter integrate sampled power every 50 ms) over the wall time it ran, on the
+   in-memory pynvml of the tests (``tests/lightning_energy/device/fake_pynvml.py``), whose
+   readings cost no driver call: the thread's own share of one core, a lower bound.
+3. ``fit_time_ratio``: wall time of ``Trainer.fit`` on a small MLP with the
    ``EnergyCallback`` over the same fit without it; runs alternate (A, B, A, B, ...) and the
    ratio of the medians is reported, so machine noise hits both sides alike.
 
@@ -15,30 +22,36 @@ Targets (benchmarks/README.md): median overhead <= 50 us, fit ratio <= 1.01.
 
 Usage::
 
-    python benchmarks/overhead.py [--steps 3000] [--fit-steps 300] [--repeats 5] [--json]
+    python benchmarks/overhead.py [--steps 10000] [--fit-steps 500] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import statistics
+import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
-
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 
+FAKE_PYNVML_DIR = Path(__file__).resolve().parents[1] / "tests" / "lightning_energy" / "device"
+SAMPLER_THREAD = "lightning-energy-power-sampler"
+
 
 def step_overhead_us(steps: int, lease_dir: str) -> dict[str, float]:
-    """Median and p99 of the controller's time per step, in microseconds."""
+    """Mean, median, p99, p99.9 and first of the controller's times per step, in us."""
+    importlib.import_module("torch")  # a training process has torch loaded before step 1
     gpus = simulated_gpus(SimulatedSpec(gpu="a40", noise_std=0.02))
     devices = DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated")
     config = EnergyConfig.from_mapping(
@@ -59,17 +72,60 @@ def step_overhead_us(steps: int, lease_dir: str) -> dict[str, float]:
             samples.append((t1 - t0) + (t3 - t2))
     finally:
         controller.teardown()
+    first_s = samples[0]
     samples.sort()
     return {
+        "mean_step_overhead_us": statistics.fmean(samples) * 1e6,
         "median_step_overhead_us": statistics.median(samples) * 1e6,
         "p99_step_overhead_us": samples[int(0.99 * (len(samples) - 1))] * 1e6,
+        "p999_step_overhead_us": samples[int(0.999 * (len(samples) - 1))] * 1e6,
+        "max_step_overhead_us": samples[-1] * 1e6,
+        "first_step_overhead_us": first_s * 1e6,
         "profile_complete": float(controller.profile_done),
+    }
+
+
+def sampler_cpu_share(duration_s: float) -> dict[str, float]:
+    """CPU share of the power-sampler thread on an in-memory pynvml GPU with no counter."""
+    sys.path.insert(0, str(FAKE_PYNVML_DIR))
+    try:
+        from fake_pynvml import a100, make_module
+    finally:
+        sys.path.remove(str(FAKE_PYNVML_DIR))
+    from lightning_energy.device.nvml import nvml_gpus
+
+    previous = sys.modules.get("pynvml")
+    sys.modules["pynvml"] = make_module([a100(0, energy_mj=None, power_mw=200_000)])
+    try:
+        (gpu,) = nvml_gpus([0])
+        try:
+            gpu.energy_j()  # no counter: starts the sampler
+            (thread,) = [t for t in threading.enumerate() if t.name == SAMPLER_THREAD]
+            assert thread.ident is not None
+            clock = time.pthread_getcpuclockid(thread.ident)
+            c0, t0 = time.clock_gettime(clock), time.perf_counter()
+            time.sleep(duration_s)
+            c1, t1 = time.clock_gettime(clock), time.perf_counter()
+            gpu.energy_j()
+        finally:
+            gpu.close()
+    finally:
+        if previous is None:
+            del sys.modules["pynvml"]
+        else:
+            sys.modules["pynvml"] = previous
+    return {
+        "sampler_cpu_share": (c1 - c0) / (t1 - t0),
+        "sampler_cpu_us_per_s": (c1 - c0) / (t1 - t0) * 1e6,
+        "sampler_wall_s": t1 - t0,
     }
 
 
 def _fit_seconds(with_callback: bool, steps: int, lease_dir: str) -> tuple[float, float]:
     """Wall and process-CPU seconds of one ``Trainer.fit``."""
     import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
@@ -134,26 +190,45 @@ def fit_time_ratio(steps: int, repeats: int, lease_dir: str) -> dict[str, float]
     }
 
 
-def main() -> None:
-    """Run both measurements and print them."""
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the measurements and print them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3000, help="controller steps to time")
+    parser.add_argument("--steps", type=int, default=10000, help="controller steps to time")
+    parser.add_argument("--sampler-s", type=float, default=5.0, help="power-sampler seconds")
     parser.add_argument("--fit-steps", type=int, default=500, help="training steps per fit")
-    parser.add_argument("--repeats", type=int, default=5, help="fits with and without")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="fits with and without (0: no fit comparison)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
-    with tempfile.TemporaryDirectory() as lease_dir:
-        result = step_overhead_us(args.steps, lease_dir)
-        result.update(fit_time_ratio(args.fit_steps, args.repeats, lease_dir))
+    try:
+        with tempfile.TemporaryDirectory() as lease_dir:
+            result = step_overhead_us(args.steps, lease_dir)
+            result.update(sampler_cpu_share(args.sampler_s))
+            if args.repeats > 0:
+                result.update(fit_time_ratio(args.fit_steps, args.repeats, lease_dir))
+    finally:
+        logging.disable(logging.NOTSET)
     if args.json:
         print(json.dumps(result))
         return
     print(
-        f"controller overhead per step: median {result['median_step_overhead_us']:.1f} us, "
-        f"p99 {result['p99_step_overhead_us']:.1f} us (target median <= 50 us)"
+        f"controller overhead per step over {args.steps} steps: mean "
+        f"{result['mean_step_overhead_us']:.1f} us, median "
+        f"{result['median_step_overhead_us']:.1f} us, p99 {result['p99_step_overhead_us']:.1f} "
+        f"us, p99.9 {result['p999_step_overhead_us']:.1f} us, max "
+        f"{result['max_step_overhead_us']:.0f} us; first step "
+        f"{result['first_step_overhead_us']:.0f} us (target median <= 50 us)"
     )
+    print(
+        f"NVML power-sampler thread (in-memory pynvml, 50 ms period): "
+        f"{result['sampler_cpu_share']:.3%} of one core "
+        f"({result['sampler_cpu_us_per_s']:.0f} us CPU per s over {result['sampler_wall_s']:.1f} s)"
+    )
+    if args.repeats == 0:
+        return
     print(
         f"Lightning fit time with/without EnergyCallback: {result['fit_time_ratio']:.4f} wall "
         f"({result['fit_with_callback_s']:.2f} s / {result['fit_without_callback_s']:.2f} s), "

@@ -6,13 +6,18 @@ that replays the trace with per-step noise on time and power. The loop is the co
 ask for a window, apply its limit, run its settle steps, read the GPU's energy counter and
 the virtual clock, run the measured steps, read them again, report time and energy per step.
 
+Candidate limits are the limits the trace measured for the workload (highest first), so no
+candidate is interpolated; a workload with fewer than two measured limits falls back to
+every 25 W from the GPU's highest limit down (``candidates_measured`` says which).
+
 The chosen limit is then scored on the noiseless trace against the brute-force optimum over
-the same 25 W grid, with the selector's own cost (energy for ``max_slowdown`` and
+the same candidates, with the selector's own cost (energy for ``max_slowdown`` and
 ``target_time``): the gap is ``cost(chosen) / cost(optimum) - 1``. A row passes when the gap
 is at most the tolerance (1 %); for the constrained selectors a time more than 1 % over the
-bound is a failure (gap = inf), and times over the bound at all are counted separately as
-``strict_violations``. Steps are compared with Zeus' sweep: 10 warm-up and 40 profiled
-steps at every limit (50 per limit).
+bound is a failure (gap = inf). ``strict_failures`` counts the rows that fail with no such
+tolerance (a gap over 1 % or any time over the bound), ``strict_violations`` the rows over
+a bound at all. Steps are compared with Zeus' sweep: 10 warm-up and 40 profiled steps at
+every limit (50 per limit).
 
 Zeus' sweep itself is run on the same noisy GPU and scored the same way (``zeus_sweep_*``):
 with noise, even 40 measured steps per limit do not always find the optimum.
@@ -68,23 +73,40 @@ class Row:
     chosen_w: float
     optimum_w: float
     gap: float
+    strict_gap: float
     strict_violation: bool
     profiled_steps: int
     exhaustive_steps: int
     zeus_chosen_w: float
     zeus_gap: float
+    zeus_strict_gap: float
     zeus_strict_violation: bool
     reselect: tuple[tuple[float, float], ...]
+    candidates_measured: bool
 
     @property
     def passed(self) -> bool:
         return self.gap <= TOLERANCE
+
+    @property
+    def strict_passed(self) -> bool:
+        return self.strict_gap <= TOLERANCE
 
 
 def candidates_w(lo_w: float, hi_w: float) -> list[float]:
     """Every 25 W from the highest limit down to the lowest, as the controller's default."""
     count = int((hi_w - lo_w) // GRID_STEP_W) + 1
     return [hi_w - i * GRID_STEP_W for i in range(count)]
+
+
+def candidates_for(model: TraceModel) -> tuple[list[float], bool]:
+    """The limits the trace measured for the workload, highest first, and True; or, when it
+    measured fewer than two, the 25 W grid from the highest limit down, and False."""
+    lo_w, hi_w = model.min_power_limit_w, model.max_power_limit_w
+    measured = sorted({w for w in model.workload.power_limits_w if lo_w <= w <= hi_w})
+    if len(measured) >= 2:
+        return measured[::-1], True
+    return candidates_w(lo_w, hi_w), False
 
 
 def true_profile(model: TraceModel, limits_w: Sequence[float]) -> list[Measurement]:
@@ -124,12 +146,12 @@ def selectors_for(profile: Sequence[Measurement]) -> list[Selector]:
     ]
 
 
-def run_search(spec: SimulatedSpec, selector: Selector, seed: int) -> PowerLimitOptimizer:
-    """Drive an optimizer on a simulated GPU the way the controller does."""
+def run_search(
+    spec: SimulatedSpec, selector: Selector, seed: int, limits: Sequence[float]
+) -> PowerLimitOptimizer:
+    """Drive an optimizer over ``limits`` on a simulated GPU the way the controller does."""
     (gpu,) = simulated_gpus(spec)
-    lo_w, hi_w = gpu.power_limit_constraints_w()
-    limits = candidates_w(lo_w, hi_w)
-    optimizer = PowerLimitOptimizer(limits, selector, num_gpus=1, seed=seed)
+    optimizer = PowerLimitOptimizer(list(limits), selector, num_gpus=1, seed=seed)
     while (window := optimizer.next_window()) is not None:
         gpu.set_power_limit_w(window.power_limit_w)
         gpu.run_step(window.settle_steps)
@@ -147,12 +169,11 @@ def run_search(spec: SimulatedSpec, selector: Selector, seed: int) -> PowerLimit
     return optimizer
 
 
-def zeus_sweep(spec: SimulatedSpec) -> list[Measurement]:
+def zeus_sweep(spec: SimulatedSpec, limits: Sequence[float]) -> list[Measurement]:
     """Zeus' exhaustive sweep on the same noisy GPU: 10 warm-up + 40 measured steps per limit."""
     (gpu,) = simulated_gpus(spec)
-    lo_w, hi_w = gpu.power_limit_constraints_w()
     profile = []
-    for limit_w in candidates_w(lo_w, hi_w):
+    for limit_w in limits:
         gpu.set_power_limit_w(limit_w)
         gpu.run_step(ZEUS_WARMUP_STEPS)
         start_s, start_j = gpu.clock.now(), gpu.energy_j()
@@ -200,14 +221,14 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
             )
             model = spec.model()
             assert isinstance(model, TraceModel)
-            limits = candidates_w(model.min_power_limit_w, model.max_power_limit_w)
+            limits, measured = candidates_for(model)
             truth = true_profile(model, limits)
-            zeus = zeus_sweep(spec)
+            zeus = zeus_sweep(spec, limits)
             for selector in selectors_for(truth):
                 zeus_w = selector.select(
                     zeus, max_power_limit_w=limits[0], num_gpus=1
                 ).power_limit_w
-                optimizer = run_search(spec, selector, spec.seed)
+                optimizer = run_search(spec, selector, spec.seed, limits)
                 chosen_w = optimizer.chosen_power_limit_w
                 assert chosen_w is not None
                 optimum = selector.select(truth, max_power_limit_w=limits[0], num_gpus=1)
@@ -221,13 +242,16 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
                         chosen_w=chosen_w,
                         optimum_w=optimum.power_limit_w,
                         gap=gap_of(selector, truth, chosen_w, TOLERANCE),
+                        strict_gap=gap_of(selector, truth, chosen_w, 0.0),
                         strict_violation=gap_of(selector, truth, chosen_w, 0.0) == float("inf"),
                         profiled_steps=optimizer.profiled_steps(),
                         exhaustive_steps=ZEUS_STEPS_PER_LIMIT * len(limits),
                         zeus_chosen_w=zeus_w,
                         zeus_gap=gap_of(selector, truth, zeus_w, TOLERANCE),
+                        zeus_strict_gap=gap_of(selector, truth, zeus_w, 0.0),
                         zeus_strict_violation=gap_of(selector, truth, zeus_w, 0.0) == float("inf"),
                         reselect=reselect_gaps(optimizer, truth) if selector.name == "cost" else (),
+                        candidates_measured=measured,
                     )
                 )
     return rows
@@ -240,6 +264,7 @@ def totals(rows: Sequence[Row]) -> dict[str, Any]:
     return {
         "rows": len(rows),
         "failures": sum(not r.passed for r in rows),
+        "strict_failures": sum(not r.strict_passed for r in rows),
         "strict_violations": sum(r.strict_violation for r in rows),
         "max_cost_gap": max(r.gap for r in rows),
         "median_cost_gap": float(np.median([r.gap for r in rows])),
@@ -248,8 +273,10 @@ def totals(rows: Sequence[Row]) -> dict[str, Any]:
         "profiled_fraction": profiled / exhaustive,
         "max_row_profiled_fraction": max(r.profiled_steps / r.exhaustive_steps for r in rows),
         "zeus_sweep_failures": sum(r.zeus_gap > TOLERANCE for r in rows),
+        "zeus_sweep_strict_failures": sum(r.zeus_strict_gap > TOLERANCE for r in rows),
         "zeus_sweep_max_cost_gap": max(r.zeus_gap for r in rows),
         "zeus_sweep_strict_violations": sum(r.zeus_strict_violation for r in rows),
+        "rows_on_measured_limits": sum(r.candidates_measured for r in rows),
         "reselect_checks": len(reselect),
         "reselect_within_1pct": sum(g1 <= 0.01 for g1, _ in reselect) / max(len(reselect), 1),
         "reselect_within_3pct": sum(g3 <= 0.03 for _, g3 in reselect) / max(len(reselect), 1),
