@@ -236,8 +236,9 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         for key, kind in _REQUIRED.items()
         if not isinstance(data.get(key), kind)
     ]
-    if "carbon" in data and not isinstance(data["carbon"], dict):
-        problems.append("'carbon' should be an object")
+    for section in ("carbon", "job"):
+        if section in data and not isinstance(data[section], dict):
+            problems.append(f"'{section}' should be an object")
     if not problems:
         problems = _field_problems(data)
     if problems:
@@ -289,7 +290,10 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "energy_saved_j": "num?",
         "slowdown": "num?",
         "observe_only": "bool?",
+        "job_energy_j": "num?",
+        "scope": "str?",
     },
+    "job": {"ranks": "num!", "nodes": "num?", "energy_j": "num!"},
     "carbon": {
         "emissions_g": "num?",
         "carbon_unaware_emissions_g": "num?",
@@ -413,10 +417,10 @@ def format_report(report: Mapping[str, Any]) -> str:
     kwh = abs(energy_j) >= 0.1 * J_PER_KWH  # one energy unit for the whole table
     rows.append(("energy", _energy(energy_j, kwh)))
     job = report.get("job")
-    if isinstance(job, Mapping) and int(job.get("ranks", 1)) > 1:
-        rows[-1] = (f"energy ({summary.get('scope', 'rank 0')})", rows[-1][1])
-        scope = f"whole job: {job['ranks']} ranks on {job.get('nodes', 1)} node(s)"
-        rows.append((f"energy ({scope})", _energy(float(job.get("energy_j", 0.0)), kwh)))
+    if isinstance(job, Mapping) and job["ranks"] > 1:  # load_report checked the fields
+        rows[-1] = (f"energy ({summary.get('scope') or 'rank 0'})", rows[-1][1])
+        scope = f"whole job: {job['ranks']:.0f} ranks on {job.get('nodes') or 1:.0f} node(s)"
+        rows.append((f"energy ({scope})", _energy(float(job["energy_j"]), kwh)))
     duration_s = float(summary.get("duration_s", 0.0))
     rows.append(("time (device clock)", _duration(duration_s)))
     pauses, paused_s = _pauses(report)

@@ -215,3 +215,37 @@ def test_simulated_gpus_of_two_nodes_are_two_gpus(tmp_path: Path) -> None:
     assert job["nodes"] == 2 and len(job["gpus"]) == 2
     assert job["energy_j"] == pytest.approx(sum(r["summary"]["energy_j"] for r in ranks))
     assert ranks[0]["summary"]["energy_j"] != ranks[1]["summary"]["energy_j"]  # own noise
+
+
+def test_a_report_with_a_job_section_shows_the_job_total_and_refuses_bad_ones(
+    tmp_path: Path,
+) -> None:
+    from lightning_energy.config import EnergyConfig
+    from lightning_energy.controller import EnergyController
+    from lightning_energy.report import ReportError, build_report, format_report, load_report
+
+    config = EnergyConfig.from_mapping(
+        {"device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")}}
+    )
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    for _ in range(3):
+        controller.on_step_start()
+        controller.on_step_end()
+    controller.teardown()
+    report = build_report(controller)
+    own_j = report["summary"]["energy_j"]
+    report["job"] = job_totals(
+        [
+            {"rank": 0, "node": "a", "energy_j": own_j, "energy_saved_j": 0.0},
+            {"rank": 1, "node": "b", "energy_j": 2 * own_j, "energy_saved_j": 0.0},
+        ]
+    )
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(report))
+    table = format_report(load_report(path))
+    assert "energy (rank 0)" in table and "whole job: 2 ranks on 2 node(s)" in table
+    for bad in ([], {"ranks": None, "energy_j": 1.0}, {"ranks": 2, "energy_j": "x"}):
+        path.write_text(json.dumps({**report, "job": bad}))
+        with pytest.raises(ReportError, match="'job"):
+            load_report(path)
