@@ -18,7 +18,7 @@ from tests.lightning_energy.integrations._models import make_loader, module_clas
 
 STEPS = 1200
 # The simulated job's clock starts here, so every run replays the same days of each trace.
-START = "2023-03-06T00:00:00"
+START = "2023-09-04T00:00:00"
 
 
 def _config(tmp_path: Path, region: str, deadline: str, allow_pause: bool) -> dict[str, Any]:
