@@ -26,6 +26,7 @@ Every rank makes the same calls at the same steps, so collectives never mismatch
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
@@ -35,7 +36,7 @@ from carbon.accounting import emissions_g
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device.base import DeviceSet, GPUInfo, gpu_info
-from lightning_energy.errors import CheckpointMismatchError, ConfigError
+from lightning_energy.errors import CheckpointMismatchError, ConfigError, DeviceError
 from lightning_energy.measure import EnergyMeter, Measurement
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 
@@ -143,6 +144,8 @@ class EnergyController:
         self._emissions_g = 0.0
         self._profile_end: tuple[datetime, int, float] | None = None
         self._after_profile: Measurement | None = None
+        self._zero_energy_warned = False
+        self._enforced_limit_w: float | None = None
         self._idle_power_w: float | None = None
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
@@ -183,13 +186,19 @@ class EnergyController:
             strict=self.config.strict,
             install_signal_handlers=self._install_signal_handlers,
         )
-        self._guard.acquire()
         try:
+            self._guard.acquire()
             self._start(devices)
         except BaseException:
             self._guard.restore()  # nothing may stay changed, nor leased, after a failed setup
             if self._pacer is not None:
                 self._pacer.stop()
+            # Teardown has nothing left to measure or restore: no second lease, no new
+            # NVML session for a job that never started.
+            self._guard = self._meter = None
+            if self._owns_devices and self._devices is not None:
+                self._devices.close()
+                self._devices = None
             raise
         self._is_setup = True
         self._torn_down = False
@@ -206,6 +215,8 @@ class EnergyController:
         self.device_info = [gpu_info(g) for g in devices.gpus]
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
+        if self.config.power_limit.enabled and not self._guard.observe_only:
+            self._enforced_limit_w = self._board_limiter_w()
         simulated = devices.backend == "simulated"
         self._job_start = (simulated and self.config.device.start_time()) or utc_now()
         if self.config.carbon is not None:
@@ -232,6 +243,27 @@ class EnergyController:
         pacer.start()
         return pacer.intensity_g_per_kwh()
 
+    def _board_limiter_w(self) -> float | None:
+        """The limit a board or rack limiter enforces below the pre-job limits, or None.
+
+        Read at setup, while every GPU still has its pre-job limit: later the enforced
+        limit also follows the limits this job sets.
+        """
+        pre = min(self._guard.pre_job_power_limit_w(i) for i in range(len(self.devices)))
+        try:
+            enforced = min(g.enforced_power_limit_w() for g in self.devices.gpus)
+        except DeviceError:
+            return None
+        if not enforced < pre:
+            return None
+        reason = (
+            f"the GPU enforces {enforced:g} W, below its {pre:g} W limit (a board or rack "
+            "power limiter): candidate limits above it are capped at it"
+        )
+        log.warning("Power limits: %s.", reason)
+        self._decide("enforced_power_limit", enforced, reason)
+        return enforced
+
     def _open_devices(self) -> DeviceSet:
         from lightning_energy.device import open_devices
 
@@ -250,7 +282,10 @@ class EnergyController:
             return
         problems = []
         for gpu in self.devices.gpus:
-            lo, hi = gpu.power_limit_constraints_w()
+            try:
+                lo, hi = gpu.power_limit_constraints_w()
+            except DeviceError:
+                continue  # no power management, or lost: the guard runs observe-only
             bad = [p for p in section.power_limits_w if not lo <= p <= hi]
             if bad:
                 problems.append(
@@ -314,14 +349,18 @@ class EnergyController:
             # The Zeus cost weighs time by the highest power limit of the GPUs (x every
             # GPU of the job), not the highest candidate.
             top_w = min(g.power_limit_constraints_w()[1] for g in self.devices.gpus)
+            candidates = section.candidates_w(lo, hi)
+            if self._enforced_limit_w is not None:  # above it, limits do not differ
+                candidates = [min(c, self._enforced_limit_w) for c in candidates]
             optimizer = PowerLimitOptimizer(
-                section.candidates_w(lo, hi),
+                candidates,
                 self._selector,
                 max_power_limit_w=top_w,
                 num_gpus=len(self.devices) * self.collective.world_size,
                 warmup_steps=section.warmup_steps,
                 settle_steps=section.settle_steps,
                 seed=self.config.device.seed,
+                counter_period_s=max(g.energy_counter_period_s() for g in self.devices.gpus),
             )
             saved = self._restored_states.pop(self._workload, None)
             if saved is not None:
@@ -330,10 +369,12 @@ class EnergyController:
         return optimizer
 
     def _power_limit_range(self) -> tuple[float, float]:
-        """The range every local GPU accepts, capped at the lowest pre-job limit."""
+        """The range every local GPU accepts, capped at the lowest pre-job limit and at a
+        board or rack limiter below it."""
         los, his = zip(*(g.power_limit_constraints_w() for g in self.devices.gpus), strict=True)
         pre = [self._guard.pre_job_power_limit_w(i) for i in range(len(self.devices))]
-        return max(los), min(*his, *pre)
+        enforced = [] if self._enforced_limit_w is None else [self._enforced_limit_w]
+        return max(los), min(*his, *pre, *enforced)
 
     # ------------------------------------------------------------------ steps
     def on_step_start(self) -> None:
@@ -414,18 +455,48 @@ class EnergyController:
         self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
 
     def _close_window(self) -> None:
+        """Report the window once it is long enough; it goes on while it is too short for
+        the energy counter (or read no energy yet). Every rank decides on the job-wide sums."""
         assert self._meter is not None and self._window is not None
-        m = self._meter.end(_WINDOW)
+        m = self._meter.peek(_WINDOW)
         (energy_j,), (duration_s,) = self.collective.sum_and_max([m.energy_j], [m.duration_s])
-        steps = self._window.measure_steps
+        if math.isnan(energy_j):
+            self._device_fault()
+            return
+        if duration_s < self._window.min_duration_s:
+            return
+        if energy_j <= 0:
+            if not self._zero_energy_warned:
+                self._zero_energy_warned = True
+                log.warning(
+                    "A %.3f s profiling window read no energy (the GPU energy counter has not "
+                    "moved yet): measuring on until it does.",
+                    duration_s,
+                )
+            return
+        self._meter.cancel(_WINDOW)
+        steps = self._window_steps
         optimizer = self._optimizer()
         optimizer.report(
-            self._window, time_per_step_s=duration_s / steps, energy_per_step_j=energy_j / steps
+            self._window,
+            time_per_step_s=duration_s / steps,
+            energy_per_step_j=energy_j / steps,
+            steps=steps,
         )
         self._window = None
         self._measuring = False
         if optimizer.done:
             self._finish_profile(optimizer)
+
+    def _device_fault(self) -> None:
+        """A GPU stopped answering: restore what can be restored now and only observe."""
+        assert self._meter is not None
+        self._meter.cancel(_WINDOW)
+        self._window = None
+        self._measuring = False
+        error = self._meter.last_error or DeviceError("a GPU stopped answering")
+        self._guard.stop_changes(f"a GPU failed mid-run ({error})", error)
+        self._decide("observe-only", None, self._guard.observe_only_reason or str(error))
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
@@ -483,7 +554,10 @@ class EnergyController:
         steps = self._interval_steps
         if not steps and m.duration_s <= 0:
             return m  # an interval in which nothing happened (e.g. closed at teardown)
-        self._energy_j += m.energy_j
+        if m.missing and self._guard is not None and not self._guard.observe_only:
+            self._device_fault()
+        if not m.missing:
+            self._energy_j += m.energy_j
         self.metrics = {
             # A pause has no steps: the energy per step of the last steps still stands.
             "energy/step_j": m.energy_j / steps
