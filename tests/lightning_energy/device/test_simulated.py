@@ -93,7 +93,9 @@ def test_parallel_steps_advance_the_clock_by_the_slowest_gpu() -> None:
 
 
 def test_straggler_takes_longer_at_the_same_power() -> None:
-    normal, straggler = simulated_gpus(SimulatedSpec(gpu="a40", count=2, slowdowns=(1.0, 1.3)))
+    normal, straggler = simulated_gpus(
+        SimulatedSpec(gpu="a40", count=2, slowdowns=(1.0, 1.3), **IDEAL)
+    )
     assert straggler.slowdown == 1.3
     normal_s = normal.run_step()
     normal_w = normal.power_w()
