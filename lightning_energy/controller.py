@@ -349,6 +349,9 @@ class EnergyController:
             # The Zeus cost weighs time by the highest power limit of the GPUs (x every
             # GPU of the job), not the highest candidate.
             top_w = min(g.power_limit_constraints_w()[1] for g in self.devices.gpus)
+            # Every rank sizes its windows alike: by the slowest energy counter of the job.
+            period = max(g.energy_counter_period_s() for g in self.devices.gpus)
+            _, (period,) = self.collective.sum_and_max([], [period])
             candidates = section.candidates_w(lo, hi)
             if self._enforced_limit_w is not None:  # above it, limits do not differ
                 candidates = [min(c, self._enforced_limit_w) for c in candidates]
@@ -360,7 +363,7 @@ class EnergyController:
                 warmup_steps=section.warmup_steps,
                 settle_steps=section.settle_steps,
                 seed=self.config.device.seed,
-                counter_period_s=max(g.energy_counter_period_s() for g in self.devices.gpus),
+                counter_period_s=period,
             )
             saved = self._restored_states.pop(self._workload, None)
             if saved is not None:

@@ -534,15 +534,15 @@ class SimulatedGPU:
                     gpu_index=self._index,
                     operation="set_locked_clocks",
                 )
-            self._foreign_lock = None  # a new lock replaces whoever's lock was there
             self._change_settings(self._power_limit_w, (int(min_mhz), int(max_mhz)))
+            self._foreign_lock = None  # a new lock replaces whoever's lock was there
 
     def reset_locked_clocks(self) -> None:
         """Release the SM clock lock, an administrator's included (a no-op when none)."""
         with self._lock:
             self._check("reset_locked_clocks")
-            self._foreign_lock = None
             self._change_settings(self._power_limit_w, None)
+            self._foreign_lock = None
 
     def locked_clocks_mhz(self) -> tuple[int, int] | None:
         """The clock lock this process set, or None.

@@ -108,3 +108,29 @@ def test_lightning_fit_with_20ms_steps_on_a_100ms_counter(tmp_path: Path) -> Non
         assert energy_j == pytest.approx(_exact_energy_per_step_j(limit_w, 0.02), rel=0.01)
     gpu = controller.devices.gpus[0]
     assert gpu.power_limit_w() == callback.summary.pre_job_power_limit_w
+
+
+def test_a_window_that_reads_no_energy_goes_on_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The counter moves every 0.5 s but the GPU claims a continuous one: windows are
+    # sized in steps only, and most of them read 0 J at first.
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=0.02, energy_counter_period_s=0.5))
+    monkeypatch.setattr(gpus[0], "energy_counter_period_s", lambda: 0.0)
+    devices = DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: gpus[0].run_step() and None,
+    )
+    config = EnergyConfig.from_mapping(_section(tmp_path, 0.02))
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        for _ in range(400):
+            controller.on_step_start()
+            controller.on_step_end()
+    controller.teardown()
+    assert controller.profile_done
+    assert all(m["energy_per_step_j"] > 0 for m in controller.profile())
+    warnings = [r for r in caplog.records if "read no energy" in r.getMessage()]
+    assert len(warnings) == 1
