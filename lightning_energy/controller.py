@@ -492,7 +492,8 @@ class EnergyController:
             self._finish_profile(optimizer)
 
     def _device_fault(self) -> None:
-        """A GPU stopped answering: restore what can be restored now and only observe."""
+        """A GPU stopped answering in a profiling window (every rank sees the job-wide NaN):
+        restore what can be restored now and only observe."""
         assert self._meter is not None
         self._meter.cancel(_WINDOW)
         self._window = None
@@ -557,9 +558,7 @@ class EnergyController:
         steps = self._interval_steps
         if not steps and m.duration_s <= 0:
             return m  # an interval in which nothing happened (e.g. closed at teardown)
-        if m.missing and self._guard is not None and not self._guard.observe_only:
-            self._device_fault()
-        if not m.missing:
+        if not m.missing:  # a GPU that cannot be read: its energy is missing, not zero
             self._energy_j += m.energy_j
         self.metrics = {
             # A pause has no steps: the energy per step of the last steps still stands.
