@@ -55,7 +55,13 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("LIGHTNING_ENERGY_CONFIG", raising=False)
     path = tmp_path / "energy.yaml"
     data = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {"power_limits_w": [300, 250, 200, 150], "warmup_steps": 2},
         "carbon": {"provider": "trace", "region": "DE"},
         "log_every_n_steps": 10,
