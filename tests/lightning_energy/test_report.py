@@ -32,7 +32,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _config(tmp_path: Path, carbon: dict[str, Any] | None = None) -> EnergyConfig:
     data: dict[str, Any] = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {
             "power_limits_w": [300, 250, 200, 150],
             "warmup_steps": 2,
