@@ -199,6 +199,8 @@ class EnergyController:
         self._emissions_g = 0.0
         self._profile_end: tuple[datetime, int, float] | None = None
         self._after_profile: Measurement | None = None
+        self._zero_energy_warned = False
+        self._enforced_limit_w: float | None = None
         self._idle_power_w: float | None = None
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
@@ -262,6 +264,12 @@ class EnergyController:
             self._guard.restore()  # nothing may stay changed, nor leased, after a failed setup
             if self._pacer is not None:
                 self._pacer.stop()
+            # Teardown has nothing left to measure or restore: no second lease, no new
+            # NVML session for a job that never started.
+            self._guard = self._meter = None
+            if self._owns_devices and self._devices is not None:
+                self._devices.close()
+                self._devices = None
             raise
         self._is_setup = True
         if self._guard.observe_only:
@@ -329,6 +337,8 @@ class EnergyController:
         self.device_info = [gpu_info(g) for g in devices.gpus]
         self._meter = EnergyMeter(devices)
         self._start_s = devices.clock()
+        if self.config.power_limit.enabled and not self._guard.observe_only:
+            self._enforced_limit_w = self._board_limiter_w()
         simulated = devices.backend == "simulated"
         self._job_start = (simulated and self.config.device.start_time()) or utc_now()
         if self.config.carbon is not None:
@@ -355,6 +365,27 @@ class EnergyController:
         pacer.start()
         return pacer.intensity_g_per_kwh()
 
+    def _board_limiter_w(self) -> float | None:
+        """The limit a board or rack limiter enforces below the pre-job limits, or None.
+
+        Read at setup, while every GPU still has its pre-job limit: later the enforced
+        limit also follows the limits this job sets.
+        """
+        pre = min(self._guard.pre_job_power_limit_w(i) for i in range(len(self.devices)))
+        try:
+            enforced = min(g.enforced_power_limit_w() for g in self.devices.gpus)
+        except DeviceError:
+            return None
+        if not enforced < pre:
+            return None
+        reason = (
+            f"the GPU enforces {enforced:g} W, below its {pre:g} W limit (a board or rack "
+            "power limiter): candidate limits above it are capped at it"
+        )
+        log.warning("Power limits: %s.", reason)
+        self._decide("enforced_power_limit", enforced, reason)
+        return enforced
+
     def _open_devices(self) -> DeviceSet:
         from lightning_energy.device import open_devices
 
@@ -380,7 +411,10 @@ class EnergyController:
             return
         problems = []
         for gpu in self.devices.gpus:
-            lo, hi = gpu.power_limit_constraints_w()
+            try:
+                lo, hi = gpu.power_limit_constraints_w()
+            except DeviceError:
+                continue  # no power management, or lost: the guard runs observe-only
             bad = [p for p in section.power_limits_w if not lo <= p <= hi]
             if bad:
                 problems.append(
@@ -466,6 +500,16 @@ class EnergyController:
             self._lose_readings(exc)
             return None
 
+    def _peek(self, name: str) -> Measurement | None:
+        """What a window measured so far; None when it is not open or the reading failed."""
+        if self._meter is None or not self._meter.is_open(name):
+            return None
+        try:
+            return self._meter.peek(name)
+        except DeviceError as exc:
+            self._lose_readings(exc)
+            return None
+
     def _lose_readings(self, exc: DeviceError) -> None:
         """A GPU reading failed mid-run: restore, change nothing more, keep training."""
         self._read_error = str(exc)
@@ -510,14 +554,21 @@ class EnergyController:
             # The Zeus cost weighs time by the highest power limit of the GPUs (x every
             # GPU of the job), not the highest candidate.
             top_w = min(g.power_limit_constraints_w()[1] for g in self.devices.gpus)
+            # Every rank sizes its windows alike: by the slowest energy counter of the job.
+            period = max(g.energy_counter_period_s() for g in self.devices.gpus)
+            _, (period,) = self.collective.sum_and_max([], [period])
+            candidates = section.candidates_w(lo, hi)
+            if self._enforced_limit_w is not None:  # above it, limits do not differ
+                candidates = [min(c, self._enforced_limit_w) for c in candidates]
             optimizer = PowerLimitOptimizer(
-                section.candidates_w(lo, hi),
+                candidates,
                 self._selector,
                 max_power_limit_w=top_w,
                 num_gpus=len(self.devices) * self.collective.world_size,
                 warmup_steps=section.warmup_steps,
                 settle_steps=section.settle_steps,
                 seed=self.config.device.seed,
+                counter_period_s=period,
             )
             saved = self._restored_states.pop(self._workload, None)
             if saved is not None:
@@ -526,10 +577,12 @@ class EnergyController:
         return optimizer
 
     def _power_limit_range(self) -> tuple[float, float]:
-        """The range every local GPU accepts, capped at the lowest pre-job limit."""
+        """The range every local GPU accepts, capped at the lowest pre-job limit and at a
+        board or rack limiter below it."""
         los, his = zip(*(g.power_limit_constraints_w() for g in self.devices.gpus), strict=True)
         pre = [self._guard.pre_job_power_limit_w(i) for i in range(len(self.devices))]
-        return max(los), min(*his, *pre)
+        enforced = [] if self._enforced_limit_w is None else [self._enforced_limit_w]
+        return max(los), min(*his, *pre, *enforced)
 
     # ------------------------------------------------------------------ steps
     def on_step_start(self) -> None:
@@ -622,33 +675,63 @@ class EnergyController:
         self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
 
     def _close_window(self) -> None:
+        """Report the window once it is long enough; it goes on while it is too short for
+        the energy counter (or read no energy yet). Every rank decides on the job-wide sums:
+        a rank whose readings failed sends NaN, so every rank learns it in this collective;
+        a rank observing a GPU that a lower rank measures sends 0 (each GPU counted once)."""
         assert self._window is not None
-        m = self._end(_WINDOW)
-        # A rank whose readings failed sends NaN, so every rank learns it in this collective;
-        # a rank observing a GPU that a lower rank measures sends 0 (each GPU counted once).
+        m = self._peek(_WINDOW)
         if m is None:
             energy_j, duration_s = math.nan, math.nan
         else:
             energy_j = m.energy_j if self._counts_energy else 0.0
             duration_s = m.duration_s
         (energy_j,), (duration_s,) = self.collective.sum_and_max([energy_j], [duration_s])
-        steps = self._window.measure_steps
-        optimizer = self._optimizer()
-        if not math.isfinite(energy_j):  # measured again by a later run
-            optimizer.report_interrupted(self._window, steps_run=self._window_steps_run)
-            self._window = None
-            self._measuring = False
-            self._stopped_profiling = True
-            if self._guard is not None:
-                self._guard.restore()  # every rank: no setting changes for the rest of the run
+        if math.isnan(energy_j):
+            self._device_fault()
             return
+        if duration_s < self._window.min_duration_s:
+            return
+        if energy_j <= 0:
+            if not self._zero_energy_warned:
+                self._zero_energy_warned = True
+                log.warning(
+                    "A %.3f s profiling window read no energy (the GPU energy counter has not "
+                    "moved yet): measuring on until it does.",
+                    duration_s,
+                )
+            return
+        assert self._meter is not None
+        self._meter.cancel(_WINDOW)
+        steps = self._window_steps
+        optimizer = self._optimizer()
         optimizer.report(
-            self._window, time_per_step_s=duration_s / steps, energy_per_step_j=energy_j / steps
+            self._window,
+            time_per_step_s=duration_s / steps,
+            energy_per_step_j=energy_j / steps,
+            steps=steps,
         )
         self._window = None
         self._measuring = False
         if optimizer.done:
             self._finish_profile(optimizer)
+
+    def _device_fault(self) -> None:
+        """A GPU stopped answering in a profiling window (every rank sees the job-wide NaN):
+        restore what can be restored now and only observe for the rest of the run; the
+        window is measured again by a later run."""
+        assert self._window is not None
+        self._optimizer().report_interrupted(self._window, steps_run=self._window_steps_run)
+        if self._meter is not None:
+            self._meter.cancel(_WINDOW)
+        self._window = None
+        self._measuring = False
+        self._stopped_profiling = True
+        error = (self._meter.last_error if self._meter else None) or DeviceError(
+            self._read_error or "a GPU stopped answering"
+        )
+        self._guard.stop_changes(f"a GPU failed mid-run ({error})", error)
+        self._decide("observe-only", None, self._guard.observe_only_reason or str(error))
 
     def _finish_profile(self, optimizer: Any) -> None:
         chosen = self.collective.broadcast(optimizer.chosen_power_limit_w)
@@ -734,7 +817,8 @@ class EnergyController:
             return None
         if not steps and m.duration_s <= 0:
             return m  # an interval in which nothing happened (e.g. closed at teardown)
-        self._energy_j += m.energy_j
+        if not m.missing:  # a GPU that cannot be read: its energy is missing, not zero
+            self._energy_j += m.energy_j
         self.metrics = {
             # A pause has no steps: the energy per step of the last steps still stands.
             "energy/step_j": m.energy_j / steps

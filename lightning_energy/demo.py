@@ -229,6 +229,9 @@ def demo_config(options: DemoOptions) -> EnergyConfig:
             "device": {
                 "backend": options.backend,
                 "gpu": options.gpu,
+                # Long simulated steps (about 37 s on the A40) so that the demo's steps
+                # cover a day of grid data in a few minutes.
+                "steps_per_epoch": 100,
                 "noise_std": 0.02,
                 "seed": options.seed,
                 "start": options.start,

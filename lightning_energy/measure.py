@@ -5,6 +5,13 @@ and again when it closes; the device is synchronised first, so the numbers descr
 GPU's work rather than the CPU's kernel-launch time. Windows are named and nest freely
 (an epoch window around step windows): each one only remembers its own starting readings.
 
+Readings are as rude as the hardware: an energy counter moves only every ~100 ms on many
+boards (a short window may read 0 J: size windows in seconds, see
+:func:`lightning_energy.optimize.power_limit.min_window_s`), it restarts from 0 when the
+driver reloads (the meter carries on from where it was, with one warning), and a GPU may
+stop answering (lost, driver failure): its energy is then NaN
+(:attr:`Measurement.missing`), with one warning per GPU, and training goes on.
+
 Example:
     >>> from lightning_energy.device import SimulatedSpec, open_devices
     >>> devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
@@ -18,12 +25,16 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 from lightning_energy.device.base import DeviceSet
-from lightning_energy.errors import EnergyError
+from lightning_energy.errors import DeviceError, EnergyError
 
 __all__ = ["EnergyMeter", "Measurement", "WindowError"]
+
+log = logging.getLogger(__name__)
 
 
 class WindowError(EnergyError, KeyError):
@@ -50,6 +61,11 @@ class Measurement:
         return sum(self.energy_per_gpu_j)
 
     @property
+    def missing(self) -> bool:
+        """True when a GPU could not be read at an end of the window (its energy is NaN)."""
+        return any(math.isnan(e) for e in self.energy_per_gpu_j)
+
+    @property
     def average_power_w(self) -> float:
         """Average total power over the window (0 for an empty window)."""
         return self.energy_j / self.duration_s if self.duration_s > 0 else 0.0
@@ -68,11 +84,61 @@ class EnergyMeter:
         self._devices = devices
         self._synchronize = synchronize
         self._open: dict[str, tuple[float, tuple[float, ...]]] = {}
+        n = len(devices.gpus)
+        self._last_raw_j: list[float | None] = [None] * n
+        self._offset_j = [0.0] * n
+        self._warned: set[tuple[int, str]] = set()
+        self.last_error: DeviceError | None = None
+
+    def _warn_once(self, i: int, kind: str, message: str, *args: object) -> None:
+        if (i, kind) not in self._warned:
+            self._warned.add((i, kind))
+            log.warning(message, *args)
 
     def _read(self) -> tuple[float, tuple[float, ...]]:
         if self._synchronize:
-            self._devices.synchronize()
-        return self._devices.clock(), tuple(gpu.energy_j() for gpu in self._devices.gpus)
+            try:
+                self._devices.synchronize()
+            except DeviceError as exc:
+                self._warn_once(
+                    -1, "sync", "Cannot synchronise the GPUs (%s): energy is read without it.", exc
+                )
+        return self._devices.clock(), tuple(self._energy_j(i) for i in range(len(self._devices)))
+
+    def _energy_j(self, i: int) -> float:
+        """GPU ``i``'s energy, carried on across counter restarts; NaN when unreadable."""
+        gpu = self._devices.gpus[i]
+        try:
+            raw_j = gpu.energy_j()
+        except DeviceError as exc:
+            self.last_error = exc
+            self._warn_once(
+                i,
+                "read",
+                "The energy of GPU %d (%s) cannot be read (%s): its measurements are missing "
+                "until it reads again.",
+                gpu.index,
+                gpu.uuid,
+                exc,
+            )
+            return math.nan
+        last_j = self._last_raw_j[i]
+        if last_j is not None and raw_j < last_j:
+            # The counter restarted (driver reload): continue from the last reading; the
+            # energy between that reading and the restart is not seen.
+            self._offset_j[i] += last_j
+            self._warn_once(
+                i,
+                "backwards",
+                "The energy counter of GPU %d (%s) went backwards (%.1f J -> %.1f J; the "
+                "driver was reloaded?): measuring on from the new origin.",
+                gpu.index,
+                gpu.uuid,
+                last_j,
+                raw_j,
+            )
+        self._last_raw_j[i] = raw_j
+        return raw_j + self._offset_j[i]
 
     def begin(self, name: str) -> None:
         """Open the window ``name``.
@@ -94,6 +160,21 @@ class EnergyMeter:
             start_s, start_j = self._open.pop(name)
         except KeyError:
             raise WindowError(f"measurement window {name!r} was never opened") from None
+        return self._measurement(name, start_s, start_j)
+
+    def peek(self, name: str) -> Measurement:
+        """What the window ``name`` has measured so far; it stays open.
+
+        Raises:
+            WindowError: no window of that name is open.
+        """
+        try:
+            start_s, start_j = self._open[name]
+        except KeyError:
+            raise WindowError(f"measurement window {name!r} was never opened") from None
+        return self._measurement(name, start_s, start_j)
+
+    def _measurement(self, name: str, start_s: float, start_j: tuple[float, ...]) -> Measurement:
         end_s, end_j = self._read()
         return Measurement(
             name=name,

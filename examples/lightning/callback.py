@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> EnergyCallback:
     args = parser.parse_args(argv)
 
     energy = EnergyCallback(
-        device={"backend": args.backend, "gpu": "a40", "noise_std": 0.02},
+        # Long simulated steps (~37 s): the short example finishes its profile.
+        device={"backend": args.backend, "gpu": "a40", "steps_per_epoch": 100, "noise_std": 0.02},
         power_limit={"selector": "cost", "eta": 0.5},
         carbon={"provider": "trace", "region": args.region, "max_slowdown": 1.5},
         report=args.report,

@@ -9,9 +9,12 @@ virtual clock. Units are SI at this interface: watts, joules, seconds, MHz. Vend
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from lightning_energy.errors import DeviceError
 
 __all__ = ["GPU", "DeviceSet", "GPUInfo"]
 
@@ -87,12 +90,24 @@ class GPU(Protocol):
         """The SM clock lock this process knows to be in force, or None."""
         ...
 
+    def foreign_clock_setting(self) -> str | None:
+        """Why the SM clocks are under a setting this process did not make (an
+        administrator's ``nvidia-smi -lgc``), or None. NVML cannot read a lock back, so
+        this is found from clock event reasons and application clocks."""
+        ...
+
     def energy_j(self) -> float:
         """Cumulative energy consumed since an arbitrary origin, in joules."""
         ...
 
+    def energy_counter_period_s(self) -> float:
+        """How often :meth:`energy_j` moves, in seconds (about 0.1 on many boards; 0:
+        continuously). Windows shorter than a few periods may read 0 J."""
+        ...
+
     def power_w(self) -> float:
-        """Instantaneous board power draw in watts."""
+        """Board power draw in watts as the driver reports it (a 1 s average on Ampere
+        and Hopper GPUs)."""
         ...
 
     def synchronize(self) -> None:
@@ -101,15 +116,25 @@ class GPU(Protocol):
 
 
 def gpu_info(gpu: GPU) -> GPUInfo:
-    """Snapshot the identity and static limits of ``gpu``."""
-    lo, hi = gpu.power_limit_constraints_w()
+    """Snapshot the identity and static limits of ``gpu``.
+
+    Limits the GPU cannot report (no power management, a lost GPU) are NaN.
+    """
+    try:
+        lo, hi = gpu.power_limit_constraints_w()
+    except DeviceError:
+        lo = hi = math.nan
+    try:
+        default_w = gpu.default_power_limit_w()
+    except DeviceError:
+        default_w = math.nan
     return GPUInfo(
         index=gpu.index,
         name=gpu.name,
         uuid=gpu.uuid,
         min_power_limit_w=lo,
         max_power_limit_w=hi,
-        default_power_limit_w=gpu.default_power_limit_w(),
+        default_power_limit_w=default_w,
         is_mig=gpu.is_mig,
     )
 

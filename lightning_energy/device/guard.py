@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -288,6 +288,7 @@ class GPUGuard:
                 self._record_pre_job()
                 if self._observe_reason is None:
                     self._write_leases(me)
+                    self._check_foreign_clocks(range(len(self._gpus)))
             except BaseException:
                 self._drop_leases()
                 self._acquired = False  # strict mode: nothing may change; retry on next use
@@ -357,14 +358,45 @@ class GPUGuard:
     def _record_pre_job(self) -> None:
         for i, gpu in enumerate(self._gpus):
             try:
+                gpu.power_limit_constraints_w()
                 self._pre_power_w[i] = gpu.power_limit_w()
             except NotSupportedError as exc:
                 self._drop_leases()
-                self._observe(f"{_describe(gpu)} does not report a power limit: {exc}", exc)
+                self._observe(f"{_describe(gpu)} has no power management: {exc}", exc)
+            except DeviceError as exc:
+                self._drop_leases()
+                self._observe(f"{_describe(gpu)} cannot report its power limit: {exc}", exc)
             try:
                 self._pre_clocks[i] = gpu.locked_clocks_mhz()
-            except NotSupportedError:
+            except DeviceError:
                 self._pre_clocks[i] = None
+
+    def _check_foreign_clocks(self, targets: Iterable[int]) -> bool:
+        """Leave clocks alone when someone else set them (e.g. ``nvidia-smi -lgc``).
+
+        NVML cannot read a lock back, so locking ours and resetting it at the end would
+        silently release an administrator's lock. Returns whether clocks are off limits.
+        """
+        if self._clocks_unsupported is not None:
+            return True
+        for i in targets:
+            if self._clocks_applied[i]:
+                continue
+            gpu = self._gpus[i]
+            try:
+                reason = gpu.foreign_clock_setting()
+            except DeviceError:
+                continue
+            if reason is not None:
+                self._clocks_unsupported = reason
+                log.warning(
+                    "%s: %s. Its clocks are left alone (never locked, never reset); power "
+                    "limits still apply.",
+                    _describe(gpu),
+                    reason,
+                )
+                return True
+        return False
 
     def _write_leases(self, me: ProcessIdentity) -> None:
         for i, gpu in enumerate(self._gpus):
@@ -583,7 +615,7 @@ class GPUGuard:
         with self._critical():
             self._ensure_acquired()
             targets = self._targets(gpus)
-            if self._changes_blocked() or self._clocks_unsupported is not None:
+            if self._changes_blocked() or self._check_foreign_clocks(targets):
                 return None
             i = targets[0]
             try:
@@ -669,6 +701,26 @@ class GPUGuard:
                 continue
             self._power_applied[j] = self._power_applied[j] and clocks_only
             self._clocks_applied[j] = False
+
+    def stop_changes(self, reason: str, error: DeviceError) -> None:
+        """A GPU failed mid-run: put back what can be put back now, then only observe.
+
+        Every GPU whose settings this guard changed is rolled back to its pre-job settings
+        (one that cannot be reached keeps its lease and is retried at :meth:`restore`),
+        and the job becomes observe-only with one warning.
+
+        Args:
+            reason: what failed, for the warning.
+            error: the device error behind it.
+
+        Raises:
+            DeviceError: strict mode: ``error``, after rolling back.
+        """
+        with self._critical():
+            if self._changes_blocked():
+                return
+            self._roll_back(clocks_only=False)
+            self._observe(reason, error)
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> None:

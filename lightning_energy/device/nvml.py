@@ -17,14 +17,24 @@ physical GPU, shared with other instances, so their setters raise
 those of the physical GPU.
 
 The cumulative energy counter (``nvmlDeviceGetTotalEnergyConsumption``) exists on Volta and
-newer GPUs. Elsewhere energy is integrated from sampled power draw by a background thread
-named ``lightning-energy-power-sampler``, started on the first energy reading and stopped by
-:meth:`NVMLGPU.close`.
+newer GPUs; it moves only every ~100 ms on many boards (:meth:`NVMLGPU.energy_counter_period_s`
+measures it). Elsewhere energy is integrated from sampled power by a background thread named
+``lightning-energy-power-sampler``, started on the first energy reading and stopped by
+:meth:`NVMLGPU.close`. It samples the instantaneous power field
+(``NVML_FI_DEV_POWER_INSTANT``) where the driver has it, because
+``nvmlDeviceGetPowerUsage`` is a 1 s average on Ampere and Hopper; older drivers
+(``FUNCTION_NOT_FOUND``, or the field not supported) fall back to ``nvmlDeviceGetPowerUsage``.
+
+NVML cannot read a clock lock back, so an administrator's ``nvidia-smi -lgc`` (or
+application clocks set with ``-ac``) is found through its side effects:
+:meth:`NVMLGPU.foreign_clock_setting` reports the applications-clocks-setting clock event
+reason while this process holds no lock, or application clocks away from their default.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import threading
@@ -56,6 +66,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _HANDLE_OPERATIONS = frozenset({"get_handle"})
+# pynvml names, with their values for versions of nvidia-ml-py that lack them.
+_FIELD_POWER_INSTANT = ("NVML_FI_DEV_POWER_INSTANT", 186)
+_FUNCTION_NOT_FOUND = ("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+_APPLICATIONS_CLOCKS_SETTING = 0x2  # nvmlClocksEventReasonApplicationsClocksSetting
+_NVML_CLOCK_GRAPHICS = 0
+# How long, and how often, energy_counter_period_s polls the counter.
+_COUNTER_PROBE_S = 0.35
+_COUNTER_PROBE_INTERVAL_S = 0.002
+# The period assumed when the counter does not move twice during the probe.
+_DEFAULT_COUNTER_PERIOD_S = 0.1
 _session_lock = threading.Lock()
 _session_refs = 0
 
@@ -74,8 +94,9 @@ def translate_nvml_error(
 ) -> DeviceError:
     """The typed error for an NVML failure.
 
-    ``NO_PERMISSION`` -> :class:`NoPermissionError`; ``NOT_SUPPORTED`` ->
-    :class:`NotSupportedError`; ``GPU_IS_LOST`` -> :class:`GPULostError`; ``NOT_FOUND`` or
+    ``NO_PERMISSION`` -> :class:`NoPermissionError`; ``NOT_SUPPORTED`` or
+    ``FUNCTION_NOT_FOUND`` (a driver too old for the call) -> :class:`NotSupportedError`;
+    ``GPU_IS_LOST`` -> :class:`GPULostError`; ``NOT_FOUND`` or
     ``INVALID_ARGUMENT`` while looking a GPU up -> :class:`GPUNotFoundError`; everything else
     (uninitialised, library or driver missing, ...) -> :class:`DriverError`.
 
@@ -94,7 +115,7 @@ def translate_nvml_error(
     if code == nvml.NVML_ERROR_NO_PERMISSION:
         kind = NoPermissionError
         message += " (changing GPU settings needs root or CAP_SYS_ADMIN)"
-    elif code == nvml.NVML_ERROR_NOT_SUPPORTED:
+    elif code in (nvml.NVML_ERROR_NOT_SUPPORTED, getattr(nvml, *_FUNCTION_NOT_FOUND)):
         kind = NotSupportedError
     elif code == nvml.NVML_ERROR_GPU_IS_LOST:
         kind = GPULostError
@@ -251,10 +272,18 @@ class NVMLGPU:
         handle: the NVML device handle.
         index: the process-local index.
         power_sample_interval_s: sampling period of the fallback energy integration.
+        clock: monotonic seconds (probing the energy counter's period).
+        sleep: waits that many seconds (probing the energy counter's period).
     """
 
     def __init__(
-        self, handle: object, index: int, *, power_sample_interval_s: float = 0.05
+        self,
+        handle: object,
+        index: int,
+        *,
+        power_sample_interval_s: float = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._session = NVMLSession()
         self._nvml = _pynvml()
@@ -265,6 +294,10 @@ class NVMLGPU:
         self._locked: tuple[int, int] | None = None
         self._clocks: list[int] | None = None
         self._synchronize: Callable[[], None] | None = None
+        self._clock = clock
+        self._sleep = sleep
+        self._counter_period_s: float | None = None
+        self._instant_power: bool | None = None  # None: not tried yet
         try:
             nvml = self._nvml
             self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
@@ -427,10 +460,136 @@ class NVMLGPU:
         """The clock lock this process set, or None (NVML cannot read a lock back)."""
         return self._locked
 
+    def foreign_clock_setting(self) -> str | None:
+        """Why the SM clocks are under a setting this process did not make, or None.
+
+        NVML cannot read a clock lock back; an administrator's lock (``nvidia-smi -lgc``)
+        shows as the applications-clocks-setting clock event reason, and application
+        clocks (``-ac``) as a graphics application clock away from its default. Drivers
+        that report neither are taken to have no foreign setting.
+        """
+        nvml = self._nvml
+        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        if self._locked is None and reasons_fn is not None:
+            try:
+                reasons = int(self._get("clock_event_reasons", reasons_fn, self._physical))
+            except NotSupportedError:
+                reasons = 0
+            if reasons & _APPLICATIONS_CLOCKS_SETTING:
+                return (
+                    "its clocks are limited by a clock setting this job did not make (the "
+                    "applications-clocks-setting clock event reason: an administrator's "
+                    "`nvidia-smi -lgc` or `-ac`)"
+                )
+        try:
+            current = self._get(
+                "applications_clock",
+                nvml.nvmlDeviceGetApplicationsClock,
+                self._physical,
+                _NVML_CLOCK_GRAPHICS,
+            )
+            default = self._get(
+                "applications_clock",
+                nvml.nvmlDeviceGetDefaultApplicationsClock,
+                self._physical,
+                _NVML_CLOCK_GRAPHICS,
+            )
+        except NotSupportedError:
+            return None
+        if int(current) != int(default):
+            return (
+                f"its graphics application clock is {int(current)} MHz, not the default "
+                f"{int(default)} MHz (an administrator's `nvidia-smi -ac`)"
+            )
+        return None
+
     def power_w(self) -> float:
-        """Board power draw in watts (the physical GPU's for a MIG instance)."""
+        """Board power in watts as ``nvmlDeviceGetPowerUsage`` reports it: a 1 s average on
+        Ampere and Hopper (the physical GPU's for a MIG instance)."""
         mw = self._get("power", self._nvml.nvmlDeviceGetPowerUsage, self._physical)
         return float(mw) / 1000.0
+
+    def instant_power_w(self) -> float:
+        """The power drawn now, from the ``NVML_FI_DEV_POWER_INSTANT`` field.
+
+        Raises:
+            NotSupportedError: the driver lacks the field or ``nvmlDeviceGetFieldValues``
+                (``FUNCTION_NOT_FOUND``).
+        """
+        nvml = self._nvml
+        get_fields = getattr(nvml, "nvmlDeviceGetFieldValues", None)
+        if get_fields is None:
+            raise NotSupportedError(
+                "this pynvml has no nvmlDeviceGetFieldValues",
+                gpu_index=self._index,
+                operation="instant_power",
+            )
+        field = getattr(nvml, *_FIELD_POWER_INSTANT)
+        (value,) = self._get("instant_power", get_fields, self._physical, [field])
+        if value.nvmlReturn != 0:
+            raise translate_nvml_error(
+                nvml.NVMLError(value.nvmlReturn), gpu_index=self._index, operation="instant_power"
+            )
+        return float(value.value.uiVal) / 1000.0
+
+    def _sample_power_w(self) -> float:
+        """Power for the energy integration: instantaneous where the driver has it."""
+        if self._instant_power is not False:
+            try:
+                power_w = self.instant_power_w()
+            except NotSupportedError as exc:
+                self._instant_power = False
+                logger.info(
+                    "GPU %d (%s) has no instantaneous power field (%s): integrating "
+                    "nvmlDeviceGetPowerUsage, a 1 s average on Ampere and newer.",
+                    self._index,
+                    self._name,
+                    exc,
+                )
+            else:
+                self._instant_power = True
+                return power_w
+        return self.power_w()
+
+    def energy_counter_period_s(self) -> float:
+        """How often the energy counter moves, measured once by polling it (cached).
+
+        The counter is polled every 2 ms for up to 0.35 s; the period is the shortest
+        interval between two changes. If it does not change twice (an idle GPU, a slow
+        counter), 0.1 s is assumed. GPUs without a counter integrate sampled power: their
+        period is the sampling interval.
+        """
+        if self._counter_period_s is None:
+            self._counter_period_s = self._probe_counter_period_s()
+        return self._counter_period_s
+
+    def _probe_counter_period_s(self) -> float:
+        read = self._nvml.nvmlDeviceGetTotalEnergyConsumption
+        try:
+            last = self._get("energy", read, self._physical)
+        except NotSupportedError:
+            return self._power_sample_interval_s
+        changes: list[float] = []
+        start = self._clock()
+        while self._clock() - start < _COUNTER_PROBE_S and len(changes) < 4:
+            self._sleep(_COUNTER_PROBE_INTERVAL_S)
+            value = self._get("energy", read, self._physical)
+            if value != last:
+                changes.append(self._clock())
+                last = value
+        intervals = [b - a for a, b in itertools.pairwise(changes)]
+        if not intervals:
+            logger.debug(
+                "GPU %d: the energy counter did not move twice in %.2f s; assuming it moves "
+                "every %.2f s.",
+                self._index,
+                _COUNTER_PROBE_S,
+                _DEFAULT_COUNTER_PERIOD_S,
+            )
+            return _DEFAULT_COUNTER_PERIOD_S
+        return min(intervals)
 
     def energy_j(self) -> float:
         """Cumulative energy in joules: the hardware counter, or sampled power where the GPU
@@ -446,7 +605,7 @@ class NVMLGPU:
                     self._index,
                     self._name,
                 )
-                self._sampler = PowerSampler(self.power_w, self._power_sample_interval_s)
+                self._sampler = PowerSampler(self._sample_power_w, self._power_sample_interval_s)
                 self._sampler.start()
             else:
                 return float(mj) / 1000.0

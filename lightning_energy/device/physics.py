@@ -24,9 +24,12 @@ The ``"a100"`` preset reproduces the model behind the pipeline profiles in the p
 reference data (``perseus_profiles/README.md``): A100 SXM4 40GB, power limit 100-400 W
 (default 400 W), SM clocks 1410 MHz down to 210 MHz in 15 MHz steps, 80 W static, 300 W
 compute-bound switching power at 1410 MHz, 50 W + 90 W x s(f) while memory-bound, voltage
-0.70 to 1.00 between 900 and 1410 MHz, 70 W while blocked. The ``"h100"`` preset (H100
-SXM5: 200-700 W, default 700 W, 1980 down to 345 MHz) has the same shape scaled to the
-larger part; its constants are illustrative, not measurements.
+0.70 to 1.00 between 900 and 1410 MHz, 70 W while blocked. The ``"h100"`` (H100 SXM5) and
+``"h200"`` (H200 SXM, more HBM: more memory power) presets, 200-700 W (default 700 W),
+1980 down to 345 MHz, have the same shape scaled to the larger parts, so that a
+full-clock training step (85 % compute-bound, a bf16 training load) draws close to the
+700 W limit (about 665 W and 675 W) and purely compute-bound work is held back by it, as on
+those boards; their constants are illustrative, not measurements.
 """
 
 from __future__ import annotations
@@ -221,8 +224,23 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
         default_power_limit_w=700.0,
         static_power_w=120.0,
         idle_power_w=100.0,
-        compute_power_w=520.0,
+        compute_power_w=600.0,
         memory_power_w=90.0,
+        memory_sm_power_w=150.0,
+        v_low=0.70,
+        v_high=1.00,
+        f_v_low_mhz=1200,
+    ),
+    "h200": PhysicsModel(
+        name="NVIDIA H200",
+        sm_clocks_mhz=_clock_table(1980, 345),
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
+        default_power_limit_w=700.0,
+        static_power_w=125.0,
+        idle_power_w=110.0,
+        compute_power_w=600.0,
+        memory_power_w=110.0,
         memory_sm_power_w=150.0,
         v_low=0.70,
         v_high=1.00,
@@ -237,7 +255,7 @@ def physics_preset(
     """A physics preset, optionally with a different simulated training step.
 
     Args:
-        name: ``"a100"`` or ``"h100"``.
+        name: ``"a100"``, ``"h100"`` or ``"h200"``.
         step_time_s: duration of one training step at ``f_max`` (default 0.25 s).
         compute_bound_share: compute-bound share of a step (default 0.85).
 

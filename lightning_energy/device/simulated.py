@@ -34,15 +34,17 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
+import math
 import os
 import random
 import tempfile
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -57,7 +59,12 @@ from lightning_energy.errors import (
 )
 
 __all__ = [
+    "BOARDS",
+    "CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING",
+    "CLOCK_EVENT_GPU_IDLE",
+    "CLOCK_EVENT_SW_POWER_CAP",
     "FAULT_OPERATIONS",
+    "Board",
     "GPUModel",
     "SimulatedGPU",
     "SimulatedSpec",
@@ -82,6 +89,8 @@ _PROTOCOL_OPERATIONS = frozenset(
         "locked_clocks",
         "energy",
         "power",
+        "instant_power",
+        "clock_event_reasons",
         "synchronize",
     }
 )
@@ -93,6 +102,74 @@ _LIVE: weakref.WeakSet[SimulatedGPU] = weakref.WeakSet()
 _TRACKERS: list[list[SimulatedGPU]] = []
 
 Settings = tuple[float, tuple[int, int] | None]
+
+
+#: NVML clock event (throttle) reason bits reported by :meth:`SimulatedGPU.clock_event_reasons`.
+CLOCK_EVENT_GPU_IDLE = 0x1
+CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING = 0x2
+CLOCK_EVENT_SW_POWER_CAP = 0x4
+
+
+@dataclass(frozen=True)
+class Board:
+    """How a simulated board treats software, as real boards and drivers do.
+
+    The default is an ideal board (every reading exact and immediate); the presets of
+    :data:`BOARDS` are as rude as the real ones.
+
+    Attributes:
+        energy_counter_period_s: the energy counter moves only every this many seconds (a
+            window shorter than that may read 0 J); 0: it moves continuously.
+        power_average_s: :meth:`SimulatedGPU.power_w` (``nvmlDeviceGetPowerUsage``) is the
+            average power over the last this many seconds (1 s on Ampere and Hopper); 0:
+            the power drawn now.
+        instant_power: whether :meth:`SimulatedGPU.instant_power_w` (the driver's
+            instantaneous power field) exists; without it, it raises
+            :class:`NotSupportedError`, as an older driver does.
+        setting_latency_s: a new power limit or clock lock is read back at once but only
+            governs work that starts this many seconds after it was set.
+        enforced_power_limit_w: a board or rack power limiter below the settable range's
+            top: the enforced limit is the lower of it and the set limit (None: none).
+        foreign_clock_lock_mhz: an SM clock lock an administrator set before the job
+            (``nvidia-smi -lgc``): work runs under it, :meth:`SimulatedGPU.locked_clocks_mhz`
+            does not show it (NVML cannot read a lock back), the clock event reasons do.
+            Locking or resetting clocks replaces it.
+    """
+
+    energy_counter_period_s: float = 0.0
+    power_average_s: float = 0.0
+    instant_power: bool = True
+    setting_latency_s: float = 0.0
+    enforced_power_limit_w: float | None = None
+    foreign_clock_lock_mhz: tuple[int, int] | None = None
+
+    def problems(self) -> list[str]:
+        """What is out of range, one line each (empty when valid)."""
+        problems = []
+        for key in ("energy_counter_period_s", "power_average_s", "setting_latency_s"):
+            value = getattr(self, key)
+            if not 0.0 <= value < float("inf"):
+                problems.append(f"{key}={value!r}: must be a finite number of seconds >= 0")
+        limit = self.enforced_power_limit_w
+        if limit is not None and not 0.0 < limit < float("inf"):
+            problems.append(f"enforced_power_limit_w={limit!r}: must be > 0 watts or None")
+        lock = self.foreign_clock_lock_mhz
+        if lock is not None and not (len(lock) == 2 and 0 < lock[0] <= lock[1]):
+            problems.append(f"foreign_clock_lock_mhz={lock!r}: need (min, max) with 0 < min <= max")
+        return problems
+
+
+# What the shipped GPUs do to software: the energy counter of these boards moves about every
+# 100 ms; Ampere and Hopper report a 1 s average as their power usage and have the
+# instantaneous power field on recent drivers; Volta reports (nearly) instantaneous power
+# and predates that field. Setting a limit or a lock takes effect after tens of ms.
+BOARDS: dict[str, Board] = {
+    "v100": Board(0.1, 0.0, False, 0.05),
+    "a40": Board(0.1, 1.0, True, 0.05),
+    "a100": Board(0.1, 1.0, True, 0.05),
+    "h100": Board(0.1, 1.0, True, 0.05),
+    "h200": Board(0.1, 1.0, True, 0.05),
+}
 
 
 class VirtualClock:
@@ -209,6 +286,7 @@ class SimulatedGPU:
         permission_denied: bool = False,
         supports_setting: bool = True,
         state_path: str | Path | None = None,
+        board: Board | None = None,
     ) -> None:
         problems = []
         if not slowdown >= 1.0:
@@ -217,6 +295,8 @@ class SimulatedGPU:
             problems.append(f"noise_std={noise_std!r}: must be >= 0")
         if index < 0:
             problems.append(f"index={index!r}: must be >= 0")
+        if board is not None:
+            problems.extend(board.problems())
         if problems:
             raise ConfigError(problems, source="SimulatedGPU")
         self.model = model
@@ -231,11 +311,23 @@ class SimulatedGPU:
         self.state_path = Path(state_path) if state_path is not None else None
         self._lock = threading.RLock()
         self._faults: list[_Fault] = []
+        self.board = board if board is not None else Board()
         self._power_limit_w = model.default_power_limit_w
         self._locked: tuple[int, int] | None = None
+        # Settings in force before the last change, and when that change takes effect.
+        self._previous: Settings = (self._power_limit_w, None)
+        self._settings_effective_s = self.clock.now()
         self._energy_j = 0.0
         self._accounted_until_s = self.clock.now()
         self._last_work_power_w: float | None = None
+        # (time, true cumulative energy) breakpoints; energy is linear between them.
+        self._history: list[tuple[float, float]] = [(self._accounted_until_s, 0.0)]
+        self._created_s = self._accounted_until_s
+        self._counter_phase_s = random.Random(f"phase/{self._uuid}").random()
+        self._counter_offset_j = 0.0
+        self._cuda_error: str | None = None
+        self._foreign_lock = self.board.foreign_clock_lock_mhz
+        self._power_capped = False
         if self.state_path is not None and self.state_path.exists():
             self._load_state(self.state_path)
         self.initial_settings: Settings = self.settings()
@@ -358,10 +450,29 @@ class SimulatedGPU:
             return self._power_limit_w
 
     def enforced_power_limit_w(self) -> float:
-        """The enforced limit (the set limit: simulated GPUs have no other limiter)."""
+        """The enforced limit: the set limit, or the board's limiter when that is lower."""
         with self._lock:
             self._check("enforced_power_limit")
-            return self._power_limit_w
+            return self._enforced(self._power_limit_w)
+
+    def _enforced(self, power_limit_w: float) -> float:
+        limiter = self.board.enforced_power_limit_w
+        return power_limit_w if limiter is None else min(power_limit_w, limiter)
+
+    def _change_settings(self, power_limit_w: float, locked: tuple[int, int] | None) -> None:
+        """Apply new settings; work starting within the board's latency still runs under
+        the settings in force before."""
+        now = self.clock.now()
+        self._previous = self._effective_settings(now)
+        self._settings_effective_s = now + self.board.setting_latency_s
+        self._power_limit_w, self._locked = float(power_limit_w), locked
+        self._save_state()
+
+    def _effective_settings(self, at_s: float) -> Settings:
+        """``(power limit, clock lock)`` governing work that starts at ``at_s``."""
+        if at_s < self._settings_effective_s:
+            return self._previous
+        return self._power_limit_w, self._locked if self._locked is not None else self._foreign_lock
 
     def set_power_limit_w(self, power_limit_w: float) -> None:
         """Set the power limit.
@@ -381,8 +492,7 @@ class SimulatedGPU:
                     gpu_index=self._index,
                     operation="set_power_limit",
                 )
-            self._power_limit_w = float(power_limit_w)
-            self._save_state()
+            self._change_settings(power_limit_w, self._locked)
 
     def supported_sm_clocks_mhz(self) -> list[int]:
         """Supported SM clocks, descending.
@@ -424,21 +534,65 @@ class SimulatedGPU:
                     gpu_index=self._index,
                     operation="set_locked_clocks",
                 )
-            self._locked = (int(min_mhz), int(max_mhz))
-            self._save_state()
+            self._change_settings(self._power_limit_w, (int(min_mhz), int(max_mhz)))
+            self._foreign_lock = None  # a new lock replaces whoever's lock was there
 
     def reset_locked_clocks(self) -> None:
-        """Release the SM clock lock (a no-op when none is set)."""
+        """Release the SM clock lock, an administrator's included (a no-op when none)."""
         with self._lock:
             self._check("reset_locked_clocks")
-            self._locked = None
-            self._save_state()
+            self._change_settings(self._power_limit_w, None)
+            self._foreign_lock = None
 
     def locked_clocks_mhz(self) -> tuple[int, int] | None:
-        """The clock lock in force, or None."""
+        """The clock lock this process set, or None.
+
+        Like NVML, a lock set by someone else (:attr:`Board.foreign_clock_lock_mhz`) is
+        not shown; :meth:`clock_event_reasons` reveals it.
+        """
         with self._lock:
             self._check("locked_clocks")
             return self._locked
+
+    def foreign_clock_lock_mhz(self) -> tuple[int, int] | None:
+        """The administrator's clock lock still in force, bypassing faults (for tests)."""
+        with self._lock:
+            return self._foreign_lock
+
+    def clock_event_reasons(self) -> int:
+        """NVML clock event (throttle) reason bits now.
+
+        :data:`CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING` while any clock lock is in force
+        (this process's or an administrator's), :data:`CLOCK_EVENT_SW_POWER_CAP` when the
+        last work was held below its clock by the power limit, :data:`CLOCK_EVENT_GPU_IDLE`
+        when the GPU is not working.
+        """
+        with self._lock:
+            self._check("clock_event_reasons")
+            self._settle()
+            reasons = 0
+            if self._locked is not None or self._foreign_lock is not None:
+                reasons |= CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+            if self._last_work_power_w is None:
+                reasons |= CLOCK_EVENT_GPU_IDLE
+            elif self._power_capped:
+                reasons |= CLOCK_EVENT_SW_POWER_CAP
+            return reasons
+
+    def foreign_clock_setting(self) -> str | None:
+        """Why the SM clocks are under a setting this process did not make, or None.
+
+        Detected as on NVML: the applications-clocks-setting event reason while this
+        process holds no lock.
+        """
+        reasons = self.clock_event_reasons()
+        with self._lock:
+            if self._locked is None and reasons & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING:
+                return (
+                    "its clocks are limited by a clock setting this job did not make "
+                    "(an administrator's `nvidia-smi -lgc` or `-ac`)"
+                )
+            return None
 
     def settings(self) -> Settings:
         """``(power_limit_w, locked_clocks_mhz)`` as they are now, bypassing faults.
@@ -456,27 +610,113 @@ class SimulatedGPU:
             self._energy_j += self.model.idle_power_w * (now - self._accounted_until_s)
             self._accounted_until_s = now
             self._last_work_power_w = None
+            self._record()
+
+    def _record(self) -> None:
+        """Add a breakpoint of the true energy; forget what no reading can need any more."""
+        self._history.append((self._accounted_until_s, self._energy_j))
+        horizon = self.clock.now() - 2.0 * max(
+            self.board.energy_counter_period_s, self.board.power_average_s, 1.0
+        )
+        drop = bisect.bisect_left(self._history, (horizon, -math.inf)) - 1
+        if drop > 0:
+            del self._history[:drop]
+
+    def _true_energy_at(self, t_s: float) -> float:
+        """True cumulative energy at ``t_s`` (linear between breakpoints)."""
+        history = self._history
+        if t_s <= history[0][0]:
+            return history[0][1]
+        k = bisect.bisect_left(history, (t_s, -math.inf))
+        if k == len(history):
+            return history[-1][1]
+        (t0, e0), (t1, e1) = history[k - 1], history[k]
+        return e1 if t1 <= t0 else e0 + (e1 - e0) * (t_s - t0) / (t1 - t0)
 
     def energy_j(self) -> float:
-        """Cumulative energy since construction, in joules."""
+        """The energy counter in joules.
+
+        With :attr:`Board.energy_counter_period_s`, the counter moves only at the end of
+        each period (the energy used up to then); after :meth:`reload_driver` it starts
+        again from 0.
+        """
         with self._lock:
             self._check("energy")
             self._settle()
-            return self._energy_j
+            now = self.clock.now()
+            period = self.board.energy_counter_period_s
+            if period > 0:
+                ticks = math.floor((now - self._created_s) / period + self._counter_phase_s)
+                now = self._created_s + (ticks - self._counter_phase_s) * period
+            return self._true_energy_at(now) - self._counter_offset_j
+
+    def energy_counter_period_s(self) -> float:
+        """How often the energy counter moves (:attr:`Board.energy_counter_period_s`)."""
+        return self.board.energy_counter_period_s
 
     def power_w(self) -> float:
-        """Power now: the last work's power if it just ended, else the idle power."""
+        """Power as the driver reports it (``nvmlDeviceGetPowerUsage``).
+
+        The average over the last :attr:`Board.power_average_s` seconds (Ampere and
+        Hopper report 1 s averages), or the power drawn now when that is 0.
+        """
         with self._lock:
             self._check("power")
+            return self._power_now_w(self.board.power_average_s)
+
+    def instant_power_w(self) -> float:
+        """The power drawn now (the driver's instantaneous power field).
+
+        Raises:
+            NotSupportedError: the board's driver has no such field
+                (:attr:`Board.instant_power` is False).
+        """
+        with self._lock:
+            self._check("instant_power")
+            if not self.board.instant_power:
+                raise NotSupportedError(
+                    "this driver has no instantaneous power field",
+                    gpu_index=self._index,
+                    operation="instant_power",
+                )
+            return self._power_now_w(0.0)
+
+    def _power_now_w(self, average_s: float) -> float:
+        self._settle()
+        now = self.clock.now()
+        start = max(now - average_s, self._created_s)
+        if average_s > 0 and now > start:
+            return (self._true_energy_at(now) - self._true_energy_at(start)) / (now - start)
+        if self._last_work_power_w is not None:
+            return self._last_work_power_w
+        return self.model.idle_power_w
+
+    def reload_driver(self) -> None:
+        """Simulate a driver reload: the energy counter starts again from 0."""
+        with self._lock:
             self._settle()
-            if self._last_work_power_w is not None:
-                return self._last_work_power_w
-            return self.model.idle_power_w
+            self._counter_offset_j = self._energy_j
+
+    def fail_cuda(self, message: str = "an illegal memory access was encountered") -> None:
+        """Make a CUDA error sticky: every later synchronise and piece of work raises it,
+        as a CUDA context does after an asynchronous error."""
+        with self._lock:
+            self._cuda_error = message
+
+    def _check_cuda(self, operation: str) -> None:
+        if self._cuda_error is not None:
+            raise DriverError(
+                f"CUDA error: {self._cuda_error} (sticky: the CUDA context is unusable)",
+                gpu_index=self._index,
+                operation=operation,
+            )
 
     def synchronize(self) -> None:
-        """No-op: simulated work completes when it is run."""
+        """Wait for queued work: a no-op (simulated work completes when it is run),
+        unless a sticky CUDA error (:meth:`fail_cuda`) is raised again."""
         with self._lock:
             self._check("synchronize")
+            self._check_cuda("synchronize")
 
     # --------------------------------------------------------------- workload
     def _noisy(self, value: float) -> float:
@@ -496,17 +736,24 @@ class SimulatedGPU:
         if problems:
             raise ConfigError(problems, source=operation)
         self._check(operation)
+        self._check_cuda(operation)
         self._settle()
-        max_clock = self._locked[1] if self._locked is not None else None
+        limit_w, locked = self._effective_settings(self.clock.now())
+        max_clock = locked[1] if locked is not None else None
         duration_s, power_w = self.model.run(
-            t0_s, compute_bound_share, self._power_limit_w, max_clock
+            t0_s, compute_bound_share, self._enforced(limit_w), max_clock
         )
+        unlimited_s, _ = self.model.run(
+            t0_s, compute_bound_share, self.model.max_power_limit_w, max_clock
+        )
+        self._power_capped = duration_s > unlimited_s
         return self._noisy(duration_s * self.slowdown), self._noisy(power_w)
 
     def _account_work(self, duration_s: float, power_w: float) -> None:
         self._energy_j += power_w * duration_s
         self._accounted_until_s += duration_s
         self._last_work_power_w = power_w
+        self._record()
 
     def run_work(self, t0_s: float, compute_bound_share: float = 1.0) -> float:
         """Run a piece of work taking ``t0_s`` at the maximum clock (or highest limit).
@@ -661,7 +908,9 @@ class SimulatedSpec:
             GPUs only.
         batch_size: measured batch size to replay (default: the middle measured one).
         optimizer: which optimizer's measurements when several exist (default: the first).
-        steps_per_epoch: trace GPUs: a step takes epoch time / this.
+        steps_per_epoch: trace GPUs: a step takes epoch time / this (None: the
+            dataset's training set in batches, e.g. 10,010 for ImageNet at batch size 128:
+            0.37 s a step on the A40).
         step_time_s: physics GPUs: duration of a step at the maximum clock.
         compute_bound_share: physics GPUs: compute-bound share of a step.
         count: how many GPUs.
@@ -673,13 +922,17 @@ class SimulatedSpec:
         uuid_prefix: uuids are ``<uuid_prefix>-<index>`` (default ``GPU-sim-<gpu>``).
         permission_denied: setters raise :class:`NoPermissionError`.
         supports_setting: when False, setters raise :class:`NotSupportedError`.
+        energy_counter_period_s, power_average_s, instant_power, setting_latency_s,
+        enforced_power_limit_w, foreign_clock_lock_mhz: how the board treats software
+            (see :class:`Board`); None: the preset's (:data:`BOARDS`; an ideal board for
+            CSV traces), no limiter and no foreign lock.
     """
 
     gpu: str = "a40"
     workload: str | None = None
     batch_size: int | None = None
     optimizer: str | None = None
-    steps_per_epoch: int = 100
+    steps_per_epoch: int | None = None
     step_time_s: float | None = None
     compute_bound_share: float | None = None
     count: int = 1
@@ -691,6 +944,29 @@ class SimulatedSpec:
     uuid_prefix: str | None = None
     permission_denied: bool = False
     supports_setting: bool = True
+    energy_counter_period_s: float | None = None
+    power_average_s: float | None = None
+    instant_power: bool | None = None
+    setting_latency_s: float | None = None
+    enforced_power_limit_w: float | None = None
+    foreign_clock_lock_mhz: tuple[int, int] | None = None
+
+    def board(self) -> Board:
+        """The board behaviour: the preset's, with the fields given here replacing it."""
+        preset = BOARDS.get(self.gpu, Board())
+        overrides = {
+            key: getattr(self, key)
+            for key in (
+                "energy_counter_period_s",
+                "power_average_s",
+                "instant_power",
+                "setting_latency_s",
+                "enforced_power_limit_w",
+                "foreign_clock_lock_mhz",
+            )
+            if getattr(self, key) is not None
+        }
+        return replace(preset, **overrides)
 
     def __post_init__(self) -> None:
         problems = []
@@ -699,7 +975,7 @@ class SimulatedSpec:
             problems.append(f"count={self.count!r}: must be >= 1")
         if self.first_index < 0:
             problems.append(f"first_index={self.first_index!r}: must be >= 0")
-        if self.steps_per_epoch < 1:
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
             problems.append(f"steps_per_epoch={self.steps_per_epoch!r}: must be >= 1")
         if self.noise_std < 0:
             problems.append(f"noise_std={self.noise_std!r}: must be >= 0")
@@ -707,6 +983,7 @@ class SimulatedSpec:
             problems.append(
                 f"slowdowns={self.slowdowns!r}: at most count={self.count} factors, each >= 1"
             )
+        problems.extend(self.board().problems())
         if self.workload is not None and self.workload.count("/") != 1:
             problems.append(f"workload={self.workload!r}: must be 'dataset/network'")
         trace_only = ("workload", "batch_size", "optimizer")
@@ -769,6 +1046,7 @@ def simulated_gpus(spec: SimulatedSpec, *, clock: VirtualClock | None = None) ->
         DriverError: a state file is malformed.
     """
     model = spec.model()
+    board = spec.board()
     clock = clock if clock is not None else VirtualClock()
     prefix = spec.uuid_prefix if spec.uuid_prefix is not None else f"GPU-sim-{spec.label}"
     gpus = []
@@ -787,6 +1065,7 @@ def simulated_gpus(spec: SimulatedSpec, *, clock: VirtualClock | None = None) ->
                 permission_denied=spec.permission_denied,
                 supports_setting=spec.supports_setting,
                 state_path=Path(spec.state_dir) / f"{uuid}.json" if spec.state_dir else None,
+                board=board,
             )
         )
     return gpus

@@ -85,7 +85,7 @@ from numpy.typing import NDArray
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, ProfileError
 from lightning_energy.optimize.selectors import Measurement, Selector
 
-__all__ = ["PURPOSES", "PowerLimitOptimizer", "Window"]
+__all__ = ["PURPOSES", "PowerLimitOptimizer", "Window", "min_window_s"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,25 @@ _PRIOR_DOF = 2.0
 _MAX_CORRELATION = 0.99
 
 
+def min_window_s(counter_period_s: float, tolerance: float) -> float:
+    """The shortest window whose energy is within ``tolerance`` despite the counter period.
+
+    An energy counter that moves every ``counter_period_s`` misses up to one period's
+    energy at each end of a window, so a window of ``d`` seconds is off by up to
+    ``counter_period_s / d`` (3 steps of 0.3 s on a 100 ms counter: about 10 %). Windows
+    at least ``counter_period_s / tolerance`` long keep that error within ``tolerance``
+    (10 s for a 100 ms counter and a 1 % tolerance).
+
+    Args:
+        counter_period_s: how often the energy counter moves (0: continuously).
+        tolerance: the relative error allowed, in (0, 1).
+
+    Returns:
+        Seconds (0 for a continuous counter).
+    """
+    return counter_period_s / tolerance
+
+
 @dataclass(frozen=True)
 class Window:
     """What the controller runs next.
@@ -111,15 +130,18 @@ class Window:
     Attributes:
         power_limit_w: the limit to apply to every GPU of the job.
         settle_steps: steps run at this limit before measuring (not measured).
-        measure_steps: steps measured in this window (0 for the warm-up window).
+        measure_steps: steps measured in this window at least (0 for the warm-up window).
         purpose: ``"warmup"``, ``"profile"`` (first pass over every limit) or
             ``"refine"`` (more steps at a contender).
+        min_duration_s: seconds measured at least: the window goes on, step by step,
+            until both ``measure_steps`` and this are reached (see :func:`min_window_s`).
     """
 
     power_limit_w: float
     settle_steps: int
     measure_steps: int
     purpose: str
+    min_duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +194,8 @@ class PowerLimitOptimizer:
         max_power_limit_w: the GPU's highest limit (``P_max`` of the Zeus cost); default
             the highest candidate.
         seed: seeds the posterior draws.
+        counter_period_s: how often the GPUs' energy counters move: every measured window
+            lasts at least :func:`min_window_s` of it and ``tolerance`` seconds.
 
     Raises:
         ConfigError: a parameter is out of range (every problem is listed).
@@ -194,6 +218,7 @@ class PowerLimitOptimizer:
         samples: int = 1024,
         max_power_limit_w: float | None = None,
         seed: int = 0,
+        counter_period_s: float = 0.0,
     ) -> None:
         problems: list[str] = []
         try:
@@ -226,6 +251,11 @@ class PowerLimitOptimizer:
         for key, (real, low, high) in reals.items():
             if not low < real < high:
                 problems.append(f"{key}: {real!r} is not allowed; use a number in ({low}, {high})")
+        if not 0.0 <= counter_period_s < math.inf:
+            problems.append(
+                f"counter_period_s: {counter_period_s!r} is not allowed; use a finite number "
+                "of seconds >= 0"
+            )
         if max_power_limit_w is not None and not (limits and max_power_limit_w >= limits[0]):
             problems.append(
                 f"max_power_limit_w: {max_power_limit_w!r} is not allowed; use a number >= the "
@@ -250,6 +280,7 @@ class PowerLimitOptimizer:
         self._samples = samples
         self._max_power_limit_w = limits[0] if max_power_limit_w is None else max_power_limit_w
         self._seed = seed
+        self._min_window_s = min_window_s(counter_period_s, tolerance)
         half = (initial_steps + 1) // 2
         self._plan = [(limit, steps) for limit in limits for steps in (half, initial_steps - half)]
         self._results: list[_Result] = []
@@ -289,7 +320,14 @@ class PowerLimitOptimizer:
         """
         return self._pending
 
-    def report(self, window: Window, *, time_per_step_s: float, energy_per_step_j: float) -> None:
+    def report(
+        self,
+        window: Window,
+        *,
+        time_per_step_s: float,
+        energy_per_step_j: float,
+        steps: int | None = None,
+    ) -> None:
         """Record a finished window.
 
         Args:
@@ -297,12 +335,20 @@ class PowerLimitOptimizer:
             time_per_step_s: job-wide time per measured step (the slowest rank's).
             energy_per_step_j: job-wide energy per measured step (all GPUs of all ranks).
                 Both are ignored for the warm-up window (``measure_steps == 0``).
+            steps: steps actually measured, when the window ran longer than
+                ``measure_steps`` to reach ``min_duration_s`` (default ``measure_steps``).
 
         Raises:
-            ProfileError: ``window`` is not the pending window, or a value is not a positive
-                finite number.
+            ProfileError: ``window`` is not the pending window, a value is not a positive
+                finite number, or ``steps`` is below the window's ``measure_steps``.
         """
         self._check_pending(window)
+        measured = window.measure_steps if steps is None else steps
+        if measured < window.measure_steps:
+            raise ProfileError(
+                f"window at {window.power_limit_w:g} W: steps={steps!r} is fewer than the "
+                f"{window.measure_steps} the window measures"
+            )
         if window.measure_steps > 0:
             bad = {
                 k: v
@@ -319,7 +365,7 @@ class PowerLimitOptimizer:
             self._results.append(
                 _Result(
                     window.power_limit_w,
-                    window.measure_steps,
+                    measured,
                     float(time_per_step_s),
                     float(energy_per_step_j),
                     window.purpose,
@@ -327,7 +373,7 @@ class PowerLimitOptimizer:
             )
         else:
             self._warm = True
-        self._profiled_steps += window.settle_steps + window.measure_steps
+        self._profiled_steps += window.settle_steps + measured
         self._current_limit_w = window.power_limit_w
         self._pending = None
         self._advance()
@@ -497,7 +543,7 @@ class PowerLimitOptimizer:
             self._pending = Window(limit_w, self._warmup_steps, 0, "warmup")
             return
         settle = 0 if limit_w == self._current_limit_w else self._settle_steps
-        self._pending = Window(limit_w, settle, steps, purpose)
+        self._pending = Window(limit_w, settle, steps, purpose, self._min_window_s)
 
     def _next_measurement(self) -> tuple[float, int, str] | None:
         """The next (limit, measured steps, purpose); None after finishing the profile."""

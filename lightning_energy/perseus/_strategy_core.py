@@ -46,6 +46,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+def _exact_spec(gpu: str, count: int) -> SimulatedSpec:
+    """Simulated GPUs that read energy exactly and apply clocks at once: Perseus measures
+    single instructions of milliseconds, shorter than the presets' ~100 ms energy counter
+    period and their set-clock latency."""
+    return SimulatedSpec(
+        gpu=gpu,
+        count=count,
+        energy_counter_period_s=0.0,
+        power_average_s=0.0,
+        setting_latency_s=0.0,
+    )
+
+
 _SCHEDULE_CLASSES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -256,7 +270,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
                 f"{self.virtual_stages} virtual stages need {schedule.num_stages}"
             )
         rank = self.global_rank
-        gpu, guard = self._open_gpu(SimulatedSpec(gpu=self.simulated_gpu, count=max(ranks, 1)))
+        gpu, guard = self._open_gpu(_exact_spec(self.simulated_gpu, max(ranks, 1)))
         simulation = None
         if isinstance(gpu, SimulatedGPU):
             times = self.simulated_stage_times_s or [[0.02, 0.04]] * schedule.num_stages
@@ -396,6 +410,9 @@ class PerseusDDPCore(PerseusStrategyCore):
             gpu=self.simulated_gpu,
             count=max(self.world_size, len(self.slowdowns), 1),
             slowdowns=self.slowdowns,
+            energy_counter_period_s=0.0,
+            power_average_s=0.0,
+            setting_latency_s=0.0,
         )
         gpu, guard = self._open_gpu(spec)
         self.equalizer = StragglerEqualizer(

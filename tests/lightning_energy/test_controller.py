@@ -28,7 +28,8 @@ def _config(tmp_path: Path, **power_limit: Any) -> EnergyConfig:
 
 
 def _devices(**spec: Any) -> DeviceSet:
-    gpus = simulated_gpus(SimulatedSpec(gpu="a40", **spec))
+    # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+    gpus = simulated_gpus(SimulatedSpec(gpu="a40", steps_per_epoch=100, **spec))
     return DeviceSet(
         gpus=gpus,
         clock=gpus[0].clock.now,

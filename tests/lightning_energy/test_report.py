@@ -32,9 +32,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _config(tmp_path: Path, carbon: dict[str, Any] | None = None) -> EnergyConfig:
     data: dict[str, Any] = {
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
         "device": {
             "backend": "simulated",
             "gpu": "a40",
+            "steps_per_epoch": 100,
             "lease_dir": str(tmp_path / "leases"),
             "start": "2023-06-01T00:00:00",  # a pinned day of the replayed trace
         },

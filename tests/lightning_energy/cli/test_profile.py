@@ -55,9 +55,11 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("LIGHTNING_ENERGY_CONFIG", raising=False)
     path = tmp_path / "energy.yaml"
     data = {
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
         "device": {
             "backend": "simulated",
             "gpu": "a40",
+            "steps_per_epoch": 100,
             "lease_dir": str(tmp_path / "leases"),
             "start": "2023-06-01T00:00:00",  # a pinned day of the replayed trace
         },

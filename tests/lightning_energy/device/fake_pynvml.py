@@ -2,10 +2,20 @@
 
 It keeps the real module's calling conventions (milliwatts, millijoules, MHz, handles,
 ``NVMLError`` carrying the return code in ``value``) and records every setter call.
+
+It can be as rude as real boards: with ``draw_mw`` set, a device draws that power on the
+module's own clock (:meth:`FakeNVML.advance`, also its ``sleep``); its energy counter
+moves only every ``energy_update_period_s`` and ``nvmlDeviceGetPowerUsage`` returns the
+average over the last ``power_average_s`` (1 s on Ampere and Hopper), while the
+instantaneous power field (``NVML_FI_DEV_POWER_INSTANT``) gives the draw now, or is
+missing as on older drivers. An administrator's clock lock shows only in the clock event
+reasons; :meth:`FakeDevice.reload_driver` sends the energy counter back to 0.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +28,7 @@ ERROR_CODES = {
     "NVML_ERROR_NOT_FOUND": 6,
     "NVML_ERROR_DRIVER_NOT_LOADED": 9,
     "NVML_ERROR_LIBRARY_NOT_FOUND": 12,
+    "NVML_ERROR_FUNCTION_NOT_FOUND": 13,
     "NVML_ERROR_GPU_IS_LOST": 15,
     "NVML_ERROR_UNKNOWN": 999,
 }
@@ -64,6 +75,33 @@ class FakeDevice:
     mig_instances: list[FakeDevice] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML code
+    clock_event_reasons: int = 0  # e.g. 0x2 (applications clocks setting) under -lgc
+    applications_clock_mhz: int = 1410
+    default_applications_clock_mhz: int = 1410
+    # "supported", "unsupported" (the field's own return code) or "function_not_found"
+    # (a driver without nvmlDeviceGetFieldValues).
+    instant_power: str = "supported"
+    draw_mw: float | None = None  # set: power and energy follow the module's clock
+    energy_update_period_s: float = 0.0
+    power_average_s: float = 0.0
+    true_energy_mj: float = 0.0
+    history: list[tuple[float, float]] = field(default_factory=list)
+
+    def true_energy_at(self, t_s: float) -> float:
+        """True energy (mJ) at ``t_s``, linear between the recorded points."""
+        points = self.history
+        if not points or t_s <= points[0][0]:
+            return points[0][1] if points else self.true_energy_mj
+        for (t0, e0), (t1, e1) in itertools.pairwise(points):
+            if t0 <= t_s <= t1:
+                return e0 if t1 == t0 else e0 + (e1 - e0) * (t_s - t0) / (t1 - t0)
+        return points[-1][1]
+
+    def reload_driver(self) -> None:
+        """The driver reloads: the energy counter starts again from 0."""
+        self.energy_mj = 0
+        self.history = [(t, e - self.true_energy_mj) for t, e in self.history]
+        self.true_energy_mj = 0.0
 
 
 class FakeNVML(types.ModuleType):
@@ -75,10 +113,12 @@ class FakeNVML(types.ModuleType):
         shutdown_calls: ``nvmlShutdown`` calls so far.
         calls: setter calls, e.g. ``("set_power_limit", uuid, milliwatts)``.
         init_error: an NVML code ``nvmlInit`` fails with (None: it succeeds).
+        now_s: the module's clock, moved by :meth:`advance` (and ``sleep``).
     """
 
     NVMLError = NVMLError
     NVML_DEVICE_MIG_ENABLE = 1
+    NVML_FI_DEV_POWER_INSTANT = 186
 
     def __init__(self, devices: list[FakeDevice]) -> None:
         super().__init__("pynvml")
@@ -87,6 +127,38 @@ class FakeNVML(types.ModuleType):
         self.shutdown_calls = 0
         self.calls: list[tuple[Any, ...]] = []
         self.init_error: int | None = None
+        self.now_s = 0.0
+
+    def clock(self) -> float:
+        """The module's clock in seconds."""
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock: devices with ``draw_mw`` use energy, their counters tick."""
+        start, end = self.now_s, self.now_s + seconds
+        for device in self.devices:
+            if device.draw_mw is None:
+                continue
+            if not device.history:
+                device.true_energy_mj = float(device.energy_mj or 0)
+                device.history.append((start, device.true_energy_mj))
+            device.true_energy_mj += device.draw_mw * seconds
+            device.history.append((end, device.true_energy_mj))
+            period = device.energy_update_period_s
+            tick = math.floor(end / period) * period if period > 0 else end
+            if device.energy_mj is not None:  # None: no counter (pre-Volta)
+                device.energy_mj = int(device.true_energy_at(tick))
+            average = device.power_average_s
+            if average > 0:
+                since = max(end - average, device.history[0][0])
+                if end > since:
+                    used = device.true_energy_mj - device.true_energy_at(since)
+                    device.power_mw = int(used / (end - since))
+            else:
+                device.power_mw = int(device.draw_mw)
+        self.now_s = end
+
+    sleep = advance
 
 
 def make_module(devices: list[FakeDevice]) -> FakeNVML:
@@ -146,7 +218,10 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
 
     def nvmlDeviceGetEnforcedPowerLimit(handle: FakeDevice) -> int:
         check("nvmlDeviceGetEnforcedPowerLimit", handle)
-        return handle.enforced_limit_mw if handle.enforced_limit_mw is not None else handle.limit_mw
+        # The lowest of all limiters: a board or rack limiter, or the limit set.
+        if handle.enforced_limit_mw is None:
+            return handle.limit_mw
+        return min(handle.enforced_limit_mw, handle.limit_mw)
 
     def nvmlDeviceSetPowerManagementLimit(handle: FakeDevice, limit_mw: int) -> None:
         check("nvmlDeviceSetPowerManagementLimit", handle)
@@ -180,6 +255,37 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
         if handle.energy_mj is None:
             raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"])
         return handle.energy_mj
+
+    def nvmlDeviceGetCurrentClocksEventReasons(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return handle.clock_event_reasons | (0x2 if handle.locked is not None else 0)
+
+    def nvmlDeviceGetApplicationsClock(handle: FakeDevice, clock_type: int) -> int:
+        check("nvmlDeviceGetApplicationsClock", handle)
+        return handle.applications_clock_mhz
+
+    def nvmlDeviceGetDefaultApplicationsClock(handle: FakeDevice, clock_type: int) -> int:
+        check("nvmlDeviceGetDefaultApplicationsClock", handle)
+        return handle.default_applications_clock_mhz
+
+    def nvmlDeviceGetFieldValues(handle: FakeDevice, field_ids: list[int]) -> list[Any]:
+        check("nvmlDeviceGetFieldValues", handle)
+        if handle.instant_power == "function_not_found":
+            raise NVMLError(ERROR_CODES["NVML_ERROR_FUNCTION_NOT_FOUND"])
+        values = []
+        for field_id in field_ids:
+            supported = field_id == mod.NVML_FI_DEV_POWER_INSTANT and (
+                handle.instant_power == "supported"
+            )
+            draw = handle.draw_mw if handle.draw_mw is not None else handle.power_mw
+            values.append(
+                types.SimpleNamespace(
+                    fieldId=field_id,
+                    nvmlReturn=0 if supported else ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"],
+                    value=types.SimpleNamespace(uiVal=int(draw) if supported else 0),
+                )
+            )
+        return values
 
     def nvmlDeviceGetMigMode(handle: FakeDevice) -> list[int]:
         check("nvmlDeviceGetMigMode", handle)

@@ -306,7 +306,8 @@ def test_energy_falls_back_to_a_power_sampler_stopped_on_close(
     first = gpu.energy_j()
     assert len(_sampler_threads()) == 1
     assert gpu.energy_j() >= first >= 0.0
-    fake.devices[0].errors["nvmlDeviceGetPowerUsage"] = ERROR_CODES["NVML_ERROR_GPU_IS_LOST"]
+    for fn in ("nvmlDeviceGetPowerUsage", "nvmlDeviceGetFieldValues"):  # lost: all fail
+        fake.devices[0].errors[fn] = ERROR_CODES["NVML_ERROR_GPU_IS_LOST"]
     with pytest.raises(GPULostError):
         while True:  # the sampler thread stores the failure; energy_j reports it
             gpu.energy_j()

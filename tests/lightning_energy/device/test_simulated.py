@@ -28,6 +28,9 @@ from lightning_energy.errors import (
     NotSupportedError,
 )
 
+# Exact readings and immediate settings: these tests check the model itself.
+IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+
 
 def test_virtual_clock_moves_only_when_told_and_is_thread_safe() -> None:
     clock = VirtualClock(start_s=5.0)
@@ -63,7 +66,7 @@ def test_implements_the_gpu_protocol_with_deterministic_identity() -> None:
 
 
 def test_idle_time_and_other_gpus_work_are_charged_at_idle_power() -> None:
-    a, b = simulated_gpus(SimulatedSpec(gpu="a100", count=2))
+    a, b = simulated_gpus(SimulatedSpec(gpu="a100", count=2, **IDEAL))
     assert a.power_w() == 70.0
     a.run_work(1.0, 1.0)  # 380 W for 1 s on a; b waits.
     assert a.energy_j() == pytest.approx(380.0)
@@ -76,7 +79,7 @@ def test_idle_time_and_other_gpus_work_are_charged_at_idle_power() -> None:
 
 
 def test_parallel_steps_advance_the_clock_by_the_slowest_gpu() -> None:
-    fast, slow = simulated_gpus(SimulatedSpec(gpu="a100", count=2, slowdowns=(1.0, 1.5)))
+    fast, slow = simulated_gpus(SimulatedSpec(gpu="a100", count=2, slowdowns=(1.0, 1.5), **IDEAL))
     start = fast.clock.now()
     duration = run_in_parallel([fast, slow], steps=2)
     assert duration == pytest.approx(2 * 0.25 * 1.5)
@@ -90,7 +93,9 @@ def test_parallel_steps_advance_the_clock_by_the_slowest_gpu() -> None:
 
 
 def test_straggler_takes_longer_at_the_same_power() -> None:
-    normal, straggler = simulated_gpus(SimulatedSpec(gpu="a40", count=2, slowdowns=(1.0, 1.3)))
+    normal, straggler = simulated_gpus(
+        SimulatedSpec(gpu="a40", count=2, slowdowns=(1.0, 1.3), **IDEAL)
+    )
     assert straggler.slowdown == 1.3
     normal_s = normal.run_step()
     normal_w = normal.power_w()

@@ -12,6 +12,9 @@ import pytest
 from lightning_energy.device import PHYSICS_PRESETS, SimulatedSpec, physics_preset, simulated_gpus
 from lightning_energy.errors import ConfigError, DriverError
 
+# Exact readings and immediate settings: these tests check the model itself.
+IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+
 
 @pytest.mark.parametrize("name", ["a100", "h100"])
 def test_lower_clock_is_slower_and_draws_less_power(name: str) -> None:
@@ -78,7 +81,7 @@ def test_power_limit_caps_the_clock() -> None:
 
 
 def test_locked_clock_and_power_limit_drive_the_simulated_gpu() -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **IDEAL))[0]
     clocks = gpu.supported_sm_clocks_mhz()
     assert clocks == sorted(clocks, reverse=True) and clocks[0] == 1410
     fast = gpu.run_work(0.1, 0.9)

@@ -11,6 +11,9 @@ import pytest
 from lightning_energy.device import PowerTrace, SimulatedSpec, TraceModel, simulated_gpus
 from lightning_energy.errors import ConfigError, NotSupportedError, ProfileError
 
+# Exact readings and immediate settings: these tests check the model itself.
+IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+
 HEADER = "dataset,network,batch_size,optimizer,power_limit,time_per_epoch,average_power\n"
 
 
@@ -49,7 +52,7 @@ def test_interpolates_linearly_between_measured_limits_and_clamps_outside() -> N
 
 
 def test_simulated_step_replays_the_trace_at_the_current_limit() -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a40", steps_per_epoch=50))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a40", steps_per_epoch=50, **IDEAL))[0]
     assert gpu.name == "NVIDIA A40 (simulated)"
     assert gpu.power_limit_constraints_w() == (100.0, 300.0)
     assert gpu.default_power_limit_w() == 300.0 == gpu.power_limit_w()
@@ -77,7 +80,7 @@ def test_default_workload_and_batch_size() -> None:
 
 
 def test_work_slows_only_the_compute_bound_share() -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a40"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a40", **IDEAL))[0]
     ratio = 4463.24 / 3739.5  # imagenet/resnet50/128 at 175 W vs 300 W
     gpu.set_power_limit_w(175.0)
     assert gpu.run_work(1.0, 1.0) == pytest.approx(ratio)

@@ -44,6 +44,8 @@ def _config(tmp_path: Path, **power_limit: Any) -> dict[str, Any]:
         "device": {
             "backend": "simulated",
             "gpu": "a40",
+            # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+            "steps_per_epoch": 100,
             "noise_std": 0.02,
             "lease_dir": str(tmp_path / "leases"),
         },

@@ -24,7 +24,13 @@ MAX_EPOCHS = 6
 
 def _energy_config(tmp_path: Path) -> dict[str, Any]:
     return {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {
             "selector": "cost",
             "power_limits_w": [300.0, 250.0, 200.0],

@@ -29,7 +29,13 @@ def _energy_config(tmp_path: Path, selector: str = "energy", **extra: Any) -> di
     }
     section.update(extra)
     return {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": section,
         "log_every_n_steps": 5,
     }
@@ -39,7 +45,7 @@ def _brute_force(selector: str) -> float:
     """The optimum over CANDIDATES computed from the noiseless A40 trace."""
     from lightning_energy.optimize.selectors import Measurement, make_selector
 
-    model = SimulatedSpec(gpu="a40").model()
+    model = SimulatedSpec(gpu="a40", steps_per_epoch=100).model()
     steps = model.steps_per_epoch
     profile = [
         Measurement(

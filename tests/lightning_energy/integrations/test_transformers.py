@@ -52,7 +52,8 @@ def example() -> ModuleType:
 
 def _config(**power_limit: Any) -> dict[str, Any]:
     return {
-        "device": {"backend": "simulated", "gpu": "a40", "noise_std": 0.02},
+        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
+        "device": {"backend": "simulated", "gpu": "a40", "steps_per_epoch": 100, "noise_std": 0.02},
         "power_limit": {
             "power_limits_w": CANDIDATES_W,
             "warmup_steps": 2,

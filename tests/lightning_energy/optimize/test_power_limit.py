@@ -499,6 +499,11 @@ def trace_outcomes(
             batch_size=batch_size,
             noise_std=noise_std,
             seed=1000 * seed + index,  # independent noise for every workload
+            # The search's step efficiency, on exact readings: sizing windows for a slow
+            # energy counter is the controller's job.
+            energy_counter_period_s=0.0,
+            power_average_s=0.0,
+            setting_latency_s=0.0,
         )
         truth = trace_truth(spec)
         swept = zeus_sweep(spec)

@@ -19,6 +19,7 @@ from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from tests.lightning_energy.perseus.helpers import EXACT_BOARD
 
 from . import nccl_like
 
@@ -30,9 +31,9 @@ def main() -> None:
     rank, port, out_dir, lease_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     nccl_like.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100", first_index=rank, slowdowns=(SLOWDOWNS[rank],)))[
-        0
-    ]
+    gpu = simulated_gpus(
+        SimulatedSpec(gpu="a100", first_index=rank, slowdowns=(SLOWDOWNS[rank],), **EXACT_BOARD)
+    )[0]
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     training: dict[str, Any] = {

@@ -29,6 +29,7 @@ from lightning_energy.perseus.runtime import (
     StageWork,
     simulated_profile,
 )
+from tests.lightning_energy.perseus.helpers import EXACT_BOARD
 
 from . import nccl_like
 
@@ -61,7 +62,7 @@ def run_case(name: str, rank: int, world: int, lease_dir: str, group: Any) -> di
     planner = PerseusPlanner(profile, schedule)
     plan = planner.plan_for_time(planner.min_iteration_time_s * 1.05).plan
 
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100", count=1, first_index=rank))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", count=1, first_index=rank, **EXACT_BOARD))[0]
     mine = {k: w for k, w in stage_works.items() if schedule.device_of(k[0]) == rank}
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
         simulation = PipelineSimulation(gpu, mine, group=group)
@@ -115,7 +116,7 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
     """1F1B profiled online: warm up, profile 3 clocks, plan, then re-plan for a target."""
     schedule = build_schedule("1f1b", world, MICROBATCHES)
     stage_works = works(world)
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100", count=1, first_index=rank))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", count=1, first_index=rank, **EXACT_BOARD))[0]
     mine = {k: w for k, w in stage_works.items() if k[0] == rank}
     iterations = []
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:

@@ -15,6 +15,7 @@ from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
 from lightning_energy.perseus.runtime import ClockController, PipelineRuntime, simulated_profile
+from tests.lightning_energy.perseus.helpers import EXACT_BOARD
 
 from . import pipeline_worker
 
@@ -135,7 +136,7 @@ def locks_applied(
 def test_clock_controller_applies_requests_as_the_stream_reaches_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     calls = locks_applied(gpu, monkeypatch)
     stream = FakeStream()
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
@@ -189,7 +190,7 @@ def test_the_clock_recorded_is_the_one_read_back(tmp_path: Path) -> None:
 
 
 def test_runtime_resets_clocks_on_failure(tmp_path: Path) -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     schedule = one_f_one_b(1, 2)
     plan = Plan.uniform(schedule, 1005)
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
@@ -204,7 +205,7 @@ def test_runtime_resets_clocks_on_failure(tmp_path: Path) -> None:
 
 
 def test_runtime_rejects_foreign_plans_and_instructions(tmp_path: Path) -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
         with PipelineRuntime(one_f_one_b(2, 2), 0, ClockController(guard)) as runtime:
             with pytest.raises(ConfigError, match="the plan is for"):

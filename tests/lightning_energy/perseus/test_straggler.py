@@ -12,6 +12,7 @@ from lightning_energy.device.physics import physics_preset
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from tests.lightning_energy.perseus.helpers import EXACT_BOARD
 
 from .helpers import TickingCounter
 from .test_runtime import free_port, run_ranks
@@ -51,7 +52,7 @@ def test_two_process_ddp_equalises_the_fast_rank(tmp_path: Path) -> None:
 
 
 def test_single_rank_profiles_then_stays_at_full_clock(tmp_path: Path) -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     sim = SimulatedDataParallel(gpu, StageWork(0.1, 0.9))
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
         equalizer = StragglerEqualizer(
@@ -77,7 +78,7 @@ def test_single_rank_profiles_then_stays_at_full_clock(tmp_path: Path) -> None:
 
 
 def test_equalizer_validates_its_arguments(tmp_path: Path) -> None:
-    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
         with pytest.raises(ConfigError) as info:
             StragglerEqualizer(guard, [1410, 1200], steps_per_clock=0, window_steps=0, margin=1)

@@ -1,0 +1,254 @@
+"""The simulated GPU and the in-memory pynvml treat software as real boards do."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+from fake_pynvml import FakeNVML, a100, make_module
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.device import (
+    PHYSICS_PRESETS,
+    DeviceSet,
+    SimulatedGPU,
+    SimulatedSpec,
+    simulated_gpus,
+)
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.device.nvml import NVMLGPU, nvml_gpus
+from lightning_energy.device.simulated import (
+    BOARDS,
+    CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING,
+    Board,
+)
+from lightning_energy.errors import ConfigError, DriverError, NotSupportedError
+from lightning_energy.measure import EnergyMeter
+
+
+def _gpu(gpu: str = "a100", **spec: object) -> SimulatedGPU:
+    return simulated_gpus(SimulatedSpec(gpu=gpu, **spec))[0]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["a40", "v100", "a100", "h100", "h200"])
+def test_presets_are_rude_by_default(name: str) -> None:
+    board = _gpu(name).board
+    assert board == BOARDS[name]
+    assert board.energy_counter_period_s == pytest.approx(0.1)
+    assert board.setting_latency_s > 0
+    # Volta reports (nearly) instantaneous power; Ampere and Hopper a 1 s average.
+    assert board.power_average_s == (0.0 if name == "v100" else 1.0)
+    assert board.instant_power == (name != "v100")
+
+
+def test_energy_counter_moves_only_every_period() -> None:
+    gpu = _gpu(step_time_s=0.02)
+    readings = []
+    for _ in range(50):  # 1 s of 20 ms steps
+        gpu.run_step()
+        readings.append(gpu.energy_j())
+    deltas = [b - a for a, b in itertools.pairwise(readings)]
+    zero = sum(1 for d in deltas if d == 0)
+    assert zero >= 0.7 * len(deltas)  # 4 steps in 5 see the counter standing still
+    assert 8 <= len(deltas) - zero <= 11  # it moved about once per 100 ms
+    # Over a long window the counter loses at most one period at each end.
+    exact = _gpu(step_time_s=0.02, energy_counter_period_s=0.0)
+    for _ in range(50):
+        exact.run_step()
+    assert abs(readings[-1] - exact.energy_j()) <= 0.1 * exact.power_w() + 1e-9
+
+
+def test_power_usage_is_a_one_second_average_and_the_instant_field_is_not() -> None:
+    gpu = _gpu(step_time_s=0.05)
+    idle_w = PHYSICS_PRESETS["a100"].idle_power_w
+    gpu.idle(2.0)
+    gpu.run_step()  # 50 ms of work after 2 s idle
+    busy_w = gpu.instant_power_w()
+    assert busy_w > 200.0
+    averaged = gpu.power_w()
+    assert averaged == pytest.approx(0.95 * idle_w + 0.05 * busy_w)
+    old = _gpu("v100")
+    with pytest.raises(NotSupportedError, match="instantaneous"):
+        old.instant_power_w()
+
+
+def test_settings_take_effect_after_the_set_latency() -> None:
+    gpu = _gpu(setting_latency_s=0.1, step_time_s=0.05)
+    full_s = gpu.run_step()
+    gpu.set_power_limit_w(150.0)
+    assert gpu.power_limit_w() == 150.0  # read back at once
+    assert gpu.run_step() == pytest.approx(full_s)  # still under the old limit
+    gpu.clock.advance(0.1)
+    assert gpu.run_step() > full_s
+    gpu.set_power_limit_w(400.0)
+
+
+def test_sticky_cuda_error_fails_every_later_operation() -> None:
+    gpu = _gpu()
+    gpu.fail_cuda()
+    for call in (gpu.synchronize, gpu.run_step, lambda: gpu.run_work(0.1)):
+        with pytest.raises(DriverError, match="sticky"):
+            call()
+    assert gpu.energy_j() >= 0  # NVML still reads
+
+
+def test_driver_reload_sends_the_counter_back_and_the_meter_carries_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gpu = _gpu(energy_counter_period_s=0.0)
+    devices = DeviceSet(gpus=[gpu], clock=gpu.clock.now, backend="simulated")
+    meter = EnergyMeter(devices)
+    gpu.run_step(3)
+    meter.begin("run")
+    before = gpu.energy_j()
+    gpu.reload_driver()
+    assert gpu.energy_j() < before
+    step_j = gpu.energy_j()
+    gpu.run_step()
+    step_j = gpu.energy_j() - step_j
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        m = meter.end("run")
+    assert m.energy_j == pytest.approx(step_j)  # what was used since the reload
+    assert not m.missing
+    assert sum("went backwards" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_board_options_are_validated_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        SimulatedSpec(energy_counter_period_s=-1.0, foreign_clock_lock_mhz=(900, 300))
+    assert "energy_counter_period_s" in str(info.value)
+    assert "foreign_clock_lock_mhz" in str(info.value)
+    with pytest.raises(ConfigError, match="enforced_power_limit_w"):
+        SimulatedGPU(PHYSICS_PRESETS["a100"], board=Board(enforced_power_limit_w=0.0))
+
+
+# ----------------------------------------------------------------- foreign clock lock
+def test_foreign_clock_lock_is_invisible_to_read_back_but_not_to_event_reasons() -> None:
+    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005), setting_latency_s=0.0)
+    assert gpu.locked_clocks_mhz() is None
+    assert gpu.clock_event_reasons() & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+    assert gpu.foreign_clock_setting() is not None
+    assert gpu.run_work(0.1, 1.0) == pytest.approx(0.1 * 1410 / 1005)  # it does slow work
+
+
+def test_guard_leaves_an_administrators_clock_lock_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005))
+    with (
+        caplog.at_level(logging.WARNING, logger="lightning_energy"),
+        GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard,
+    ):
+        assert guard.lock_clocks_mhz(600, 900) is None
+        assert guard.set_power_limit_w(300.0) == 300.0  # power limits still apply
+    assert gpu.foreign_clock_lock_mhz() == (1005, 1005)  # not released by the restore
+    assert sum("left alone" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------- enforced power limit
+def _controller(tmp_path: Path, gpu: SimulatedGPU, limits: list[float]) -> EnergyController:
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")},
+            "power_limit": {"power_limits_w": limits, "warmup_steps": 2, "settle_steps": 1},
+            "log_every_n_steps": 10,
+        }
+    )
+    devices = DeviceSet(
+        gpus=[gpu],
+        clock=gpu.clock.now,
+        backend="simulated",
+        run_step=lambda: gpu.run_step() and None,
+    )
+    return EnergyController(config, devices=devices, install_signal_handlers=False)
+
+
+def test_candidates_above_the_enforced_limit_are_capped_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = _gpu("a40", enforced_power_limit_w=220.0)
+    controller = _controller(tmp_path, gpu, [300.0, 250.0, 200.0, 150.0])
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        for _ in range(200):
+            controller.on_step_start()
+            controller.on_step_end()
+    controller.teardown()
+    assert gpu.settings() == gpu.initial_settings
+    profiled = sorted(m["power_limit_w"] for m in controller.profile())
+    assert profiled == [150.0, 200.0, 220.0]  # 300 and 250 W would both run at 220 W
+    entries = [d for d in controller.decisions if d["kind"] == "enforced_power_limit"]
+    assert [e["value"] for e in entries] == [220.0]
+    assert sum("limiter" in r.getMessage() for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------ in-memory pynvml
+@pytest.fixture
+def rude(monkeypatch: pytest.MonkeyPatch) -> FakeNVML:
+    device = a100(0, draw_mw=300_000.0, energy_update_period_s=0.1, power_average_s=1.0)
+    module = make_module([device])
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return module
+
+
+def test_fake_counter_ticks_every_period_and_power_usage_lags(rude: FakeNVML) -> None:
+    (gpu,) = nvml_gpus()
+    try:
+        start = gpu.energy_j()
+        rude.advance(0.05)
+        assert gpu.energy_j() == start  # not a whole period yet
+        rude.advance(0.1)
+        assert gpu.energy_j() == pytest.approx(start + 30.0)  # 300 W x 0.1 s
+        rude.advance(2.0)
+        rude.devices[0].draw_mw = 100_000.0
+        rude.advance(0.2)
+        assert gpu.instant_power_w() == 100.0
+        assert gpu.power_w() == pytest.approx(0.8 * 300.0 + 0.2 * 100.0, abs=0.01)
+    finally:
+        gpu.close()
+
+
+def test_nvml_counter_period_is_measured(rude: FakeNVML) -> None:
+    gpu = NVMLGPU(rude.devices[0], 0, clock=rude.clock, sleep=rude.sleep)
+    try:
+        assert gpu.energy_counter_period_s() == pytest.approx(0.1, abs=0.003)
+    finally:
+        gpu.close()
+
+
+@pytest.mark.parametrize("instant", ["function_not_found", "unsupported"])
+def test_power_sampler_prefers_the_instant_field_and_falls_back(
+    instant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    device = a100(0, energy_mj=None, draw_mw=300_000.0, power_average_s=1.0)
+    module = make_module([device])
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (gpu,) = nvml_gpus()
+    try:
+        assert gpu._sample_power_w() == 300.0  # the instant field where the driver has it
+        device.instant_power = instant
+        gpu._instant_power = None
+        device.power_mw = 123_000
+        assert gpu._sample_power_w() == 123.0  # older driver: GetPowerUsage, no error
+        with pytest.raises(NotSupportedError):
+            gpu.instant_power_w()
+    finally:
+        gpu.close()
+
+
+def test_nvml_sees_an_administrators_clock_lock(rude: FakeNVML) -> None:
+    (gpu,) = nvml_gpus()
+    try:
+        assert gpu.foreign_clock_setting() is None
+        rude.devices[0].clock_event_reasons = CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+        assert "nvidia-smi -lgc" in (gpu.foreign_clock_setting() or "")
+        rude.devices[0].clock_event_reasons = 0
+        rude.devices[0].applications_clock_mhz = 1005
+        assert "1005 MHz" in (gpu.foreign_clock_setting() or "")
+    finally:
+        gpu.close()

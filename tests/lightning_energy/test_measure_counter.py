@@ -1,0 +1,136 @@
+"""Profiling on an energy counter that moves every 100 ms: windows sized in seconds."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.device import PHYSICS_PRESETS, DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.optimize.power_limit import min_window_s
+from tests.lightning_energy.integrations._models import make_loader, module_class
+
+LIMITS = [400.0, 250.0]
+
+
+def _section(tmp_path: Path, step_time_s: float) -> dict[str, Any]:
+    return {
+        "device": {
+            "backend": "simulated",
+            "gpu": "a100",
+            "step_time_s": step_time_s,
+            "lease_dir": str(tmp_path / "leases"),
+        },
+        "power_limit": {
+            "selector": "energy",
+            "power_limits_w": LIMITS,
+            "warmup_steps": 2,
+            "settle_steps": 1,
+        },
+        "log_every_n_steps": 50,
+    }
+
+
+def _exact_energy_per_step_j(limit_w: float, step_time_s: float) -> float:
+    model = PHYSICS_PRESETS["a100"]
+    duration_s, power_w = model.run(step_time_s, model.step_compute_bound_share, limit_w, None)
+    return duration_s * power_w
+
+
+def test_window_length_follows_the_precision_needed() -> None:
+    assert min_window_s(0.1, 0.01) == pytest.approx(10.0)
+    assert min_window_s(0.0, 0.01) == 0.0
+    # 3 steps of 0.3 s on a 100 ms counter: up to ~10 % off, ten times the tolerance.
+    assert 0.1 / (3 * 0.3) > 10 * 0.01
+
+
+@pytest.mark.parametrize("step_time_s", [0.02, 0.3])
+def test_short_steps_on_a_slow_counter_profile_accurately(
+    step_time_s: float, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=step_time_s))
+    assert gpus[0].energy_counter_period_s() == pytest.approx(0.1)
+    devices = DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: gpus[0].run_step() and None,
+    )
+    config = EnergyConfig.from_mapping(_section(tmp_path, step_time_s))
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    steps = 0
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        while not controller.profile_done:
+            controller.on_step_start()
+            controller.on_step_end()
+            steps += 1
+    controller.teardown()
+    profile = {m["power_limit_w"]: m for m in controller.profile()}
+    assert sorted(profile) == sorted(LIMITS)
+    for limit_w, m in profile.items():
+        # Two windows per limit, each at least 10 s of steps.
+        assert m["steps"] * m["time_per_step_s"] >= 2 * 10.0 - 1e-9
+        exact_j = _exact_energy_per_step_j(limit_w, step_time_s)
+        assert m["energy_per_step_j"] == pytest.approx(exact_j, rel=0.01)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_lightning_fit_with_20ms_steps_on_a_100ms_counter(tmp_path: Path) -> None:
+    import lightning.pytorch as ns
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+
+    callback = EnergyCallback(_section(tmp_path, 0.02))
+    trainer = ns.Trainer(
+        max_steps=2200,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+    )
+    trainer.fit(module_class(ns)(), make_loader(n=4096, batch_size=1))  # no epoch end mid-window
+    controller = callback.controller
+    assert controller is not None and callback.summary is not None
+    assert controller.profile_done  # it used to fail at step 8 on a 0 J window
+    profile = {m["power_limit_w"]: m["energy_per_step_j"] for m in controller.profile()}
+    assert sorted(profile) == sorted(LIMITS)
+    for limit_w, energy_j in profile.items():
+        assert energy_j == pytest.approx(_exact_energy_per_step_j(limit_w, 0.02), rel=0.01)
+    gpu = controller.devices.gpus[0]
+    assert gpu.power_limit_w() == callback.summary.pre_job_power_limit_w
+
+
+def test_a_window_that_reads_no_energy_goes_on_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The counter moves every 0.5 s but the GPU claims a continuous one: windows are
+    # sized in steps only, and most of them read 0 J at first.
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=0.02, energy_counter_period_s=0.5))
+    monkeypatch.setattr(gpus[0], "energy_counter_period_s", lambda: 0.0)
+    devices = DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: gpus[0].run_step() and None,
+    )
+    config = EnergyConfig.from_mapping(_section(tmp_path, 0.02))
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        for _ in range(400):
+            controller.on_step_start()
+            controller.on_step_end()
+    controller.teardown()
+    assert controller.profile_done
+    assert all(m["energy_per_step_j"] > 0 for m in controller.profile())
+    warnings = [r for r in caplog.records if "read no energy" in r.getMessage()]
+    assert len(warnings) == 1
