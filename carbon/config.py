@@ -432,10 +432,17 @@ def _validate(c: CarbonConfig) -> list[str]:
     poll_ok = number("poll_interval_s", c.poll_interval_s, 0, strict=True)
     staleness_ok = number("max_staleness_s", c.max_staleness_s, 0, strict=False)
     if staleness_ok and poll_ok and c.max_staleness_s < c.poll_interval_s:
-        problems.append(
-            f"max_staleness_s: {c.max_staleness_s!r} is not allowed; allowed: a number "
-            f">= poll_interval_s ({c.poll_interval_s!r})"
-        )
+        # Name the key the user set: a default staleness means the poll interval is off.
+        if c.max_staleness_s == next(f.default for f in fields(c) if f.name == "max_staleness_s"):
+            problems.append(
+                f"poll_interval_s: {c.poll_interval_s!r} is not allowed; allowed: a number "
+                f"<= max_staleness_s ({c.max_staleness_s!r})"
+            )
+        else:
+            problems.append(
+                f"max_staleness_s: {c.max_staleness_s!r} is not allowed; allowed: a number "
+                f">= poll_interval_s ({c.poll_interval_s!r})"
+            )
     choice("fallback", c.fallback, FALLBACKS)
     number("fallback_g_per_kwh", c.fallback_g_per_kwh, 0, strict=False)
     number("forecast_horizon_s", c.forecast_horizon_s, 0, strict=False)

@@ -436,12 +436,17 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
     try:
         device.simulated_spec().model()
     except ConfigError as exc:
-        problems.extend(f"device: {p}" for p in exc.problems)
+        problems.extend(f"device.{p}" for p in exc.problems)
     except ProfileError as exc:
+        # Name every key that chose what to replay: the workload and batch size when given.
+        chosen = "".join(
+            f", device.{k} {getattr(device, k)!r}"
+            for k in ("workload", "batch_size")
+            if getattr(device, k) is not None
+        )
         problems.append(
-            f"device.gpu {device.gpu!r} (workload {device.workload!r}, batch_size "
-            f"{device.batch_size!r}): {exc}; allowed gpu: a40, v100, a100, h100 or the path "
-            "of a Zeus-format power trace CSV"
+            f"device.gpu {device.gpu!r}{chosen}: {exc}; allowed gpu: a40, v100, a100, h100, "
+            "h200 or the path of a Zeus-format power trace CSV"
         )
 
 

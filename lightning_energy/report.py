@@ -412,8 +412,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     """
     summary = report.get("summary", {})
     rows: list[tuple[str, str]] = [("GPUs", _gpus(report.get("devices", [])))]
-    rows.append(("steps", f"{int(summary.get('steps', 0))}"))
-    energy_j = float(summary.get("energy_j", 0.0))
+    rows.append(("steps", f"{_number(summary, 'steps', 0):.0f}"))
+    energy_j = _number(summary, "energy_j", 0.0)
     kwh = abs(energy_j) >= 0.1 * J_PER_KWH  # one energy unit for the whole table
     rows.append(("energy", _energy(energy_j, kwh)))
     job = report.get("job")
@@ -421,7 +421,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         rows[-1] = (f"energy ({summary.get('scope') or 'rank 0'})", rows[-1][1])
         scope = f"whole job: {job['ranks']:.0f} ranks on {job.get('nodes') or 1:.0f} node(s)"
         rows.append((f"energy ({scope})", _energy(float(job["energy_j"]), kwh)))
-    duration_s = float(summary.get("duration_s", 0.0))
+    duration_s = _number(summary, "duration_s", 0.0)
     rows.append(("time (device clock)", _duration(duration_s)))
     pauses, paused_s = _pauses(report)
     if pauses:
@@ -441,11 +441,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         rows.append(("power limits chosen", "none (GPU settings unchanged)"))
     if pre is not None:
         rows.append(("pre-job power limit", f"{float(pre):.0f} W"))
-    saved_j = float(summary.get("energy_saved_j", 0.0))
+    saved_j = _number(summary, "energy_saved_j", 0.0)
     rows.append(
         ("energy saved vs. full power", f"{_energy(saved_j, kwh)} ({_share(saved_j, energy_j)})")
     )
-    slowdown = f"{(float(summary.get('slowdown', 1.0)) - 1) * 100:+.1f} %"
+    slowdown = f"{(_number(summary, 'slowdown', 1.0) - 1) * 100:+.1f} %"
     rows.append(("slowdown vs. full power", slowdown + (" (pauses included)" if pauses else "")))
     pace = _pace(report, paused=bool(pauses))
     if pace:
@@ -455,6 +455,12 @@ def format_report(report: Mapping[str, Any]) -> str:
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _number(section: Mapping[str, Any], key: str, default: float) -> float:
+    """A number of a checked report section: ``default`` when absent or null."""
+    value = section.get(key)
+    return default if value is None else float(value)
 
 
 def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tuple[str, str]]:

@@ -12,11 +12,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from carbon.providers.trace import TraceProvider
 from lightning_energy.device.simulated import live_simulated_gpus, track_simulated_gpus
 
 DATA_DIR = Path(__file__).parent / "data"
+
+# Property tests draw the same examples on every run, so a green run stays green on a fresh
+# machine; set HYPOTHESIS_PROFILE=explore to draw new ones while developing.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 _SIGNALS = [signal.SIGINT, signal.SIGTERM]
 
