@@ -27,11 +27,20 @@ def main(argv: Sequence[str] | None = None) -> EnergyCallback:
     parser.add_argument("--region", default="DE", help="carbon trace: CISO, DE or FR")
     parser.add_argument("--report", help="write the run report (JSON) here")
     parser.add_argument("--backend", default="auto", help="auto, simulated or nvml")
+    parser.add_argument(
+        "--start", help="simulated GPU only: when its clock starts (UTC), default now"
+    )
     args = parser.parse_args(argv)
 
     energy = EnergyCallback(
         # Long simulated steps (~37 s): the short example finishes its profile.
-        device={"backend": args.backend, "gpu": "a40", "steps_per_epoch": 100, "noise_std": 0.02},
+        device={
+            "backend": args.backend,
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "noise_std": 0.02,
+            "start": args.start,
+        },
         power_limit={"selector": "cost", "eta": 0.5},
         carbon={"provider": "trace", "region": args.region, "max_slowdown": 1.5},
         report=args.report,

@@ -253,6 +253,7 @@ def test_carbon_baselines_cover_exactly_the_steps_and_time_of_the_totals(tmp_pat
                 "backend": "simulated",
                 "gpu": "a40",
                 "start": "2023-03-01T00:00:00Z",
+                "steps_per_epoch": 100,  # ~37 s steps: the profile ends within the run
                 "lease_dir": str(tmp_path / "leases"),
             },
             "power_limit": {

@@ -77,6 +77,7 @@ def test_plain_callback_example(
 ) -> None:
     example = _load("callback", "lightning_callback_example", monkeypatch)
     args = ["--steps", "150", "--backend", "simulated", "--region", "FR", "--report", "r.json"]
+    args += ["--start", "2023-06-01T00:00:00"]
     energy = example.main(args)
     assert energy.summary is not None and energy.summary.steps == 150
     out = capsys.readouterr().out

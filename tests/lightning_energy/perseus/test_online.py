@@ -25,7 +25,7 @@ from lightning_energy.perseus.runtime import (
     StageWork,
 )
 
-from .helpers import TickingCounter
+from .helpers import EXACT_BOARD, TickingCounter
 
 
 def _samples(t0_s: float, beta: float, clocks: list[int]) -> list[tuple[int, float, float]]:
@@ -81,7 +81,7 @@ def _single_rank(
     tmp_path: Path, spec: SimulatedSpec | None = None, **options: Any
 ) -> tuple[OnlinePerseus, list[Any], Any]:
     """An online Perseus on one simulated rank of a one-stage pipeline; counts broadcasts."""
-    gpu = simulated_gpus(spec or SimulatedSpec(gpu="a100"))[0]
+    gpu = simulated_gpus(spec or SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
     schedule = one_f_one_b(1, 2)
     works = {(0, "forward"): StageWork(0.02, 0.9), (0, "backward"): StageWork(0.04, 0.8)}
     guard = GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False)
