@@ -27,7 +27,12 @@ CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
 
 def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {
             "selector": "energy",
             "power_limits_w": CANDIDATES,
@@ -41,7 +46,7 @@ def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def _controller(tmp_path: Path) -> tuple[EnergyController, Any]:
-    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
+    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", steps_per_epoch=100))
     controller = EnergyController(
         EnergyConfig.from_mapping(_config(tmp_path)),
         devices=devices,
