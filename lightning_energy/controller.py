@@ -524,19 +524,20 @@ class EnergyController:
         return self._read_error is not None
 
     def _lose_readings(self, exc: DeviceError) -> None:
-        """A GPU reading failed mid-run: restore, change nothing more, keep training."""
+        """A GPU reading failed mid-run: restore, change nothing more, keep training
+        (observe-only; strict mode raises)."""
         self._read_error = str(exc)
         assert self._meter is not None
         for name in (_WINDOW, _INTERVAL, _AFTER_PROFILE):
             self._meter.cancel(name)
         self.metrics = {}
-        if self._guard is not None:
-            self._guard.restore()
         log.warning(
             "reading the GPUs failed (%s): energy metrics are missing for the rest of this "
             "run, GPU settings were restored and are left alone; training continues",
             exc,
         )
+        if self._guard is not None:
+            self._guard.stop_changes(f"a GPU failed mid-run ({exc})", exc)
 
     # ------------------------------------------------------------------ workloads
     def set_workload(self, key: str) -> None:
