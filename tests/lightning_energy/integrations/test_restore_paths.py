@@ -101,6 +101,20 @@ def test_a_read_failing_mid_run_restores_and_training_goes_on(tmp_path: Path) ->
     assert gpu.settings() == (PRE_JOB_W, None)
 
 
+def test_a_read_failing_after_the_profile_restores_at_once(tmp_path: Path) -> None:
+    controller, gpu = _controller(tmp_path)
+    controller.setup()
+    _steps(controller, 160)
+    assert controller.profile_done and gpu.power_limit_w() < PRE_JOB_W
+    gpu.inject_fault("energy", GPULostError, times=1)  # no profiling window is open
+    _steps(controller, 1)
+    assert gpu.power_limit_w() == PRE_JOB_W and controller.observe_only
+    _steps(controller, 9)  # the GPU reads again: nothing is changed nor measured any more
+    assert gpu.power_limit_w() == PRE_JOB_W and controller.metrics == {}
+    summary = controller.teardown()
+    assert summary.read_error is not None and summary.steps == 170
+
+
 def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
     import lightning.pytorch as ns
 
