@@ -489,41 +489,55 @@ class EnergyController:
             self._meter.begin(name)
         except DeviceError as exc:
             self._lose_readings(exc)
+            return
+        self._check_readings()
 
     def _end(self, name: str) -> Measurement | None:
         """Close a measurement window; None when it is not open or the reading failed."""
         if self._meter is None or not self._meter.is_open(name):
             return None
         try:
-            return self._meter.end(name)
+            m = self._meter.end(name)
         except DeviceError as exc:
             self._lose_readings(exc)
             return None
+        return None if self._check_readings() else m
 
     def _peek(self, name: str) -> Measurement | None:
         """What a window measured so far; None when it is not open or the reading failed."""
         if self._meter is None or not self._meter.is_open(name):
             return None
         try:
-            return self._meter.peek(name)
+            m = self._meter.peek(name)
         except DeviceError as exc:
             self._lose_readings(exc)
             return None
+        return None if self._check_readings() else m
+
+    def _check_readings(self) -> bool:
+        """Whether readings are lost: a GPU the meter could not read (its energy is NaN)
+        or synchronise counts as a failed reading, as a raised error does."""
+        assert self._meter is not None
+        error = self._meter.last_error
+        if error is not None and self._read_error is None:
+            self._lose_readings(error)
+        return self._read_error is not None
 
     def _lose_readings(self, exc: DeviceError) -> None:
-        """A GPU reading failed mid-run: restore, change nothing more, keep training."""
+        """A GPU reading failed mid-run: restore, change nothing more, keep training
+        (observe-only; strict mode raises)."""
         self._read_error = str(exc)
         assert self._meter is not None
         for name in (_WINDOW, _INTERVAL, _AFTER_PROFILE):
             self._meter.cancel(name)
         self.metrics = {}
-        if self._guard is not None:
-            self._guard.restore()
         log.warning(
             "reading the GPUs failed (%s): energy metrics are missing for the rest of this "
             "run, GPU settings were restored and are left alone; training continues",
             exc,
         )
+        if self._guard is not None:
+            self._guard.stop_changes(f"a GPU failed mid-run ({exc})", exc)
 
     # ------------------------------------------------------------------ workloads
     def set_workload(self, key: str) -> None:

@@ -78,6 +78,10 @@ class EnergyMeter:
         devices: the GPUs to measure and the clock their work is timed on.
         synchronize: synchronise the GPUs before every reading (turn off only when the
             caller has just synchronised).
+
+    Attributes:
+        last_error: the last failure met while reading (a GPU that could not be
+            synchronised or read); None while every reading succeeded.
     """
 
     def __init__(self, devices: DeviceSet, *, synchronize: bool = True) -> None:
@@ -100,6 +104,7 @@ class EnergyMeter:
             try:
                 self._devices.synchronize()
             except DeviceError as exc:
+                self.last_error = exc
                 self._warn_once(
                     -1, "sync", "Cannot synchronise the GPUs (%s): energy is read without it.", exc
                 )

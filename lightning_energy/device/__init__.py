@@ -31,7 +31,7 @@ from lightning_energy.device.mapping import (
     nvml_gpu_for_device,
     visible_gpu_names,
 )
-from lightning_energy.device.nvml import NVMLGPU, nvml_gpus, visible_gpu_count
+from lightning_energy.device.nvml import NVMLGPU, NVMLSession, nvml_gpus, visible_gpu_count
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.simulated import (
     FAULT_OPERATIONS,
@@ -116,9 +116,10 @@ def _nvml_set(
         gpus = [nvml_gpu_for_device(device, cuda)]
     else:
         wanted = [local_rank] if local_rank is not None else indices
-        if wanted is not None:
-            check_device_order(visible_gpu_names())
-        gpus = nvml_gpus(wanted)
+        with NVMLSession():  # one NVML initialisation for the order check and the GPUs
+            if wanted is not None:
+                check_device_order(visible_gpu_names())
+            gpus = nvml_gpus(wanted)
     return DeviceSet(gpus=gpus, clock=time.perf_counter, backend="nvml")
 
 

@@ -133,3 +133,13 @@ def test_invalid_arguments_are_reported_together(fake: FakeNVML) -> None:
     with pytest.raises(ConfigError) as info:
         open_devices("tpu", indices=[0], local_rank=-1)
     assert len(info.value.problems) == 3
+
+
+def test_opening_a_local_rank_initialises_nvml_once_and_closing_shuts_it_down(
+    fake: FakeNVML,
+) -> None:
+    devices = open_devices("nvml", local_rank=1)
+    assert [g.index for g in devices.gpus] == [1]
+    assert fake.init_calls == 1 and fake.shutdown_calls == 0  # the device-order check included
+    devices.close()
+    assert fake.init_calls == fake.shutdown_calls == 1

@@ -20,7 +20,12 @@ CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
 
 def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {
             "selector": "energy",
             "power_limits_w": CANDIDATES,

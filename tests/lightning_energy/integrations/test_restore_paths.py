@@ -27,7 +27,12 @@ CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
 
 def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
         "power_limit": {
             "selector": "energy",
             "power_limits_w": CANDIDATES,
@@ -41,7 +46,7 @@ def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def _controller(tmp_path: Path) -> tuple[EnergyController, Any]:
-    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40"))
+    devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", steps_per_epoch=100))
     controller = EnergyController(
         EnergyConfig.from_mapping(_config(tmp_path)),
         devices=devices,
@@ -94,6 +99,20 @@ def test_a_read_failing_mid_run_restores_and_training_goes_on(tmp_path: Path) ->
     again = controller.teardown()
     assert again.read_error is None and again.steps == 160
     assert gpu.settings() == (PRE_JOB_W, None)
+
+
+def test_a_read_failing_after_the_profile_restores_at_once(tmp_path: Path) -> None:
+    controller, gpu = _controller(tmp_path)
+    controller.setup()
+    _steps(controller, 160)
+    assert controller.profile_done and gpu.power_limit_w() < PRE_JOB_W
+    gpu.inject_fault("energy", GPULostError, times=1)  # no profiling window is open
+    _steps(controller, 1)
+    assert gpu.power_limit_w() == PRE_JOB_W and controller.observe_only
+    _steps(controller, 9)  # the GPU reads again: nothing is changed nor measured any more
+    assert gpu.power_limit_w() == PRE_JOB_W and controller.metrics == {}
+    summary = controller.teardown()
+    assert summary.read_error is not None and summary.steps == 170
 
 
 def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
