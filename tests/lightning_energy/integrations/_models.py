@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,3 +42,30 @@ def module_class(namespace: Any) -> type:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     return TinyClassifier
+
+
+#: The candidate power limits (W) the integration tests profile on the simulated A40.
+CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
+
+
+def energy_config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    """A configuration whose profile completes in a few dozen steps: a simulated A40 at
+    100 steps an epoch (~37 s steps, longer than a profiling window must last), the
+    energy selector over :data:`CANDIDATES`, leases under ``tmp_path``."""
+    config: dict[str, Any] = {
+        "device": {
+            "backend": "simulated",
+            "gpu": "a40",
+            "steps_per_epoch": 100,
+            "lease_dir": str(tmp_path / "leases"),
+        },
+        "power_limit": {
+            "selector": "energy",
+            "power_limits_w": CANDIDATES,
+            "warmup_steps": 2,
+            "settle_steps": 1,
+        },
+        "log_every_n_steps": 5,
+    }
+    config.update(extra)
+    return config

@@ -13,29 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.lightning_energy.integrations._models import make_loader, module_class
-
-CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
-
-
-def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "device": {
-            "backend": "simulated",
-            "gpu": "a40",
-            "steps_per_epoch": 100,
-            "lease_dir": str(tmp_path / "leases"),
-        },
-        "power_limit": {
-            "selector": "energy",
-            "power_limits_w": CANDIDATES,
-            "warmup_steps": 2,
-            "settle_steps": 1,
-        },
-        "log_every_n_steps": 5,
-    }
-    config.update(extra)
-    return config
+from tests.lightning_energy.integrations._models import (
+    energy_config,
+    make_loader,
+    module_class,
+)
 
 
 def _trainer(ns: Any, callback: Any, tmp_path: Path, steps: int) -> Any:
@@ -78,7 +60,7 @@ def test_lr_find_then_fit_restores_counts_the_fit_and_writes_its_report(
     ns, integ = namespace
     tuner_module = importlib.import_module(f"{ns.__name__}.tuner")
     report = tmp_path / "report.json"
-    callback = integ.EnergyCallback(_config(tmp_path, report=str(report)))
+    callback = integ.EnergyCallback(energy_config(tmp_path, report=str(report)))
     trainer = _trainer(ns, callback, tmp_path, steps=120)
     model = module_class(ns)()
     tuner_module.Tuner(trainer).lr_find(
@@ -102,7 +84,7 @@ def test_a_second_fit_is_a_run_of_its_own_and_reuses_the_profile(tmp_path: Path)
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
-    callback = EnergyCallback(_config(tmp_path))
+    callback = EnergyCallback(energy_config(tmp_path))
     trainer = _trainer(ns, callback, tmp_path, steps=160)
     model = module_class(ns)()
     trainer.fit(model, make_loader())
@@ -126,7 +108,7 @@ def test_a_notebook_cell_run_again_with_a_new_trainer(tmp_path: Path) -> None:
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
-    callback = EnergyCallback(_config(tmp_path))
+    callback = EnergyCallback(energy_config(tmp_path))
     summaries = []
     for _ in range(2):  # the same cell, run twice: a new Trainer, the same callback
         trainer = _trainer(ns, callback, tmp_path, steps=100)
@@ -146,7 +128,7 @@ def test_other_stages_around_fits_change_nothing(stage: str, tmp_path: Path) -> 
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
-    callback = EnergyCallback(_config(tmp_path))
+    callback = EnergyCallback(energy_config(tmp_path))
     trainer = _trainer(ns, callback, tmp_path, steps=60)
     model = module_class(ns)()
     model.test_step = model.validation_step
@@ -176,7 +158,7 @@ def test_fabric_callback_runs_two_loops(tmp_path: Path) -> None:
 
     from lightning_energy.integrations.fabric import EnergyFabricCallback
 
-    energy = EnergyFabricCallback(_config(tmp_path))
+    energy = EnergyFabricCallback(energy_config(tmp_path))
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[energy])
     fabric.launch()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))

@@ -19,36 +19,19 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.errors import DriverError, GPULostError
-from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.integrations._models import (
+    energy_config,
+    make_loader,
+    module_class,
+)
 
 PRE_JOB_W = 300.0  # the simulated A40's default limit
-CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
-
-
-def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "device": {
-            "backend": "simulated",
-            "gpu": "a40",
-            "steps_per_epoch": 100,
-            "lease_dir": str(tmp_path / "leases"),
-        },
-        "power_limit": {
-            "selector": "energy",
-            "power_limits_w": CANDIDATES,
-            "warmup_steps": 2,
-            "settle_steps": 1,
-        },
-        "log_every_n_steps": 5,
-    }
-    config.update(extra)
-    return config
 
 
 def _controller(tmp_path: Path) -> tuple[EnergyController, Any]:
     devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", steps_per_epoch=100))
     controller = EnergyController(
-        EnergyConfig.from_mapping(_config(tmp_path)),
+        EnergyConfig.from_mapping(energy_config(tmp_path)),
         devices=devices,
         install_signal_handlers=False,
     )
@@ -120,7 +103,7 @@ def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
-    energy = EnergyCallback(_config(tmp_path))
+    energy = EnergyCallback(energy_config(tmp_path))
     seen: dict[str, float] = {}
 
     class FailReads(ns.Callback):
@@ -156,7 +139,7 @@ def test_sigterm_under_lightning_restores_while_the_step_runs(tmp_path: Path) ->
 
     from lightning_energy.integrations.lightning import EnergyCallback
 
-    energy = EnergyCallback(_config(tmp_path))
+    energy = EnergyCallback(energy_config(tmp_path))
     seen: dict[str, float] = {}
 
     class Terminated(module_class(ns)):  # type: ignore[misc]
@@ -196,7 +179,7 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     gpus = open_devices("simulated", simulated=SimulatedSpec(gpu="a40")).gpus
     # A real clock and no simulated step: the pause really waits between polls.
     devices = DeviceSet(gpus=gpus, clock=time.monotonic, backend="nvml")
-    config = _config(
+    config = energy_config(
         tmp_path, carbon={"provider": "constant", "region": "test", "poll_interval_s": 20}
     )
     controller = EnergyController(EnergyConfig.from_mapping(config), devices=devices)
