@@ -37,7 +37,7 @@ from lightning_energy.device.nvml import (
     _text,
     _visible_handles,
 )
-from lightning_energy.errors import ConfigError, DriverError, GPUNotFoundError
+from lightning_energy.errors import ConfigError, DriverError, GPULostError, GPUNotFoundError
 
 if TYPE_CHECKING:
     import torch
@@ -206,12 +206,17 @@ def check_device_order(names_in_nvml_order: list[str]) -> None:
 def visible_gpu_names() -> list[str]:
     """Model names of the GPUs ``CUDA_VISIBLE_DEVICES`` names, in NVML order.
 
+    A GPU that fell off the bus has no name to give and is left out.
+
     Raises:
         DriverError: pynvml is missing or NVML fails to initialise.
     """
+    names = []
     with NVMLSession():
         nvml = _pynvml()
-        return [
-            _text(_call("get_name", i, nvml.nvmlDeviceGetName, handle))
-            for i, handle in enumerate(_visible_handles(nvml))
-        ]
+        for i, handle in enumerate(_visible_handles(nvml)):
+            try:
+                names.append(_text(_call("get_name", i, nvml.nvmlDeviceGetName, handle)))
+            except GPULostError:
+                continue  # no model to compare: the GPU fell off the bus (observed, not driven)
+    return names

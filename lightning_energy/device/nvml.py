@@ -300,9 +300,16 @@ class NVMLGPU:
         self._instant_power: bool | None = None  # None: not tried yet
         try:
             nvml = self._nvml
-            self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
-            self._uuid = _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, handle))
-            self._is_mig, self._physical = self._mig_info()
+            try:
+                self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
+                self._uuid = _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, handle))
+                self._is_mig, self._physical = self._mig_info()
+            except GPULostError:
+                # Fell off the bus before the job: it keeps an identity of its own, every
+                # later call raises GPULostError, and the job observes (missing readings).
+                self._name = "NVIDIA GPU (lost)"
+                self._uuid = f"GPU-lost-{index}"
+                self._is_mig, self._physical = False, handle
         except BaseException:
             self._session.release()
             raise

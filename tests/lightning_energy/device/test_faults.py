@@ -160,3 +160,27 @@ def test_gpu_without_power_management_on_nvml_observes_only(
     assert len(_observe_warnings(caplog)) == 1
     assert not [c for c in fake.calls if c[0] == "set_power_limit"]
     assert fake.init_calls == fake.shutdown_calls
+
+
+def test_gpu_lost_before_nvml_can_open_it_observes_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handle is found, but every call on it (name, UUID, limits, energy) answers that
+    the GPU fell off the bus: training runs observe-only instead of failing at setup."""
+    lost = ERROR_CODES["NVML_ERROR_GPU_IS_LOST"]
+    module = make_module([a100(0)])
+    device_calls = [
+        name
+        for name in dir(module)
+        if name.startswith("nvmlDevice")
+        and name not in ("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetCount")
+    ]
+    fake = _install(monkeypatch, errors=dict.fromkeys(device_calls, lost))
+    controller = EnergyController(_config(tmp_path, backend="nvml"), install_signal_handlers=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        _run(controller, 5)
+        summary = controller.teardown()
+    assert summary.observe_only and summary.steps == 5
+    assert len(_observe_warnings(caplog)) == 1
+    assert fake.init_calls == fake.shutdown_calls
+    assert not list((tmp_path / "leases").glob("*.json"))
