@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from carbon.planning import _fill, energy_per_step_j
+from carbon.planning import energy_per_step_j, fill_cheapest
 from carbon.policy import JobProgress, OperatingPoint, frontier_from_profile, make_policy
 from carbon.providers.trace import SHIPPED_TRACES, TraceSeries, load_trace
 from carbon.types import IntensityPoint, PointKind
@@ -332,7 +332,7 @@ def plan_least_carbon(
         )
         if extra > caps.sum():
             continue
-        alloc = _fill(costs, caps, extra)
+        alloc = fill_cheapest(costs, caps, extra)
         energy_j = p_base * durations[:m] + alloc[: m * k].reshape(m, k) @ run_slopes
         grams = (
             float(intensity[:m] @ energy_j) + intensity[m] * float(alloc[m * k :] @ stop_slopes)

@@ -46,6 +46,7 @@ __all__ = [
     "Schedule",
     "deadline_from_max_slowdown",
     "energy_per_step_j",
+    "fill_cheapest",
     "frontier_from_profile",
     "plan_steps",
 ]
@@ -253,10 +254,18 @@ def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
-def _fill(costs: FloatArray, caps: FloatArray, need: float) -> FloatArray:
+def fill_cheapest(costs: FloatArray, caps: FloatArray, need: float) -> FloatArray:
     """Allocate ``need`` units to the cheapest capacities first (ties: earliest index).
 
+    The exact solution of the fractional knapsack that both the planner and the
+    benchmark's oracles solve (work placed in the cleanest intervals first).
+
     Returns the allocation, shaped like ``caps``. ``need`` must not exceed ``caps.sum()``.
+
+    Example:
+        >>> import numpy as np
+        >>> fill_cheapest(np.array([3.0, 1.0, 2.0]), np.array([1.0, 1.0, 1.0]), 1.5).tolist()
+        [0.0, 1.0, 0.5]
     """
     flat_costs, flat_caps = costs.ravel(), caps.ravel()
     order = np.lexsort((np.arange(flat_costs.size), flat_costs))
@@ -332,7 +341,7 @@ def _plan(
     slopes, widths = curve.slopes_j_per_step, curve.widths
     if allow_pause:
         base = curve.powers_w[0] * durations
-        alloc = _fill(np.outer(intensity, slopes), np.outer(durations, widths), need)
+        alloc = fill_cheapest(np.outer(intensity, slopes), np.outer(durations, widths), need)
         energy = base + alloc @ slopes
         return Schedule(alloc.sum(axis=1), energy, float(intensity @ energy) / _J_PER_KWH, True)
     return _plan_without_pause(intensity, durations, need, curve)
@@ -363,7 +372,7 @@ def _plan_without_pause(
         caps[:m, 0] = 0.0
         if extra > caps.sum():
             continue
-        alloc = _fill(costs, caps, extra)
+        alloc = fill_cheapest(costs, caps, extra)
         energy = alloc @ slopes
         energy[:m] += p_eff * durations[:m]
         total = float(intensity[: m + 1] @ energy) / _J_PER_KWH
