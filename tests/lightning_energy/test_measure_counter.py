@@ -12,7 +12,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import PHYSICS_PRESETS, DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.optimize.power_limit import min_window_s
-from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.integrations._models import make_loader, module_class, quiet_trainer
 
 LIMITS = [400.0, 250.0]
 
@@ -85,19 +85,7 @@ def test_lightning_fit_with_20ms_steps_on_a_100ms_counter(tmp_path: Path) -> Non
     from lightning_energy.integrations.lightning import EnergyCallback
 
     callback = EnergyCallback(_section(tmp_path, 0.02))
-    trainer = ns.Trainer(
-        max_steps=2200,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[callback],
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        logger=False,
-    )
+    trainer = quiet_trainer(ns, callback, tmp_path, 2200, limit_val_batches=0)
     trainer.fit(module_class(ns)(), make_loader(n=4096, batch_size=1))  # no epoch end mid-window
     controller = callback.controller
     assert controller is not None and callback.summary is not None

@@ -69,3 +69,21 @@ def energy_config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     }
     config.update(extra)
     return config
+
+
+def quiet_trainer(ns: Any, callback: Any, tmp_path: Path, steps: int, **kw: Any) -> Any:
+    """A CPU ``Trainer`` of namespace ``ns`` with one callback and nothing else: no progress
+    bar, summary, checkpoints, sanity validation or logger (``kw`` adds to or overrides)."""
+    options: dict[str, Any] = {
+        "max_steps": steps,
+        "accelerator": "cpu",
+        "devices": 1,
+        "callbacks": [callback],
+        "default_root_dir": str(tmp_path),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+    }
+    return ns.Trainer(**{**options, **kw})

@@ -17,22 +17,8 @@ from tests.lightning_energy.integrations._models import (
     energy_config,
     make_loader,
     module_class,
+    quiet_trainer,
 )
-
-
-def _trainer(ns: Any, callback: Any, tmp_path: Path, steps: int) -> Any:
-    return ns.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[callback],
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        logger=False,
-    )
 
 
 def _gpu(callback: Any) -> Any:
@@ -61,7 +47,7 @@ def test_lr_find_then_fit_restores_counts_the_fit_and_writes_its_report(
     tuner_module = importlib.import_module(f"{ns.__name__}.tuner")
     report = tmp_path / "report.json"
     callback = integ.EnergyCallback(energy_config(tmp_path, report=str(report)))
-    trainer = _trainer(ns, callback, tmp_path, steps=120)
+    trainer = quiet_trainer(ns, callback, tmp_path, steps=120)
     model = module_class(ns)()
     tuner_module.Tuner(trainer).lr_find(
         model, train_dataloaders=make_loader(), num_training=30, update_attr=False
@@ -85,7 +71,7 @@ def test_a_second_fit_is_a_run_of_its_own_and_reuses_the_profile(tmp_path: Path)
     from lightning_energy.integrations.lightning import EnergyCallback
 
     callback = EnergyCallback(energy_config(tmp_path))
-    trainer = _trainer(ns, callback, tmp_path, steps=160)
+    trainer = quiet_trainer(ns, callback, tmp_path, steps=160)
     model = module_class(ns)()
     trainer.fit(model, make_loader())
     first = callback.summary
@@ -111,7 +97,7 @@ def test_a_notebook_cell_run_again_with_a_new_trainer(tmp_path: Path) -> None:
     callback = EnergyCallback(energy_config(tmp_path))
     summaries = []
     for _ in range(2):  # the same cell, run twice: a new Trainer, the same callback
-        trainer = _trainer(ns, callback, tmp_path, steps=100)
+        trainer = quiet_trainer(ns, callback, tmp_path, steps=100)
         trainer.fit(module_class(ns)(), make_loader())
         summaries.append(callback.summary)
         assert _gpu(callback).power_limit_w() == 300.0
@@ -129,7 +115,7 @@ def test_other_stages_around_fits_change_nothing(stage: str, tmp_path: Path) -> 
     from lightning_energy.integrations.lightning import EnergyCallback
 
     callback = EnergyCallback(energy_config(tmp_path))
-    trainer = _trainer(ns, callback, tmp_path, steps=60)
+    trainer = quiet_trainer(ns, callback, tmp_path, steps=60)
     model = module_class(ns)()
     model.test_step = model.validation_step
     model.predict_step = lambda batch, batch_idx: model.net(batch[0])
