@@ -6,6 +6,7 @@ YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
     device:
       backend: auto            # auto | nvml | simulated
       gpu: a40                 # simulated GPU: a40 | v100 (Zeus traces), a100 | h100, or a CSV path
+      calibration: null        # or a JSON from benchmarks/gpu/calibrate.py (replaces gpu)
       workload: imagenet/resnet50
       noise_std: 0.02
     power_limit:
@@ -81,6 +82,10 @@ class DeviceConfig:
             this directory, so they outlive the process and every process opening the
             GPU shares them, as with a real GPU (and leases are taken, as with NVML).
             None: in memory, private to the process.
+        calibration: simulated GPUs: the path of a calibration JSON written by
+            ``benchmarks/gpu/calibrate.py``; the simulated GPU is then the measured one
+            (its counter period, idle power, limits, clocks and step time and power per
+            limit and clock) and ``gpu`` is not used. None: ``gpu`` decides.
     """
 
     backend: str = "auto"
@@ -95,6 +100,7 @@ class DeviceConfig:
     start: str | None = None
     lease_dir: str | None = None
     state_dir: str | None = None
+    calibration: str | None = None
 
     def simulated_spec(self) -> SimulatedSpec:
         """The simulated-GPU specification this section describes (one GPU per rank)."""
@@ -111,6 +117,7 @@ class DeviceConfig:
             slowdowns=self.slowdowns,
             step_time_s=self.step_time_s,
             state_dir=self.state_dir,
+            calibration=self.calibration,
         )
 
     def start_time(self) -> datetime | None:
@@ -416,7 +423,7 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
         problems.append(f"device.batch_size: {device.batch_size} is not allowed; use >= 1")
     if device.step_time_s is not None and device.step_time_s <= 0:
         problems.append(f"device.step_time_s: {device.step_time_s} is not allowed; use > 0")
-    for key in ("gpu", "workload", "lease_dir"):
+    for key in ("gpu", "workload", "lease_dir", "calibration"):
         value = getattr(device, key)
         if value is not None and (not value.strip() or "\0" in value):
             problems.append(f"device.{key}: {value!r} is not allowed; use a non-empty name or path")

@@ -512,6 +512,44 @@ class NVMLGPU:
             )
         return None
 
+    def sm_clock_mhz(self) -> int:
+        """The SM clock now (``nvmlDeviceGetClockInfo``), in MHz."""
+        nvml = self._nvml
+        sm = getattr(nvml, "NVML_CLOCK_SM", 1)
+        return int(self._get("clock", nvml.nvmlDeviceGetClockInfo, self._physical, sm))
+
+    def temperature_c(self) -> float:
+        """The GPU core temperature now, in degrees Celsius."""
+        nvml = self._nvml
+        sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        return float(
+            self._get("temperature", nvml.nvmlDeviceGetTemperature, self._physical, sensor)
+        )
+
+    def clock_event_reasons(self) -> int:
+        """NVML clock event (throttle) reason bits now.
+
+        Raises:
+            NotSupportedError: this pynvml or driver reports none.
+        """
+        nvml = self._nvml
+        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        if reasons_fn is None:
+            raise NotSupportedError(
+                "this pynvml has no clock event reasons",
+                gpu_index=self._index,
+                operation="clock_event_reasons",
+            )
+        return int(self._get("clock_event_reasons", reasons_fn, self._physical))
+
+    def persistence_mode(self) -> bool:
+        """Whether persistence mode is on (the driver keeps settings between processes)."""
+        nvml = self._nvml
+        mode = self._get("persistence_mode", nvml.nvmlDeviceGetPersistenceMode, self._physical)
+        return int(mode) == int(getattr(nvml, "NVML_FEATURE_ENABLED", 1))
+
     def power_w(self) -> float:
         """Board power in watts as ``nvmlDeviceGetPowerUsage`` reports it: a 1 s average on
         Ampere and Hopper (the physical GPU's for a MIG instance)."""

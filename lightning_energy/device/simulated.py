@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from lightning_energy.device.calibration import CalibratedModel, load_calibration
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
 from lightning_energy.errors import (
@@ -91,6 +92,7 @@ _PROTOCOL_OPERATIONS = frozenset(
         "power",
         "instant_power",
         "clock_event_reasons",
+        "clock",
         "synchronize",
     }
 )
@@ -328,6 +330,7 @@ class SimulatedGPU:
         self._cuda_error: str | None = None
         self._foreign_lock = self.board.foreign_clock_lock_mhz
         self._power_capped = False
+        self._work_clock_mhz: int | None = None
         if self.state_path is not None and self.state_path.exists():
             self._load_state(self.state_path)
         self.initial_settings: Settings = self.settings()
@@ -579,6 +582,14 @@ class SimulatedGPU:
                 reasons |= CLOCK_EVENT_SW_POWER_CAP
             return reasons
 
+    def sm_clock_mhz(self) -> int | None:
+        """The SM clock the last piece of work ran at (``nvmlDeviceGetClockInfo``), or None
+        while the GPU is idle or for trace GPUs, which do not model clocks."""
+        with self._lock:
+            self._check("clock")
+            self._settle()
+            return None if self._last_work_power_w is None else self._work_clock_mhz
+
     def foreign_clock_setting(self) -> str | None:
         """Why the SM clocks are under a setting this process did not make, or None.
 
@@ -747,6 +758,12 @@ class SimulatedGPU:
             t0_s, compute_bound_share, self.model.max_power_limit_w, max_clock
         )
         self._power_capped = duration_s > unlimited_s
+        clock_for = getattr(self.model, "clock_for", None)
+        self._work_clock_mhz = (
+            clock_for(compute_bound_share, self._enforced(limit_w), max_clock)
+            if clock_for is not None
+            else None
+        )
         return self._noisy(duration_s * self.slowdown), self._noisy(power_w)
 
     def _account_work(self, duration_s: float, power_w: float) -> None:
@@ -925,7 +942,11 @@ class SimulatedSpec:
         energy_counter_period_s, power_average_s, instant_power, setting_latency_s,
         enforced_power_limit_w, foreign_clock_lock_mhz: how the board treats software
             (see :class:`Board`); None: the preset's (:data:`BOARDS`; an ideal board for
-            CSV traces), no limiter and no foreign lock.
+            CSV traces; the measured one for a calibration), no limiter and no foreign lock.
+        calibration: the path of a calibration JSON written by
+            ``benchmarks/gpu/calibrate.py``: simulate the measured GPU (see
+            :mod:`.calibration`) instead of ``gpu``; ``step_time_s`` and
+            ``compute_bound_share`` replace the measured step's when given.
     """
 
     gpu: str = "a40"
@@ -950,10 +971,21 @@ class SimulatedSpec:
     setting_latency_s: float | None = None
     enforced_power_limit_w: float | None = None
     foreign_clock_lock_mhz: tuple[int, int] | None = None
+    calibration: str | None = None
 
     def board(self) -> Board:
-        """The board behaviour: the preset's, with the fields given here replacing it."""
-        preset = BOARDS.get(self.gpu, Board())
+        """The board behaviour: the preset's (or the calibration's), with the fields given
+        here replacing it."""
+        if self.calibration is not None:
+            measured = load_calibration(self.calibration)
+            preset = Board(
+                energy_counter_period_s=measured.energy_counter_period_s,
+                power_average_s=1.0 if measured.instant_power else 0.0,
+                instant_power=measured.instant_power,
+                setting_latency_s=measured.setting_latency_s,
+            )
+        else:
+            preset = BOARDS.get(self.gpu, Board())
         overrides = {
             key: getattr(self, key)
             for key in (
@@ -970,7 +1002,14 @@ class SimulatedSpec:
 
     def __post_init__(self) -> None:
         problems = []
-        physics = self.gpu in PHYSICS_PRESETS
+        physics = self.gpu in PHYSICS_PRESETS or self.calibration is not None
+        calibration_ok = True
+        if self.calibration is not None:
+            try:
+                load_calibration(self.calibration)
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+                calibration_ok = False
         if self.count < 1:
             problems.append(f"count={self.count!r}: must be >= 1")
         if self.first_index < 0:
@@ -983,14 +1022,19 @@ class SimulatedSpec:
             problems.append(
                 f"slowdowns={self.slowdowns!r}: at most count={self.count} factors, each >= 1"
             )
-        problems.extend(self.board().problems())
+        if calibration_ok:
+            problems.extend(self.board().problems())
         if self.workload is not None and self.workload.count("/") != 1:
             problems.append(f"workload={self.workload!r}: must be 'dataset/network'")
         trace_only = ("workload", "batch_size", "optimizer")
         physics_only = ("step_time_s", "compute_bound_share")
         for key in trace_only if physics else physics_only:
             if getattr(self, key) is not None:
-                kind = "trace GPUs ('a40', 'v100', a CSV)" if physics else "physics presets"
+                kind = (
+                    "trace GPUs ('a40', 'v100', a CSV)"
+                    if physics
+                    else "physics presets and calibrations"
+                )
                 problems.append(f"{key}={getattr(self, key)!r}: only applies to {kind}")
         if problems:
             raise ConfigError(problems, source="SimulatedSpec")
@@ -998,17 +1042,31 @@ class SimulatedSpec:
     @property
     def label(self) -> str:
         """Short name of the GPU kind (a path's file stem)."""
+        if self.calibration is not None:
+            return Path(self.calibration).stem
         if self.gpu in PHYSICS_PRESETS or self.gpu in TRACE_GPUS:
             return self.gpu
         return Path(self.gpu).stem
 
-    def model(self) -> TraceModel | PhysicsModel:
+    def model(self) -> TraceModel | PhysicsModel | CalibratedModel:
         """Build the model every GPU of the spec shares.
 
         Raises:
-            ConfigError: a physics step parameter is out of range.
+            ConfigError: a physics step parameter is out of range, or the calibration file
+                is missing or malformed.
             ProfileError: the trace is malformed or lacks the workload / batch size.
         """
+        if self.calibration is not None:
+            model = load_calibration(self.calibration).model
+            return replace(
+                model,
+                step_time_s=model.step_time_s if self.step_time_s is None else self.step_time_s,
+                step_compute_bound_share=(
+                    model.step_compute_bound_share
+                    if self.compute_bound_share is None
+                    else self.compute_bound_share
+                ),
+            )
         if self.gpu in PHYSICS_PRESETS:
             return physics_preset(
                 self.gpu, step_time_s=self.step_time_s, compute_bound_share=self.compute_bound_share
