@@ -1036,7 +1036,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--restore-child", choices=("exit", "sigterm", "sigkill"), help=argparse.SUPPRESS
     )
-    parser.add_argument("--state-dir", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--state-dir", help="--simulated: directory of the GPU's state file (default: temporary)"
+    )
     parser.add_argument("--uuid", help=argparse.SUPPRESS)
     parser.add_argument("--target-w", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--lock-mhz", type=int, help=argparse.SUPPRESS)
@@ -1046,7 +1048,8 @@ def _parser() -> argparse.ArgumentParser:
 def _open_bench(args: argparse.Namespace, workdir: str) -> tuple[Bench, str | None] | str:
     """The backend and its preset, or why there is no GPU to calibrate."""
     if args.simulated:
-        return SimulatedBench(args.simulated, str(Path(workdir) / "state")), args.simulated
+        state_dir = args.state_dir or str(Path(workdir) / "state")
+        return SimulatedBench(args.simulated, state_dir), args.simulated
     try:
         import torch
     except ImportError:

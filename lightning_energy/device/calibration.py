@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -166,12 +167,12 @@ class _Reader:
     def __init__(self) -> None:
         self.problems: list[str] = []
 
-    def section(self, data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    def section(self, data: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
         value = data.get(key)
         if not isinstance(value, Mapping):
             shown = "missing" if key not in data else f"{_shown(value)} is not allowed"
             self.problems.append(f"{key}: {shown}; use an object as calibrate.py writes it")
-            return {}
+            return None
         return value
 
     def number(
@@ -187,18 +188,17 @@ class _Reader:
         value = data.get(key)
         if value is None and optional:
             return None
-        ok = (
-            isinstance(value, int | float)
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and (value > low if strict else value >= low)
-        )
-        if not ok:
+        number = math.nan
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            with contextlib.suppress(OverflowError):  # an integer beyond any float
+                number = float(value)
+        if not (number > low if strict else number >= low) or not math.isfinite(number):
             shown = "missing" if key not in data else f"{_shown(value)} is not allowed"
             bound = f"> {low:g}" if strict else f">= {low:g}"
-            self.problems.append(f"{where}.{key}: {shown}; use a finite number {bound}")
+            name = f"{where}.{key}" if where else key
+            self.problems.append(f"{name}: {shown}; use a finite number {bound}")
             return None
-        return float(value)
+        return number
 
     def clocks(self, data: Mapping[str, Any], where: str) -> tuple[int, ...]:
         value = data.get("supported_sm_clocks_mhz")
@@ -207,10 +207,14 @@ class _Reader:
             or not value
             or not all(isinstance(f, int) and not isinstance(f, bool) and f > 0 for f in value)
         ):
-            shown = "missing" if "supported_sm_clocks_mhz" not in data else _shown(value)
+            shown = (
+                "missing"
+                if "supported_sm_clocks_mhz" not in data
+                else f"{_shown(value)} is not allowed"
+            )
             self.problems.append(
-                f"{where}.supported_sm_clocks_mhz: {shown} is not allowed; use a non-empty "
-                "list of positive integer MHz"
+                f"{where}.supported_sm_clocks_mhz: {shown}; use a non-empty list of positive "
+                "integer MHz"
             )
             return ()
         return tuple(sorted(set(value), reverse=True))
@@ -306,19 +310,22 @@ def load_calibration(path: str | Path) -> Calibration:
 def _parse(data: Mapping[str, Any], path: Path) -> Calibration:
     read = _Reader()
     gpu = read.section(data, "gpu")
-    name = gpu.get("name")
-    if gpu and (not isinstance(name, str) or not name.strip()):
-        read.problems.append(f"gpu.name: {_shown(name)} is not allowed; use a non-empty string")
+    name = None if gpu is None else gpu.get("name")
+    if gpu is not None and (not isinstance(name, str) or not name.strip()):
+        shown = "missing" if "name" not in gpu else f"{_shown(name)} is not allowed"
+        read.problems.append(f"gpu.name: {shown}; use a non-empty string")
     counter = read.section(data, "counter")
-    period_s = read.number(counter, "period_s", "counter", strict=False) if counter else None
-    idle_w = read.number(data, "idle_power_w", "calibration")
+    period_s = None
+    if counter is not None:
+        period_s = read.number(counter, "period_s", "counter", strict=False)
+    idle_w = read.number(data, "idle_power_w", "")
     limits = read.section(data, "limits")
     bounds = [
-        read.number(limits, key, "limits") if limits else None
+        None if limits is None else read.number(limits, key, "limits")
         for key in ("min_power_limit_w", "default_power_limit_w", "max_power_limit_w")
     ]
     clocks_section = read.section(data, "clocks")
-    clocks = read.clocks(clocks_section, "clocks") if clocks_section else ()
+    clocks = () if clocks_section is None else read.clocks(clocks_section, "clocks")
     points = read.rows(data)
     readings = data.get("power_readings")
     instant = isinstance(readings, Mapping) and readings.get("instant_power_available") is True
@@ -333,16 +340,17 @@ def _parse(data: Mapping[str, Any], path: Path) -> Calibration:
     if lo is not None and default is not None and hi is not None and not lo <= default <= hi:
         read.problems.append(
             f"limits: (min, default, max)=({lo:g}, {default:g}, {hi:g}) W is not allowed; "
-            "need min <= default <= max"
+            "use min <= default <= max"
         )
     if not read.problems and len({clock for clock, _, _ in points}) < 2:
         read.problems.append(
             f"{' and '.join(_SWEEPS)}: {len(points)} usable row(s) at "
-            f"{len({c for c, _, _ in points})} clock(s) is not enough; need rows at two or more "
+            f"{len({c for c, _, _ in points})} clock(s) is not enough; use rows at two or more "
             "SM clocks (each with sm_clock_mhz, time_per_step_s, power_w)"
         )
     if read.problems:
-        raise ConfigError([f"calibration: {p}" for p in read.problems], source=str(path))
+        where = f"calibration {str(path)!r}"
+        raise ConfigError([f"{where}: {p}" for p in read.problems], source=str(path))
     assert isinstance(name, str) and period_s is not None and idle_w is not None
     assert lo is not None and default is not None and hi is not None
     table, step_time_s, beta = _fit(points, clocks[0])
