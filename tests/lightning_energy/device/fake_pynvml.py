@@ -76,6 +76,9 @@ class FakeDevice:
     processes: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML code
     clock_event_reasons: int = 0  # e.g. 0x2 (applications clocks setting) under -lgc
+    sm_clock_mhz: int = 1410  # the SM clock now when no lock holds it
+    temperature_c: int = 45
+    persistence_mode: int = 1
     applications_clock_mhz: int = 1410
     default_applications_clock_mhz: int = 1410
     # "supported", "unsupported" (the field's own return code) or "function_not_found"
@@ -119,6 +122,9 @@ class FakeNVML(types.ModuleType):
     NVMLError = NVMLError
     NVML_DEVICE_MIG_ENABLE = 1
     NVML_FI_DEV_POWER_INSTANT = 186
+    NVML_CLOCK_SM = 1
+    NVML_TEMPERATURE_GPU = 0
+    NVML_FEATURE_ENABLED = 1
 
     def __init__(self, devices: list[FakeDevice]) -> None:
         super().__init__("pynvml")
@@ -259,6 +265,22 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
     def nvmlDeviceGetCurrentClocksEventReasons(handle: FakeDevice) -> int:
         check("nvmlDeviceGetCurrentClocksEventReasons", handle)
         return handle.clock_event_reasons | (0x2 if handle.locked is not None else 0)
+
+    def nvmlDeviceGetClockInfo(handle: FakeDevice, clock_type: int) -> int:
+        check("nvmlDeviceGetClockInfo", handle)
+        if clock_type != mod.NVML_CLOCK_SM:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        return handle.sm_clock_mhz if handle.locked is None else handle.locked[1]
+
+    def nvmlDeviceGetTemperature(handle: FakeDevice, sensor: int) -> int:
+        check("nvmlDeviceGetTemperature", handle)
+        if sensor != mod.NVML_TEMPERATURE_GPU:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        return handle.temperature_c
+
+    def nvmlDeviceGetPersistenceMode(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetPersistenceMode", handle)
+        return handle.persistence_mode
 
     def nvmlDeviceGetApplicationsClock(handle: FakeDevice, clock_type: int) -> int:
         check("nvmlDeviceGetApplicationsClock", handle)
