@@ -58,7 +58,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import lightning_energy
 from lightning_energy.device.base import GPU, DeviceSet
@@ -70,6 +70,8 @@ from lightning_energy.device.physics import PHYSICS_PRESETS
 from lightning_energy.device.simulated import SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.device.traces import TRACE_GPUS
 from lightning_energy.errors import DeviceError, NotSupportedError
+
+T = TypeVar("T")
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 130
 PRESETS = tuple(sorted([*PHYSICS_PRESETS, *TRACE_GPUS]))
@@ -120,8 +122,12 @@ def preset_for(name: str) -> str | None:
 class Bench(Protocol):
     """What the phases need from a backend: one GPU, its clock, its workload."""
 
-    gpu: GPU
     backend: str
+
+    @property
+    def gpu(self) -> GPU:
+        """The GPU calibrated."""
+        ...
 
     def now(self) -> float:
         """Seconds on the GPU's clock."""
@@ -144,7 +150,8 @@ class Bench(Protocol):
         ...
 
     def sample(self) -> dict[str, Any]:
-        """SM clock, clock event reasons and temperature now (None when unreadable)."""
+        """SM clock, clock event reasons, temperature and power (the instantaneous field,
+        else the driver's power usage) now; None when unreadable."""
         ...
 
     def instant_power_w(self) -> float:
@@ -180,7 +187,7 @@ class Bench(Protocol):
         ...
 
 
-def _read(read: Callable[[], Any]) -> Any:
+def _read(read: Callable[[], T]) -> T | None:
     try:
         return read()
     except DeviceError:
@@ -229,6 +236,7 @@ class SimulatedBench:
             "sm_clock_mhz": _read(self._sim.sm_clock_mhz),
             "reasons": _read(self._sim.clock_event_reasons),
             "temperature_c": None,
+            "power_w": _read(self._sim.instant_power_w) or _read(self._sim.power_w),
         }
 
     def instant_power_w(self) -> float:
@@ -337,6 +345,7 @@ class CudaBench:
             "sm_clock_mhz": _read(self.gpu.sm_clock_mhz),
             "reasons": _read(self.gpu.clock_event_reasons),
             "temperature_c": _read(self.gpu.temperature_c),
+            "power_w": _read(self.gpu.instant_power_w) or _read(self.gpu.power_w),
         }
 
     def instant_power_w(self) -> float:
@@ -352,7 +361,7 @@ class CudaBench:
         }
 
     def persistence_mode(self) -> bool | None:
-        return _read(self.gpu.persistence_mode)  # type: ignore[no-any-return]
+        return _read(self.gpu.persistence_mode)
 
     def other_processes(self) -> list[int]:
         pids = _read(self.gpu.running_process_ids) or []
@@ -678,7 +687,7 @@ def phase_clock_sweep(run: Run, points: int) -> None:
 
 
 def _latency(
-    run: Run, change: Callable[[], None], shows: Callable[[dict[str, Any]], bool]
+    run: Run, change: Callable[[], object], shows: Callable[[dict[str, Any]], bool]
 ) -> float | None:
     """Seconds from a change until a reading under load shows it (None: not within 2 s)."""
     bench = run.bench
@@ -702,14 +711,19 @@ def phase_latency(run: Run) -> None:
     top = guard.pre_job_power_limit_w(0)
     latency: dict[str, float | None] = {"set_power_limit_s": None, "set_locked_clocks_s": None}
     with run.bench.loaded():
-        run.bench.wait(0.3)
-        before = run.bench.sample()["sm_clock_mhz"]
-    if before is not None:
-        latency["set_power_limit_s"] = _latency(
-            run,
-            lambda: guard.set_power_limit_w(lo),
-            lambda s: s["sm_clock_mhz"] is not None and s["sm_clock_mhz"] < before - 15.5,
+        run.bench.wait(0.5)  # past the latency of the last change
+        run.bench.wait(0.05)  # work started under the settings in force now
+        before = run.bench.sample()
+
+    def limited(reading: dict[str, Any]) -> bool:
+        # The clock falls by a step or more, or the power comes half-way down to the limit.
+        clock, power_w = reading["sm_clock_mhz"], reading["power_w"]
+        clock_before, power_before = before["sm_clock_mhz"], before["power_w"]
+        return (clock is not None and clock_before is not None and clock < clock_before - 15.5) or (
+            power_w is not None and power_before is not None and power_w <= (power_before + lo) / 2
         )
+
+    latency["set_power_limit_s"] = _latency(run, lambda: guard.set_power_limit_w(lo), limited)
     guard.set_power_limit_w(top)
     if clocks:
         target = clocks[len(clocks) // 2]
@@ -751,7 +765,12 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
     ]
     check: dict[str, Any] = {"mode": mode, "pre_job_power_limit_w": pre_w}
     with subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env()
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_child_env(),
     ) as child:
         try:
             assert child.stdout is not None
@@ -759,6 +778,8 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
             check["child_ready"] = line == "READY"
             during_w, during_locked = bench.fresh_settings()
             check["during"] = {"power_limit_w": during_w, "clock_locked": during_locked}
+            assert child.stdin is not None
+            child.stdin.close()  # an "exit" child ends its job now
             if mode == "sigterm":
                 child.send_signal(signal.SIGTERM)
             elif mode == "sigkill":
@@ -829,27 +850,28 @@ def restore_child(args: argparse.Namespace) -> int:
     """The child of a restore check: change the GPU through the guard, say READY, then
     exit (``exit``) or wait for the signal (``sigterm``, ``sigkill``)."""
     if args.simulated:
-        (gpu,) = simulated_gpus(SimulatedSpec(gpu=args.simulated, state_dir=args.state_dir))
-        gpus: list[Any] = [gpu]
+        gpus: list[GPU] = list(
+            simulated_gpus(SimulatedSpec(gpu=args.simulated, state_dir=args.state_dir))
+        )
     else:
         gpus = []
-        for gpu in nvml_gpus():
-            if gpu.uuid == args.uuid:
-                gpus.append(gpu)
+        for candidate in nvml_gpus():
+            if candidate.uuid == args.uuid:
+                gpus.append(candidate)
             else:
-                gpu.close()
-    with GPUGuard(gpus, lease_dir=args.lease_dir, strict=True) as guard:
+                candidate.close()
+    backend = "simulated" if args.simulated else "nvml"
+    devices = DeviceSet(gpus=gpus, clock=time.perf_counter, backend=backend)
+    with devices, GPUGuard(gpus, lease_dir=args.lease_dir, strict=True) as guard:
         guard.set_power_limit_w(args.target_w)
         if args.lock_mhz is not None:
             guard.lock_clocks_mhz(args.lock_mhz, args.lock_mhz)
         print("READY", flush=True)
-        if args.restore_child != "exit":
+        if args.restore_child == "exit":
+            sys.stdin.read()  # until the parent has seen the change
+        else:
             while True:
                 time.sleep(0.1)
-    for gpu in gpus:
-        close = getattr(gpu, "close", None)
-        if callable(close):
-            close()
     return EXIT_OK
 
 
@@ -982,16 +1004,24 @@ def calibrate(
     run = Run(bench, Budget(args.budget_s, bench.now), lease_dir)
     run.result.update({"format": CALIBRATION_FORMAT, "backend": bench.backend, "preset": preset})
     wall_start = time.perf_counter()
+    phases: list[tuple[str, Callable[[], None]]] = [
+        ("permissions", lambda: phase_permissions(run, args.force)),
+        ("counter", lambda: phase_counter(run)),
+        ("readings", lambda: phase_readings(run)),
+        ("power_limit_sweep", lambda: phase_power_limit_sweep(run, args.limit_points)),
+        ("clock_sweep", lambda: phase_clock_sweep(run, args.clock_points)),
+        ("setting_latency", lambda: phase_latency(run)),
+        ("restore_checks", lambda: phase_restore_checks(run)),
+        ("controller_run", lambda: phase_controller(run)),
+    ]
     try:
         phase_identity(run)
-        phase_permissions(run, args.force)
-        phase_counter(run)
-        phase_readings(run)
-        phase_power_limit_sweep(run, args.limit_points)
-        phase_clock_sweep(run, args.clock_points)
-        phase_latency(run)
-        phase_restore_checks(run)
-        phase_controller(run)
+        for name, phase in phases:
+            try:
+                phase()
+            except DeviceError as exc:  # the next phases still run; the guard restores
+                run.problems.append(f"{name}: {exc}")
+                run.skip(name, f"stopped by a GPU error: {exc}")
     finally:
         if run.guard is not None:
             run.guard.restore()
@@ -1091,6 +1121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("Interrupted: settings changed so far were restored.", file=sys.stderr)
             return EXIT_INTERRUPTED
+        except DeviceError as exc:
+            print(f"The GPU cannot be read: {exc} (nothing was changed)", file=sys.stderr)
+            return EXIT_FAILED
         finally:
             bench.close()
     text = json.dumps(result, indent=2)

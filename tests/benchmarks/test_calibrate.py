@@ -16,6 +16,7 @@ import pytest
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.simulated import BOARDS
+from lightning_energy.errors import ConfigError, GPULostError
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu" / "calibrate.py"
 ROOT = Path(__file__).parents[2]
@@ -278,3 +279,54 @@ def test_bad_arguments_are_named(
     assert bench.main(["--simulated", "a100", *argv]) == bench.EXIT_FAILED
     err = capsys.readouterr().err
     assert expected in err and "use" in err
+
+
+def test_trace_gpu_without_clocks(tmp_path: Path) -> None:
+    status, result, directory = _run("a40", tmp_path)
+    assert status == 0, result["problems"]
+    # No SM clocks on a trace GPU: the clock phases say so; the rest runs.
+    assert result["skipped"] == {"clock_sweep": "the GPU reports no SM clocks"}
+    assert result["clocks"]["supported_sm_clocks_mhz"] == []
+    assert result["setting_latency_s"]["set_locked_clocks_s"] is None
+    latency = BOARDS["a40"].setting_latency_s
+    assert latency <= result["setting_latency_s"]["set_power_limit_s"] <= latency + 0.02
+    for check in result["restore_checks"].values():
+        assert check["ok"] is True and check["lock_released"] is None
+    # Its limit sweep has no clock per row: it cannot stand for a simulated GPU.
+    with pytest.raises(
+        ConfigError, match=r"power_limit_sweep\[0\]\.sm_clock_mhz: null is not allowed"
+    ):
+        EnergyConfig.from_mapping(
+            {"device": {"backend": "simulated", "calibration": str(directory / "calibration.json")}}
+        )
+
+
+def test_gpu_error_in_a_phase_and_a_short_budget(
+    load_benchmark: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = load_benchmark("gpu/calibrate")
+
+    def lost(run: Any) -> None:
+        raise GPULostError("fell off the bus", gpu_index=0, operation="energy")
+
+    monkeypatch.setattr(bench, "phase_counter", lost)
+    out = tmp_path / "calibration.json"
+    state_dir = tmp_path / "state"
+    argv = ["--simulated", "a100", "--out", str(out), "--state-dir", str(state_dir)]
+    # 40 s of the virtual clock: the readings and part of the limit sweep fit, not the rest.
+    status = bench.main([*argv, "--budget-s", "40", "--lease-dir", str(tmp_path / "leases")])
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    assert status == bench.EXIT_FAILED
+    assert result["problems"] == ["counter: GPU 0: fell off the bus (during energy)"]
+    assert result["skipped"]["counter"].startswith("stopped by a GPU error")
+    for phase in ("clock_sweep", "setting_latency", "restore_checks", "controller_run"):
+        assert result["skipped"][phase].startswith("budget: needs"), phase
+    assert 1 <= len(result["power_limit_sweep"]) < 5
+    assert result["elapsed_s"] <= 40
+    assert result["settings_restored"] is True
+    state = json.loads(next(state_dir.glob("*.json")).read_text())
+    assert state["power_limit_w"] == 400.0 and state["locked_clocks_mhz"] is None
