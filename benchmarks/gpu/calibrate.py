@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -78,7 +79,9 @@ PRESETS = tuple(sorted([*PHYSICS_PRESETS, *TRACE_GPUS]))
 ZERO_DELTA_WINDOWS_S = (0.005, 0.02, 0.05, 0.1, 0.5)
 MAX_BUDGET_S = 480.0
 DEFAULT_BUDGET_S = 420.0
+# A child process (or recover) that takes longer than this to answer is given up on.
 CHILD_TIMEOUT_S = 60.0
+RESTORE_CHECKS_S = 45.0
 # Names of NVML clock event (throttle) reason bits.
 REASONS = {
     0x1: "gpu_idle",
@@ -746,10 +749,30 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}
 
 
+def _recover(run: Run, timeout_s: float) -> int | None:
+    """Run ``lightning-energy recover`` on the lease directory; its exit status (None: it
+    did not finish in time)."""
+    command = [sys.executable, "-m", "lightning_energy", "recover", "--lease-dir", run.lease_dir]
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env=_child_env(),
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return done.returncode
+
+
 def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[str, Any]:
     """One restore check: a child changes the GPU through its guard, then exits, is
     terminated or is killed; what is found afterwards."""
     bench = run.bench
+    # Each wait of a check gets a share of what is left (the budget's clock is the GPU's).
+    timeout_s = max(5.0, min(CHILD_TIMEOUT_S, run.budget.left_s() / 9))
     pre_w, pre_locked = bench.fresh_settings()
     args = [
         sys.executable,
@@ -774,7 +797,8 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
     ) as child:
         try:
             assert child.stdout is not None
-            line = child.stdout.readline().strip()
+            ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+            line = child.stdout.readline().strip() if ready else ""
             check["child_ready"] = line == "READY"
             during_w, during_locked = bench.fresh_settings()
             check["during"] = {"power_limit_w": during_w, "clock_locked": during_locked}
@@ -784,35 +808,21 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
                 child.send_signal(signal.SIGTERM)
             elif mode == "sigkill":
                 child.kill()
-            child.wait(timeout=CHILD_TIMEOUT_S)
+            child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            check["child_hung"] = True
         finally:
-            if child.poll() is None:  # a child that hangs: it is killed, recover repairs
+            if child.poll() is None:  # a child that hangs is killed; recover repairs it
                 child.kill()
                 child.wait()
         check["child_exit"] = child.returncode
         stderr = child.stderr.read() if child.stderr else ""
     if not check["child_ready"]:
         check["child_stderr"] = stderr[-2000:]
-    if mode == "sigkill":
+    if mode == "sigkill" or check.get("child_hung"):
         left_w, left_locked = bench.fresh_settings()
         check["left_by_kill"] = {"power_limit_w": left_w, "clock_locked": left_locked}
-        recover = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lightning_energy",
-                "recover",
-                "--lease-dir",
-                run.lease_dir,
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=CHILD_TIMEOUT_S,
-            check=False,
-            env=_child_env(),
-        )
-        check["recover_exit"] = recover.returncode
+        check["recover_exit"] = _recover(run, timeout_s)
     after_w, after_locked = bench.fresh_settings()
     check["after"] = {"power_limit_w": after_w, "clock_locked": after_locked}
     check["changed_during"] = during_w != pre_w
@@ -824,13 +834,14 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
         and check["exact_power_limit_restored"]
         and after_locked == pre_locked
         and check.get("recover_exit", 0) == 0
+        and not check.get("child_hung")
     )
     return check
 
 
 def phase_restore_checks(run: Run) -> None:
     guard = _settable(run, "restore_checks")
-    if guard is None or not run.fits("restore_checks", 3 * CHILD_TIMEOUT_S / 4):
+    if guard is None or not run.fits("restore_checks", RESTORE_CHECKS_S):
         return
     guard.restore()  # the children take the GPU's lease in turn
     limits = run.result["limits"]
