@@ -191,6 +191,7 @@ class Bench(Protocol):
 
 
 def _read(read: Callable[[], T]) -> T | None:
+    """``read()``, or None when the GPU cannot answer."""
     try:
         return read()
     except DeviceError:
@@ -199,7 +200,7 @@ def _read(read: Callable[[], T]) -> T | None:
 
 class SimulatedBench:
     """A simulated GPU (a preset) whose settings live in a state file, so that child
-    processes share them as they would a real GPU's."""
+    processes share them as they would a real GPU's. Methods: see :class:`Bench`."""
 
     backend = "simulated"
 
@@ -278,7 +279,7 @@ class SimulatedBench:
 
 class CudaBench:
     """A real GPU: NVML through the torch device's UUID; the workload a bf16 transformer
-    block (forward, backward, SGD step)."""
+    block (forward, backward, SGD step). Methods: see :class:`Bench`."""
 
     backend = "nvml"
 
@@ -397,6 +398,7 @@ class Budget:
         self.start_s = self.now()
 
     def left_s(self) -> float:
+        """Seconds left."""
         return self.total_s - (self.now() - self.start_s)
 
 
@@ -414,6 +416,7 @@ class Run:
     period_s: float = 0.1
 
     def skip(self, phase: str, reason: str) -> None:
+        """Record that ``phase`` did not run, and why."""
         self.skipped[phase] = reason
 
     def fits(self, phase: str, needed_s: float) -> bool:
@@ -431,6 +434,7 @@ class Run:
 
 # --------------------------------------------------------------------------- phases
 def phase_identity(run: Run) -> None:
+    """Phase 1: name, UUIDs (torch and NVML), power-limit range, supported clocks."""
     bench = run.bench
     identity = bench.identity()
     run.result["gpu"] = {"name": identity["name"], "uuid": identity["nvml_uuid"]}
@@ -456,6 +460,8 @@ def phase_identity(run: Run) -> None:
 
 
 def phase_permissions(run: Run, force: bool) -> None:
+    """Phase 2: persistence mode, other processes, and whether the guard may change
+    settings (it writes the current limit back; the guard stays for the settings phases)."""
     bench = run.bench
     others = bench.other_processes()
     permissions: dict[str, Any] = {
@@ -481,6 +487,7 @@ def phase_permissions(run: Run, force: bool) -> None:
 def _poll(
     bench: Bench, duration_s: float, interval_s: float, read: Callable[[], Any]
 ) -> list[tuple[float, Any]]:
+    """``(time, read())`` every ``interval_s`` for ``duration_s``."""
     samples = []
     end_s = bench.now() + duration_s
     while bench.now() < end_s:
@@ -514,6 +521,7 @@ def counter_period_s(samples: Sequence[tuple[float, float]]) -> float | None:
 
 
 def phase_counter(run: Run) -> None:
+    """Phase 3: the energy counter's period and zero-delta shares, polled under load."""
     bench = run.bench
     duration_s = 3.0
     if not run.fits("counter", duration_s + 1):
@@ -536,6 +544,7 @@ def phase_counter(run: Run) -> None:
 
 
 def phase_readings(run: Run) -> None:
+    """Phase 4: idle power; counter vs integrated instantaneous power vs power usage."""
     bench = run.bench
     gpu = bench.gpu
     duration_s = max(4.0, 20 * run.period_s)
@@ -619,6 +628,7 @@ def _window(run: Run) -> dict[str, Any]:
 
 
 def _settable(run: Run, phase: str) -> GPUGuard | None:
+    """The guard when settings may be changed; else None, with the phase skipped."""
     guard = run.guard
     if guard is None or guard.observe_only:
         reason = run.result.get("permissions", {}).get("reason") or "no permission"
@@ -628,6 +638,7 @@ def _settable(run: Run, phase: str) -> GPUGuard | None:
 
 
 def phase_power_limit_sweep(run: Run, points: int) -> None:
+    """Phase 5: a window at each of ``points`` limits from the pre-job one to the minimum."""
     guard = _settable(run, "power_limit_sweep")
     if guard is None:
         return
@@ -647,6 +658,7 @@ def phase_power_limit_sweep(run: Run, points: int) -> None:
 
 
 def phase_clock_sweep(run: Run, points: int) -> None:
+    """Phase 6: a window at each of ``points`` locked SM clocks, top down to 40 % of it."""
     guard = _settable(run, "clock_sweep")
     clocks = run.result["clocks"]["supported_sm_clocks_mhz"]
     if guard is None:
@@ -706,6 +718,7 @@ def _latency(
 
 
 def phase_latency(run: Run) -> None:
+    """Phase 7: how long a new power limit and a clock lock take to show under load."""
     guard = _settable(run, "setting_latency")
     if guard is None or not run.fits("setting_latency", 6):
         return
@@ -840,6 +853,7 @@ def _child(run: Run, mode: str, target_w: float, lock_mhz: int | None) -> dict[s
 
 
 def phase_restore_checks(run: Run) -> None:
+    """Phase 8: exit, SIGTERM and SIGKILL + recover of children changing the GPU."""
     guard = _settable(run, "restore_checks")
     if guard is None or not run.fits("restore_checks", RESTORE_CHECKS_S):
         return
@@ -897,6 +911,7 @@ class _Warnings(logging.Handler):
 
 
 def phase_controller(run: Run) -> None:
+    """Phase 9: EnergyController profiling two limits on the loop; no zero-energy window."""
     # Imported here: torch comes with them, and restore-check children need neither.
     from lightning_energy.config import EnergyConfig
     from lightning_energy.controller import EnergyController
@@ -952,6 +967,7 @@ def phase_controller(run: Run) -> None:
 
 # --------------------------------------------------------------------------- comparison
 def phase_comparison(run: Run, preset: str | None) -> None:
+    """Phase 10: the simulated preset's time, power and energy for every sweep row."""
     if preset is None:
         run.skip("simulated_comparison", f"no simulated preset for {run.result['gpu']['name']!r}")
         return
@@ -1056,6 +1072,7 @@ def calibrate(
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default="runs/calibration.json", help="JSON file to write")
     parser.add_argument("--simulated", choices=PRESETS, help="calibrate a simulated GPU instead")
