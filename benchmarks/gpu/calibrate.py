@@ -315,6 +315,7 @@ class CudaBench:
         self._stop.clear()
 
         def run() -> None:
+            self._torch.cuda.set_device(self.device)  # the current device is per thread
             while not self._stop.is_set():
                 self.step()
                 if len(self._events) > 2:  # at most two steps queued (waits without the GIL)
@@ -337,7 +338,7 @@ class CudaBench:
         self._opt.step()
         self._opt.zero_grad(set_to_none=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         self._events.append(event)
 
     def synchronize(self) -> None:
