@@ -213,14 +213,8 @@ def test_state_persists_across_instances(tmp_path: Path) -> None:
 
 @pytest.mark.gpu_state_may_change
 def test_state_left_by_a_killed_process_is_seen_by_the_next(tmp_path: Path) -> None:
-    code = (
-        "import os, sys\n"
-        "from lightning_energy.device import SimulatedSpec, simulated_gpus\n"
-        "gpu = simulated_gpus(SimulatedSpec(gpu='a40', state_dir=sys.argv[1]))[0]\n"
-        "gpu.set_power_limit_w(150.0)\n"
-        "os.kill(os.getpid(), 9)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+    worker = Path(__file__).with_name("killed_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], check=False)
     assert proc.returncode == -9
     gpu = simulated_gpus(SimulatedSpec(gpu="a40", state_dir=str(tmp_path)))[0]
     assert gpu.power_limit_w() == 150.0
