@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from lightning_energy.device.base import GPU, LeaseSource
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
 from lightning_energy.errors import (
@@ -793,6 +794,23 @@ class SimulatedGPU:
             self._check("idle")
         self.clock.advance(seconds)
 
+    def now_s(self) -> float:
+        """The virtual clock's time."""
+        return self.clock.now()
+
+    def lease_source(self) -> LeaseSource:
+        """Rebuilt from its shipped model and its state file; without a state file its
+        settings live and die with this process."""
+        names = {gpu_name: key for key, (_file, gpu_name, _idle) in TRACE_GPUS.items()}
+        names.update({model.name: key for key, model in PHYSICS_PRESETS.items()})
+        state_path = None if self.state_path is None else str(self.state_path.absolute())
+        return LeaseSource(
+            "simulated",
+            persistent=state_path is not None,
+            simulated_gpu=names.get(self.model.name),
+            state_path=state_path,
+        )
+
     # ------------------------------------------------------------ persistence
     def _load_state(self, path: Path) -> None:
         try:
@@ -871,6 +889,15 @@ def run_in_parallel(gpus: Sequence[SimulatedGPU], steps: int = 1) -> float:
         clock.advance(longest_s)
         total_s += longest_s
     return total_s
+
+
+def as_simulated(gpu: GPU) -> SimulatedGPU | None:
+    """The simulated GPU ``gpu`` is, or None for a real one.
+
+    Work timed on a simulated GPU is simulated (it advances the virtual clock); on a real
+    GPU the work is the training step itself.
+    """
+    return gpu if isinstance(gpu, SimulatedGPU) else None
 
 
 def live_simulated_gpus() -> list[SimulatedGPU]:

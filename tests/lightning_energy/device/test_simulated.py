@@ -20,6 +20,7 @@ from lightning_energy.device import (
     run_in_parallel,
     simulated_gpus,
 )
+from lightning_energy.device.base import LeaseSource
 from lightning_energy.errors import (
     ConfigError,
     DriverError,
@@ -209,6 +210,26 @@ def test_state_persists_across_instances(tmp_path: Path) -> None:
     assert second.initial_settings == (250.0, (1005, 1005))
     assert json.loads(first.state_path.read_text())["uuid"] == "GPU-sim-a100-0"
     assert [p.name for p in tmp_path.iterdir()] == ["GPU-sim-a100-0.json"]  # no temp files left
+
+
+def test_lease_source_clock_and_idle(tmp_path: Path) -> None:
+    in_memory = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    assert in_memory.lease_source() == LeaseSource(
+        "simulated", persistent=False, simulated_gpu="a100"
+    )
+    kept = simulated_gpus(SimulatedSpec(gpu="a40", state_dir=str(tmp_path)))[0]
+    assert kept.lease_source() == LeaseSource(
+        "simulated",
+        persistent=True,
+        simulated_gpu="a40",
+        state_path=str(tmp_path.absolute() / "GPU-sim-a40-0.json"),
+    )
+    start_s = kept.now_s()
+    assert start_s == kept.clock.now()
+    energy_j = kept.energy_j()
+    kept.idle(2.5)
+    assert kept.now_s() == start_s + 2.5
+    assert kept.energy_j() > energy_j  # idling draws idle power
 
 
 @pytest.mark.gpu_state_may_change
