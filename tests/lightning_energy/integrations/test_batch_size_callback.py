@@ -13,7 +13,7 @@ import pytest
 
 from lightning_energy.errors import ConfigError, StoreError
 from lightning_energy.integrations.batch_size import batch_size_callback_class
-from lightning_energy.optimize.store import Store
+from lightning_energy.store import Store
 from tests.lightning_energy.integrations._models import make_loader, module_class
 
 # Epochs each batch size needs to reach the target; 8 never does.
