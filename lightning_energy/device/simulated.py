@@ -150,10 +150,14 @@ class Board:
         for key in ("energy_counter_period_s", "power_average_s", "setting_latency_s"):
             value = getattr(self, key)
             if not 0.0 <= value < float("inf"):
-                problems.append(f"{key}={value!r}: must be a finite number of seconds >= 0")
+                problems.append(
+                    f"{key}: {value!r} is not allowed; use a finite number of seconds >= 0"
+                )
         limit = self.enforced_power_limit_w
         if limit is not None and not 0.0 < limit < float("inf"):
-            problems.append(f"enforced_power_limit_w={limit!r}: must be > 0 watts or None")
+            problems.append(
+                f"enforced_power_limit_w: {limit!r} is not allowed; use > 0 watts or None"
+            )
         lock = self.foreign_clock_lock_mhz
         if lock is not None and not (len(lock) == 2 and 0 < lock[0] <= lock[1]):
             problems.append(f"foreign_clock_lock_mhz={lock!r}: need (min, max) with 0 < min <= max")
@@ -291,11 +295,13 @@ class SimulatedGPU:
     ) -> None:
         problems = []
         if not slowdown >= 1.0:
-            problems.append(f"slowdown={slowdown!r}: must be >= 1 (1 = not a straggler)")
+            problems.append(
+                f"slowdown: {slowdown!r} is not allowed; use >= 1 (1 = not a straggler)"
+            )
         if not noise_std >= 0.0:
-            problems.append(f"noise_std={noise_std!r}: must be >= 0")
+            problems.append(f"noise_std: {noise_std!r} is not allowed; use >= 0")
         if index < 0:
-            problems.append(f"index={index!r}: must be >= 0")
+            problems.append(f"index: {index!r} is not allowed; use >= 0")
         if board is not None:
             problems.extend(board.problems())
         if problems:
@@ -389,9 +395,9 @@ class SimulatedGPU:
         if operation not in FAULT_OPERATIONS:
             problems.append(f"operation={operation!r}: allowed: {sorted(FAULT_OPERATIONS)}")
         if after_calls < 0:
-            problems.append(f"after_calls={after_calls!r}: must be >= 0")
+            problems.append(f"after_calls: {after_calls!r} is not allowed; use >= 0")
         if times is not None and times < 1:
-            problems.append(f"times={times!r}: must be >= 1 or None")
+            problems.append(f"times: {times!r} is not allowed; use >= 1 or None")
         if problems:
             raise ConfigError(problems, source="inject_fault")
         with self._lock:
@@ -731,9 +737,12 @@ class SimulatedGPU:
         """Settle idle time and return this work's ``(duration_s, power_w)``."""
         problems = []
         if not t0_s >= 0:
-            problems.append(f"t0_s={t0_s!r}: must be >= 0")
+            problems.append(f"t0_s: {t0_s!r} is not allowed; use >= 0")
         if not 0.0 <= compute_bound_share <= 1.0:
-            problems.append(f"compute_bound_share={compute_bound_share!r}: must be in [0, 1]")
+            problems.append(
+                f"compute_bound_share: {compute_bound_share!r} is not allowed; "
+                "use a number in [0, 1]"
+            )
         if problems:
             raise ConfigError(problems, source=operation)
         self._check(operation)
@@ -999,26 +1008,29 @@ class SimulatedSpec:
         problems = []
         physics = self.gpu in PHYSICS_PRESETS
         if self.count < 1:
-            problems.append(f"count={self.count!r}: must be >= 1")
+            problems.append(f"count: {self.count!r} is not allowed; use >= 1")
         if self.first_index < 0:
-            problems.append(f"first_index={self.first_index!r}: must be >= 0")
+            problems.append(f"first_index: {self.first_index!r} is not allowed; use >= 0")
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
-            problems.append(f"steps_per_epoch={self.steps_per_epoch!r}: must be >= 1")
+            problems.append(f"steps_per_epoch: {self.steps_per_epoch!r} is not allowed; use >= 1")
         if self.noise_std < 0:
-            problems.append(f"noise_std={self.noise_std!r}: must be >= 0")
+            problems.append(f"noise_std: {self.noise_std!r} is not allowed; use >= 0")
         if len(self.slowdowns) > self.count or any(not s >= 1.0 for s in self.slowdowns):
             problems.append(
-                f"slowdowns={self.slowdowns!r}: at most count={self.count} factors, each >= 1"
+                f"slowdowns: {self.slowdowns!r} is not allowed; "
+                f"use at most count={self.count} factors, each >= 1"
             )
         problems.extend(self.board().problems())
         if self.workload is not None and self.workload.count("/") != 1:
-            problems.append(f"workload={self.workload!r}: must be 'dataset/network'")
+            problems.append(f"workload: {self.workload!r} is not allowed; use 'dataset/network'")
         trace_only = ("workload", "batch_size", "optimizer")
         physics_only = ("step_time_s", "compute_bound_share")
         for key in trace_only if physics else physics_only:
             if getattr(self, key) is not None:
                 kind = "trace GPUs ('a40', 'v100', a CSV)" if physics else "physics presets"
-                problems.append(f"{key}={getattr(self, key)!r}: only applies to {kind}")
+                problems.append(
+                    f"{key}: {getattr(self, key)!r} is not allowed; it only applies to {kind}"
+                )
         if problems:
             raise ConfigError(problems, source="SimulatedSpec")
 

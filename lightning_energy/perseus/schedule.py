@@ -191,7 +191,9 @@ class PipelineSchedule:
 
 
 def _check(name: str, **values: int) -> None:
-    problems = [f"{key}={value!r}: must be >= 1" for key, value in values.items() if value < 1]
+    problems = [
+        f"{key}: {value!r} is not allowed; use >= 1" for key, value in values.items() if value < 1
+    ]
     if problems:
         raise ConfigError(problems, source=f"schedule {name!r}")
 

@@ -193,7 +193,7 @@ def test_invalid_work_arguments() -> None:
     with pytest.raises(ConfigError) as info:
         gpu.run_work(-1.0, 2.0)
     assert len(info.value.problems) == 2
-    with pytest.raises(ConfigError, match=r"slowdown=0\.5"):
+    with pytest.raises(ConfigError, match=r"slowdown: 0\.5 is not allowed"):
         SimulatedGPU(gpu.model, slowdown=0.5)
 
 
