@@ -64,7 +64,7 @@ from lightning_energy.device.traces import PowerTrace
 from lightning_energy.optimize.batch_size import BatchSizeOptimizer, JobSpec, Trial
 from lightning_energy.optimize.cost import zeus_cost
 from lightning_energy.optimize.selectors import Measurement, make_selector
-from lightning_energy.optimize.store import Store
+from lightning_energy.store import Store
 
 MAX_TRIES = 20  # retries per recurrence before the target is declared unreachable (Zeus)
 STEADY_STATE = 10  # recurrences at the end compared in steady state

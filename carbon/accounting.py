@@ -124,10 +124,11 @@ class CarbonLedger:
         if end < start:
             problems.append(f"end {end.isoformat()} is before start {start.isoformat()}")
         if not (math.isfinite(energy_j) and energy_j >= 0):
-            problems.append(f"energy_j must be finite and >= 0; got {energy_j!r}")
+            problems.append(f"energy_j: {energy_j!r} is not allowed; use a finite number >= 0")
         if not (math.isfinite(intensity_g_per_kwh) and intensity_g_per_kwh >= 0):
             problems.append(
-                f"intensity_g_per_kwh must be finite and >= 0; got {intensity_g_per_kwh!r}"
+                f"intensity_g_per_kwh: {intensity_g_per_kwh!r} is not allowed; "
+                "use a finite number >= 0"
             )
         if problems:
             raise AccountingError("; ".join(problems))

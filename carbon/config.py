@@ -179,7 +179,9 @@ class CarbonConfig:
         value_col: trace intensity column (detected when unset).
         forecaster: trace forecast, ``perfect`` (the trace's future) or ``daily``.
         policy: pacing policy, ``static`` | ``threshold`` | ``forecast``.
-        deadline: finish by this UTC time, or within this duration of the start.
+        deadline: finish by this UTC time, or within this duration of the start (a
+            ``datetime`` with an offset or a ``timedelta``; :meth:`from_mapping` also reads
+            text such as ``"36h"``).
         max_slowdown: alternatively, at most this factor slower than full speed (>= 1).
         allow_pause: whether the policy may pause training in dirty hours.
         source: where the configuration came from (a file path, ``"python"``).
@@ -272,6 +274,12 @@ class CarbonConfig:
             and Path(source).is_file()
         ):
             values["region"] = str(Path(source).parent / region)
+        elif (
+            values.get("provider") == "uk"
+            and isinstance(region, int)
+            and not isinstance(region, bool)
+        ):
+            values["region"] = str(region)  # a UK region id written as a YAML number
         try:
             config = cls(**values, source=source)
         except CarbonConfigError as exc:
@@ -455,10 +463,10 @@ def _validate(c: CarbonConfig) -> list[str]:
     choice("forecaster", c.forecaster, FORECASTERS)
     choice("policy", c.policy, POLICIES)
     if c.deadline is not None and not isinstance(c.deadline, (datetime, timedelta)):
-        try:
-            object.__setattr__(c, "deadline", parse_deadline(c.deadline))
-        except ValueError as exc:
-            problems.append(f"deadline: {c.deadline!r} is not valid: {exc}")
+        problems.append(
+            f"deadline: {c.deadline!r} is not allowed; allowed: a datetime with a UTC offset "
+            "or a timedelta (CarbonConfig.from_mapping also reads '36h' or an ISO 8601 time)"
+        )
     elif isinstance(c.deadline, datetime) and c.deadline.tzinfo is None:
         problems.append(f"deadline: {c.deadline!r} is not valid: a time needs a UTC offset")
     elif isinstance(c.deadline, timedelta) and c.deadline <= timedelta(0):
@@ -506,9 +514,6 @@ def _validate_region(c: CarbonConfig, problems: list[str]) -> None:
             + _REGION_HELP[c.provider]
         )
         return
-    if isinstance(region, int) and not isinstance(region, bool) and c.provider == "uk":
-        object.__setattr__(c, "region", str(region))
-        region = str(region)
     if not isinstance(region, str):
         problems.append(f"region: {region!r} is not allowed; allowed: {_REGION_HELP[c.provider]}")
         return

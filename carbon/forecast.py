@@ -61,11 +61,13 @@ class DailyProfileForecaster:
         source: str = "forecast:daily-profile",
     ) -> None:
         if slot_s <= 0 or not math.isclose(_DAY_S / slot_s, round(_DAY_S / slot_s)):
-            raise CarbonConfigError(f"slot_s must divide 86400 s; got {slot_s!r}")
+            raise CarbonConfigError(f"slot_s: {slot_s!r} is not allowed; use a divisor of 86400 s")
         if window_days is not None and window_days <= 0:
-            raise CarbonConfigError(f"window_days must be > 0 or None; got {window_days!r}")
+            raise CarbonConfigError(f"window_days: {window_days!r} is not allowed; use > 0 or None")
         if level_decay_s is not None and level_decay_s <= 0:
-            raise CarbonConfigError(f"level_decay_s must be > 0 or None; got {level_decay_s!r}")
+            raise CarbonConfigError(
+                f"level_decay_s: {level_decay_s!r} is not allowed; use > 0 or None"
+            )
         self.slot_s = float(slot_s)
         self.window_days = window_days
         self.level_decay_s = level_decay_s
@@ -207,7 +209,7 @@ class DailyProfileForecaster:
             CarbonConfigError: if ``step_s`` is not positive.
         """
         if step_s <= 0:
-            raise CarbonConfigError(f"step_s must be > 0; got {step_s!r}")
+            raise CarbonConfigError(f"step_s: {step_s!r} is not allowed; use > 0")
         profile = self._require_profile()
         given = sorted(forecast_points, key=lambda p: p.time)
         until_s = as_utc(until).timestamp()

@@ -89,16 +89,16 @@ class CarbonMonitor:
     ) -> None:
         problems = []
         if not poll_interval_s > 0:
-            problems.append(f"poll_interval_s must be > 0; got {poll_interval_s!r}")
+            problems.append(f"poll_interval_s: {poll_interval_s!r} is not allowed; use > 0")
         if not max_staleness_s >= poll_interval_s:
             problems.append(
                 f"max_staleness_s must be >= poll_interval_s ({poll_interval_s!r}); "
                 f"got {max_staleness_s!r}"
             )
         if fallback not in ("constant", "daily"):
-            problems.append(f"fallback must be 'constant' or 'daily'; got {fallback!r}")
+            problems.append(f"fallback: {fallback!r} is not allowed; allowed: 'constant', 'daily'")
         if not fallback_g_per_kwh >= 0:
-            problems.append(f"fallback_g_per_kwh must be >= 0; got {fallback_g_per_kwh!r}")
+            problems.append(f"fallback_g_per_kwh: {fallback_g_per_kwh!r} is not allowed; use >= 0")
         if forecast_horizon_s < 0 or history_window_s <= 0 or seed_history_s < 0:
             problems.append(
                 "forecast_horizon_s and seed_history_s must be >= 0 and history_window_s > 0"

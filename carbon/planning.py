@@ -75,7 +75,7 @@ class OperatingPoint:
 
     def __post_init__(self) -> None:
         problems = [
-            f"frontier: {name} must be a finite number > 0; got {value!r}"
+            f"frontier {name}: {value!r} is not allowed; use a finite number > 0"
             for name, value in (
                 ("time_per_step_s", self.time_per_step_s),
                 ("energy_per_step_j", self.energy_per_step_j),
@@ -183,12 +183,12 @@ def deadline_from_max_slowdown(
     """
     problems = []
     if not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
-        problems.append(f"max_slowdown: must be a number >= 1; got {max_slowdown!r}")
+        problems.append(f"max_slowdown: {max_slowdown!r} is not allowed; use a number >= 1")
     if total_steps < 0:
-        problems.append(f"total_steps: must be >= 0; got {total_steps!r}")
+        problems.append(f"total_steps: {total_steps!r} is not allowed; use >= 0")
     if not (math.isfinite(fastest_time_per_step_s) and fastest_time_per_step_s > 0):
         problems.append(
-            f"fastest_time_per_step_s: must be a number > 0; got {fastest_time_per_step_s!r}"
+            f"fastest_time_per_step_s: {fastest_time_per_step_s!r} is not allowed; use a number > 0"
         )
     if problems:
         raise CarbonConfigError(problems)

@@ -101,7 +101,9 @@ class JobProgress:
 
     def __post_init__(self) -> None:
         if self.remaining_steps < 0:
-            raise CarbonConfigError(f"remaining_steps: must be >= 0; got {self.remaining_steps!r}")
+            raise CarbonConfigError(
+                f"remaining_steps: {self.remaining_steps!r} is not allowed; use >= 0"
+            )
         object.__setattr__(self, "now", as_utc(self.now))
         object.__setattr__(self, "deadline", as_utc(self.deadline))
 
@@ -578,15 +580,17 @@ def make_policy(
     if key not in POLICY_NAMES:
         problems.append(f"policy: unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
     if not (math.isfinite(interval_s) and interval_s > 0):
-        problems.append(f"interval_s: must be a number > 0; got {interval_s!r}")
+        problems.append(f"interval_s: {interval_s!r} is not allowed; use a number > 0")
     if not (0.0 <= reserve_fraction < 1.0):
-        problems.append(f"reserve_fraction: must be in [0, 1); got {reserve_fraction!r}")
+        problems.append(
+            f"reserve_fraction: {reserve_fraction!r} is not allowed; use a number in [0, 1)"
+        )
     if not (math.isfinite(lookahead_s) and lookahead_s > 0):
-        problems.append(f"lookahead_s: must be a number > 0; got {lookahead_s!r}")
+        problems.append(f"lookahead_s: {lookahead_s!r} is not allowed; use a number > 0")
     if not (math.isfinite(pause_margin) and pause_margin >= 0):
-        problems.append(f"pause_margin: must be a number >= 0; got {pause_margin!r}")
+        problems.append(f"pause_margin: {pause_margin!r} is not allowed; use a number >= 0")
     if not (0.0 <= min_saving < 1.0):
-        problems.append(f"min_saving: must be in [0, 1); got {min_saving!r}")
+        problems.append(f"min_saving: {min_saving!r} is not allowed; use a number in [0, 1)")
     if problems:
         raise CarbonConfigError(problems)
     if key == "static":

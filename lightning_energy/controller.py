@@ -980,7 +980,7 @@ class EnergyController:
             while update is not None and update.pause and not self._guard.restored:
                 if self.devices.run_step is not None:
                     for gpu in self.devices.gpus:
-                        gpu.idle(wait_s)  # type: ignore[attr-defined]
+                        gpu.idle(wait_s)
                 else:
                     select.select([waiter], [], [], wait_s)
                 # Each polling period of the pause is an interval of its own (no steps), so

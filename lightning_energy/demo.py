@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from lightning_energy.cli import float_in, int_in, positive_int
+from lightning_energy.argtypes import float_in, int_in, positive_int
 from lightning_energy.config import EnergyConfig
 
 __all__ = [

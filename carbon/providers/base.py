@@ -262,7 +262,7 @@ class HttpProvider:
         session: requests.Session | None = None,
     ) -> None:
         if max_retries < 0:
-            raise CarbonConfigError(f"max_retries must be >= 0; got {max_retries!r}")
+            raise CarbonConfigError(f"max_retries: {max_retries!r} is not allowed; use >= 0")
         root = (base_url or self.default_base_url).rstrip("/")
         self._root = Secret(root)
         self._url_credentials = url_secrets(root)

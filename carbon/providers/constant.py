@@ -40,10 +40,11 @@ class ConstantProvider:
     ) -> None:
         if not intensity_g_per_kwh >= 0 or math.isinf(intensity_g_per_kwh):
             raise CarbonConfigError(
-                f"intensity_g_per_kwh must be finite and >= 0; got {intensity_g_per_kwh!r}"
+                f"intensity_g_per_kwh: {intensity_g_per_kwh!r} is not allowed; "
+                "use a finite number >= 0"
             )
         if step_s <= 0:
-            raise CarbonConfigError(f"step_s must be > 0; got {step_s!r}")
+            raise CarbonConfigError(f"step_s: {step_s!r} is not allowed; use > 0")
         self.intensity_g_per_kwh = float(intensity_g_per_kwh)
         self._region = region
         self.step_s = float(step_s)

@@ -93,7 +93,8 @@ class ElectricityMapsProvider(HttpProvider):
             raise CarbonConfigError(f"region {region!r} is not {problem}")
         if emission_factor not in ("direct", "lifecycle"):
             raise CarbonConfigError(
-                f"emission_factor must be 'direct' or 'lifecycle'; got {emission_factor!r}"
+                f"emission_factor: {emission_factor!r} is not allowed; "
+                "allowed: 'direct', 'lifecycle'"
             )
         super().__init__(**http)
         self._region = region

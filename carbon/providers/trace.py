@@ -448,9 +448,13 @@ class TraceProvider:
         forecaster: Literal["perfect", "daily"] = "perfect",
     ) -> None:
         if forecaster not in ("perfect", "daily"):
-            raise CarbonConfigError(f"forecaster must be 'perfect' or 'daily'; got {forecaster!r}")
+            raise CarbonConfigError(
+                f"forecaster: {forecaster!r} is not allowed; allowed: 'perfect', 'daily'"
+            )
         if forecast_horizon_s <= 0:
-            raise CarbonConfigError(f"forecast_horizon_s must be > 0; got {forecast_horizon_s!r}")
+            raise CarbonConfigError(
+                f"forecast_horizon_s: {forecast_horizon_s!r} is not allowed; use > 0"
+            )
         self.series = series
         self.forecast_horizon_s = float(forecast_horizon_s)
         self.forecaster = forecaster

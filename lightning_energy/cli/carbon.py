@@ -22,7 +22,7 @@ from carbon.config import build_provider, load_carbon_config
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint
-from lightning_energy.cli import float_in
+from lightning_energy.argtypes import float_in
 
 __all__ = ["register"]
 

@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, float_in
+from lightning_energy.argtypes import float_in
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.errors import (
     ConfigError,

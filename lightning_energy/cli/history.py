@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
 from lightning_energy.optimize.batch_size import BestChoice, best_choice
-from lightning_energy.optimize.store import (
+from lightning_energy.store import (
     ENV_STORE_URL,
     JobRecord,
     Store,

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_energy.cli import EXIT_OK, float_in, int_in
+from lightning_energy.argtypes import float_in, int_in
+from lightning_energy.cli import EXIT_OK
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import FrontierPoint, PerseusPlanner

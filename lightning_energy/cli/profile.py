@@ -31,7 +31,8 @@ from typing import Any
 
 import yaml
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, positive_int
+from lightning_energy.argtypes import positive_int
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 
 __all__ = ["MAX_STEPS_ENV", "register", "run"]
 

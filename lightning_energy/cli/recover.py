@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, non_empty
+from lightning_energy.argtypes import non_empty
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK
 from lightning_energy.device.guard import recover
 from lightning_energy.device.lease import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, resolve_lease_dir
 

@@ -16,7 +16,8 @@ import json
 import sys
 from typing import Any
 
-from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, non_empty
+from lightning_energy.argtypes import non_empty
+from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 
 __all__ = ["register", "run"]
 

@@ -175,7 +175,7 @@ def open_devices(
             f"indices={list(indices)!r} and local_rank={local_rank!r}: give one, not both"
         )
     if local_rank is not None and local_rank < 0:
-        problems.append(f"local_rank={local_rank!r}: must be >= 0")
+        problems.append(f"local_rank: {local_rank!r} is not allowed; use >= 0")
     on_cuda = device is not None and device.type == "cuda"
     if indices is not None and on_cuda:
         problems.append(f"indices={list(indices)!r} and device={str(device)!r}: give one")

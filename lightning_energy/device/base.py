@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from lightning_energy.errors import DeviceError
 
-__all__ = ["GPU", "DeviceSet", "GPUInfo"]
+__all__ = ["GPU", "DeviceSet", "GPUInfo", "LeaseSource"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,26 @@ class GPUInfo:
     max_power_limit_w: float
     default_power_limit_w: float
     is_mig: bool = False
+
+
+@dataclass(frozen=True)
+class LeaseSource:
+    """How another process (the next job, ``lightning-energy recover``) re-opens a GPU to
+    put back the settings its lease records.
+
+    Args:
+        backend: ``"nvml"`` or ``"simulated"``.
+        persistent: whether the GPU's settings outlive this process; only such a GPU
+            needs a lease file (an in-memory simulated GPU does not).
+        simulated_gpu: simulated GPUs: the shipped model (``"a40"``, ``"a100"``...) to
+            rebuild, or None for a model that cannot be rebuilt.
+        state_path: simulated GPUs: the absolute path of the file holding the settings.
+    """
+
+    backend: str
+    persistent: bool = True
+    simulated_gpu: str | None = None
+    state_path: str | None = None
 
 
 @runtime_checkable
@@ -112,6 +132,20 @@ class GPU(Protocol):
 
     def synchronize(self) -> None:
         """Wait until work queued on the GPU has finished."""
+        ...
+
+    def now_s(self) -> float:
+        """Monotonic seconds in the time base the GPU's work is timed on:
+        ``time.perf_counter`` for a real GPU, the virtual clock for a simulated one."""
+        ...
+
+    def idle(self, seconds: float) -> None:
+        """Let ``seconds`` pass with no work on the GPU (a pipeline bubble, a wait for a
+        slower rank), on the clock of :meth:`now_s`."""
+        ...
+
+    def lease_source(self) -> LeaseSource:
+        """How another process re-opens this GPU to restore the settings of its lease."""
         ...
 
 

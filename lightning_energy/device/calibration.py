@@ -79,10 +79,11 @@ class CalibratedModel:
     def __post_init__(self) -> None:
         problems = []
         if not self.step_time_s > 0:
-            problems.append(f"step_time_s={self.step_time_s!r}: must be > 0")
+            problems.append(f"step_time_s: {self.step_time_s!r} is not allowed; use > 0")
         if not 0 <= self.step_compute_bound_share <= 1:
             problems.append(
-                f"compute_bound_share={self.step_compute_bound_share!r}: must be in [0, 1]"
+                f"compute_bound_share: {self.step_compute_bound_share!r} is not allowed; "
+                "use a share in [0, 1]"
             )
         if problems:
             raise ConfigError(problems, source=f"calibrated model {self.name!r}")

@@ -48,10 +48,7 @@ from lightning_energy.device.lease import (
     owner_status,
     restore_stale_lease,
 )
-from lightning_energy.device.physics import PHYSICS_PRESETS
 from lightning_energy.device.recovery import RecoveryResult, recover
-from lightning_energy.device.simulated import SimulatedGPU
-from lightning_energy.device.traces import TRACE_GPUS
 from lightning_energy.errors import (
     ConfigError,
     DeviceError,
@@ -81,27 +78,6 @@ _SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 def _describe(gpu: GPU) -> str:
     return f"GPU {gpu.index} ({gpu.uuid})"
-
-
-def _simulated_model_key(gpu: SimulatedGPU) -> str | None:
-    """The shipped model name (``"a40"``, ``"a100"``...) a simulated GPU can be rebuilt from."""
-    names = {gpu_name: key for key, (_file, gpu_name, _idle) in TRACE_GPUS.items()}
-    names.update({model.name: key for key, model in PHYSICS_PRESETS.items()})
-    return names.get(gpu.model.name)
-
-
-def _persistent(gpu: GPU) -> bool:
-    """Whether the GPU's settings outlive this process (all but in-memory simulated GPUs):
-    only those need a lease file."""
-    return not (isinstance(gpu, SimulatedGPU) and gpu.state_path is None)
-
-
-def _lease_backend(gpu: GPU) -> tuple[str, str | None, str | None]:
-    """``(backend, simulated model, state path)``: how a lease re-opens the GPU."""
-    if isinstance(gpu, SimulatedGPU):
-        state_path = None if gpu.state_path is None else str(Path(gpu.state_path).absolute())
-        return "simulated", _simulated_model_key(gpu), state_path
-    return "nvml", None, None
 
 
 class GPUGuard:
@@ -311,7 +287,7 @@ class GPUGuard:
     def _take_locks(self, me: ProcessIdentity) -> None:
         """Lock every lease, restore stale ones; stop at a live owner (observe-only)."""
         for i, gpu in enumerate(self._gpus):
-            if not _persistent(gpu):
+            if not gpu.lease_source().persistent:
                 continue
             try:
                 lock = self._store.try_lock(gpu.uuid)
@@ -400,7 +376,7 @@ class GPUGuard:
 
     def _write_leases(self, me: ProcessIdentity) -> None:
         for i, gpu in enumerate(self._gpus):
-            name, model, state_path = _lease_backend(gpu)
+            source = gpu.lease_source()
             lease = Lease(
                 gpu_uuid=gpu.uuid,
                 gpu_index=gpu.index,
@@ -408,12 +384,12 @@ class GPUGuard:
                 owner=me,
                 power_limit_w=self._pre_power_w[i],
                 locked_clocks_mhz=self._pre_clocks[i],
-                backend=name,
-                simulated_gpu=model,
-                state_path=state_path,
+                backend=source.backend,
+                simulated_gpu=source.simulated_gpu,
+                state_path=source.state_path,
             )
             self._leases[i] = lease
-            if not _persistent(gpu):
+            if not source.persistent:
                 continue
             try:
                 self._store.write(lease)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
+from lightning_energy.device.base import LeaseSource
 from lightning_energy.errors import (
     DeviceError,
     DriverError,
@@ -661,6 +662,18 @@ class NVMLGPU:
         if self._synchronize is None:
             self._synchronize = _cuda_synchronizer(self._index)
         self._synchronize()
+
+    def now_s(self) -> float:
+        """``time.perf_counter``: a real GPU's work takes wall-clock time."""
+        return time.perf_counter()
+
+    def idle(self, seconds: float) -> None:
+        """Sleep ``seconds``."""
+        time.sleep(seconds)
+
+    def lease_source(self) -> LeaseSource:
+        """Re-opened through NVML by its UUID."""
+        return LeaseSource("nvml")
 
     def running_process_ids(self) -> list[int]:
         """Process ids with compute work on this GPU (any user's, as NVML reports)."""

@@ -89,7 +89,9 @@ class PhysicsModel:
         problems: list[str] = []
         clocks = self.sm_clocks_mhz
         if not clocks or any(a <= b for a, b in itertools.pairwise(clocks)):
-            problems.append(f"sm_clocks_mhz={clocks!r}: must be non-empty and descending")
+            problems.append(
+                f"sm_clocks_mhz: {clocks!r} is not allowed; use a non-empty, descending list"
+            )
         if not 0 < self.min_power_limit_w <= self.default_power_limit_w <= self.max_power_limit_w:
             problems.append(
                 "power limits (min, default, max)="
@@ -98,18 +100,20 @@ class PhysicsModel:
             )
         for key in ("static_power_w", "idle_power_w", "compute_power_w", "memory_power_w"):
             if getattr(self, key) < 0:
-                problems.append(f"{key}={getattr(self, key)!r}: must be >= 0")
+                problems.append(f"{key}: {getattr(self, key)!r} is not allowed; use >= 0")
         if not 0 < self.v_low <= self.v_high:
             problems.append(f"(v_low, v_high)=({self.v_low}, {self.v_high}): need 0 < low <= high")
         if clocks and not clocks[-1] <= self.f_v_low_mhz < clocks[0]:
             problems.append(
-                f"f_v_low_mhz={self.f_v_low_mhz!r}: must lie in [{clocks[-1]}, {clocks[0]})"
+                f"f_v_low_mhz: {self.f_v_low_mhz!r} is not allowed; "
+                f"use a number in [{clocks[-1]}, {clocks[0]})"
             )
         if self.step_time_s <= 0:
-            problems.append(f"step_time_s={self.step_time_s!r}: must be > 0")
+            problems.append(f"step_time_s: {self.step_time_s!r} is not allowed; use > 0")
         if not 0 <= self.step_compute_bound_share <= 1:
             problems.append(
-                f"step_compute_bound_share={self.step_compute_bound_share!r}: must be in [0, 1]"
+                f"step_compute_bound_share: {self.step_compute_bound_share!r} is not allowed; "
+                "use a number in [0, 1]"
             )
         if problems:
             raise ConfigError(problems, source=f"physics model {self.name!r}")

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from lightning_energy.device.base import GPU, LeaseSource
 from lightning_energy.device.calibration import CalibratedModel, load_calibration
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
@@ -151,10 +152,14 @@ class Board:
         for key in ("energy_counter_period_s", "power_average_s", "setting_latency_s"):
             value = getattr(self, key)
             if not 0.0 <= value < float("inf"):
-                problems.append(f"{key}={value!r}: must be a finite number of seconds >= 0")
+                problems.append(
+                    f"{key}: {value!r} is not allowed; use a finite number of seconds >= 0"
+                )
         limit = self.enforced_power_limit_w
         if limit is not None and not 0.0 < limit < float("inf"):
-            problems.append(f"enforced_power_limit_w={limit!r}: must be > 0 watts or None")
+            problems.append(
+                f"enforced_power_limit_w: {limit!r} is not allowed; use > 0 watts or None"
+            )
         lock = self.foreign_clock_lock_mhz
         if lock is not None and not (len(lock) == 2 and 0 < lock[0] <= lock[1]):
             problems.append(f"foreign_clock_lock_mhz={lock!r}: need (min, max) with 0 < min <= max")
@@ -292,11 +297,13 @@ class SimulatedGPU:
     ) -> None:
         problems = []
         if not slowdown >= 1.0:
-            problems.append(f"slowdown={slowdown!r}: must be >= 1 (1 = not a straggler)")
+            problems.append(
+                f"slowdown: {slowdown!r} is not allowed; use >= 1 (1 = not a straggler)"
+            )
         if not noise_std >= 0.0:
-            problems.append(f"noise_std={noise_std!r}: must be >= 0")
+            problems.append(f"noise_std: {noise_std!r} is not allowed; use >= 0")
         if index < 0:
-            problems.append(f"index={index!r}: must be >= 0")
+            problems.append(f"index: {index!r} is not allowed; use >= 0")
         if board is not None:
             problems.extend(board.problems())
         if problems:
@@ -391,9 +398,9 @@ class SimulatedGPU:
         if operation not in FAULT_OPERATIONS:
             problems.append(f"operation={operation!r}: allowed: {sorted(FAULT_OPERATIONS)}")
         if after_calls < 0:
-            problems.append(f"after_calls={after_calls!r}: must be >= 0")
+            problems.append(f"after_calls: {after_calls!r} is not allowed; use >= 0")
         if times is not None and times < 1:
-            problems.append(f"times={times!r}: must be >= 1 or None")
+            problems.append(f"times: {times!r} is not allowed; use >= 1 or None")
         if problems:
             raise ConfigError(problems, source="inject_fault")
         with self._lock:
@@ -741,9 +748,12 @@ class SimulatedGPU:
         """Settle idle time and return this work's ``(duration_s, power_w)``."""
         problems = []
         if not t0_s >= 0:
-            problems.append(f"t0_s={t0_s!r}: must be >= 0")
+            problems.append(f"t0_s: {t0_s!r} is not allowed; use >= 0")
         if not 0.0 <= compute_bound_share <= 1.0:
-            problems.append(f"compute_bound_share={compute_bound_share!r}: must be in [0, 1]")
+            problems.append(
+                f"compute_bound_share: {compute_bound_share!r} is not allowed; "
+                "use a number in [0, 1]"
+            )
         if problems:
             raise ConfigError(problems, source=operation)
         self._check(operation)
@@ -809,6 +819,23 @@ class SimulatedGPU:
         with self._lock:
             self._check("idle")
         self.clock.advance(seconds)
+
+    def now_s(self) -> float:
+        """The virtual clock's time."""
+        return self.clock.now()
+
+    def lease_source(self) -> LeaseSource:
+        """Rebuilt from its shipped model and its state file; without a state file its
+        settings live and die with this process."""
+        names = {gpu_name: key for key, (_file, gpu_name, _idle) in TRACE_GPUS.items()}
+        names.update({model.name: key for key, model in PHYSICS_PRESETS.items()})
+        state_path = None if self.state_path is None else str(self.state_path.absolute())
+        return LeaseSource(
+            "simulated",
+            persistent=state_path is not None,
+            simulated_gpu=names.get(self.model.name),
+            state_path=state_path,
+        )
 
     # ------------------------------------------------------------ persistence
     def _load_state(self, path: Path) -> None:
@@ -888,6 +915,15 @@ def run_in_parallel(gpus: Sequence[SimulatedGPU], steps: int = 1) -> float:
         clock.advance(longest_s)
         total_s += longest_s
     return total_s
+
+
+def as_simulated(gpu: GPU) -> SimulatedGPU | None:
+    """The simulated GPU ``gpu`` is, or None for a real one.
+
+    Work timed on a simulated GPU is simulated (it advances the virtual clock); on a real
+    GPU the work is the training step itself.
+    """
+    return gpu if isinstance(gpu, SimulatedGPU) else None
 
 
 def live_simulated_gpus() -> list[SimulatedGPU]:
@@ -1011,21 +1047,22 @@ class SimulatedSpec:
                 problems.extend(exc.problems)
                 calibration_ok = False
         if self.count < 1:
-            problems.append(f"count={self.count!r}: must be >= 1")
+            problems.append(f"count: {self.count!r} is not allowed; use >= 1")
         if self.first_index < 0:
-            problems.append(f"first_index={self.first_index!r}: must be >= 0")
+            problems.append(f"first_index: {self.first_index!r} is not allowed; use >= 0")
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
-            problems.append(f"steps_per_epoch={self.steps_per_epoch!r}: must be >= 1")
+            problems.append(f"steps_per_epoch: {self.steps_per_epoch!r} is not allowed; use >= 1")
         if self.noise_std < 0:
-            problems.append(f"noise_std={self.noise_std!r}: must be >= 0")
+            problems.append(f"noise_std: {self.noise_std!r} is not allowed; use >= 0")
         if len(self.slowdowns) > self.count or any(not s >= 1.0 for s in self.slowdowns):
             problems.append(
-                f"slowdowns={self.slowdowns!r}: at most count={self.count} factors, each >= 1"
+                f"slowdowns: {self.slowdowns!r} is not allowed; "
+                f"use at most count={self.count} factors, each >= 1"
             )
         if calibration_ok:
             problems.extend(self.board().problems())
         if self.workload is not None and self.workload.count("/") != 1:
-            problems.append(f"workload={self.workload!r}: must be 'dataset/network'")
+            problems.append(f"workload: {self.workload!r} is not allowed; use 'dataset/network'")
         trace_only = ("workload", "batch_size", "optimizer")
         physics_only = ("step_time_s", "compute_bound_share")
         for key in trace_only if physics else physics_only:
@@ -1035,7 +1072,9 @@ class SimulatedSpec:
                     if physics
                     else "physics presets and calibrations"
                 )
-                problems.append(f"{key}={getattr(self, key)!r}: only applies to {kind}")
+                problems.append(
+                    f"{key}: {getattr(self, key)!r} is not allowed; it only applies to {kind}"
+                )
         if problems:
             raise ConfigError(problems, source="SimulatedSpec")
 

@@ -47,7 +47,7 @@ from lightning_energy.errors import ConfigError, EnergyError, StoreError
 from lightning_energy.integrations._lightning_core import EnergyCallbackCore
 from lightning_energy.measure import EnergyMeter
 from lightning_energy.optimize.batch_size import BatchSizeOptimizer, JobSpec, Trial
-from lightning_energy.optimize.store import Store
+from lightning_energy.store import Store
 
 # ``BatchSizeCallback`` (lightning.pytorch) and ``PLBatchSizeCallback`` (pytorch_lightning)
 # are built on first access by the module ``__getattr__`` below.

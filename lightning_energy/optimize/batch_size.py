@@ -25,7 +25,7 @@ most the run in flight, and any decision can be replayed. Runs launched concurre
 explore the same batch size; the extra result is kept as an ordinary observation.
 
 Example:
-    >>> from lightning_energy.optimize.store import Store
+    >>> from lightning_energy.store import Store
     >>> store = Store.open("sqlite://")
     >>> spec = JobSpec(key="demo", gpu_model="NVIDIA A40", gpu_count=1,
     ...                default_batch_size=64, batch_sizes=(32, 64, 128),
@@ -52,7 +52,7 @@ import numpy as np
 
 from lightning_energy.errors import ConfigError
 from lightning_energy.optimize.cost import check_eta, zeus_cost
-from lightning_energy.optimize.store import JobId, Store, TrialRecord
+from lightning_energy.store import JobId, Store, TrialRecord
 
 __all__ = [
     "BatchSizeOptimizer",

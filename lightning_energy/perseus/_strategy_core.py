@@ -22,7 +22,7 @@ from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.plan import Plan
@@ -272,7 +272,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
         rank = self.global_rank
         gpu, guard = self._open_gpu(_exact_spec(self.simulated_gpu, max(ranks, 1)))
         simulation = None
-        if isinstance(gpu, SimulatedGPU):
+        if (simulated := as_simulated(gpu)) is not None:
             times = self.simulated_stage_times_s or [[0.02, 0.04]] * schedule.num_stages
             works = {
                 (s, kind): StageWork(times[s][k], self.compute_bound_share)
@@ -280,7 +280,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
                 if schedule.device_of(s) == rank
                 for k, kind in enumerate(("forward", "backward"))
             }
-            simulation = PipelineSimulation(gpu, works, group=self._cpu_group)
+            simulation = PipelineSimulation(simulated, works, group=self._cpu_group)
         self.runtime = PipelineRuntime(
             schedule, rank, ClockController(guard, gpu=gpu), simulation=simulation, record=False
         )
@@ -302,9 +302,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
         if self.plan_path is not None:
             self.runtime.set_plan(Plan.load(self.plan_path))
             return
-        clock: Callable[[], float] = (
-            gpu.clock.now if isinstance(gpu, SimulatedGPU) else time.perf_counter
-        )
+        clock: Callable[[], float] = gpu.now_s
         self.online = OnlinePerseus(
             self.runtime,
             gpu,
@@ -424,9 +422,9 @@ class PerseusDDPCore(PerseusStrategyCore):
             margin=self.margin,
             group=self._cpu_group,
         )
-        if isinstance(gpu, SimulatedGPU):
+        if (simulated := as_simulated(gpu)) is not None:
             work = StageWork(self.simulated_step_s, self.compute_bound_share)
-            self._simulation = SimulatedDataParallel(gpu, work, group=self._cpu_group)
+            self._simulation = SimulatedDataParallel(simulated, work, group=self._cpu_group)
         elif torch.cuda.is_available():
             self._probe = _CudaComputeProbe(self.model, gpu, self.equalizer)
         else:

@@ -21,8 +21,8 @@ Example:
     >>> schedule = one_f_one_b(num_stages=2, num_microbatches=3)
     >>> [str(i) for i in schedule.device_orders[1]]
     ['F1.0', 'B1.0', 'F1.1', 'B1.1', 'F1.2', 'B1.2']
-    >>> schedule.longest_path([1.0] * len(schedule.nodes))
-    7.0
+    >>> schedule.longest_path([1.0] * len(schedule.nodes))  # (M + S - 1) * (F + B)
+    8.0
 """
 
 from __future__ import annotations
@@ -191,7 +191,9 @@ class PipelineSchedule:
 
 
 def _check(name: str, **values: int) -> None:
-    problems = [f"{key}={value!r}: must be >= 1" for key, value in values.items() if value < 1]
+    problems = [
+        f"{key}: {value!r} is not allowed; use >= 1" for key, value in values.items() if value < 1
+    ]
     if problems:
         raise ConfigError(problems, source=f"schedule {name!r}")
 

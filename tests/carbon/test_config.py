@@ -233,8 +233,19 @@ def test_numbers_and_choices() -> None:
 )
 def test_deadline_forms(text: object, expected: object) -> None:
     assert parse_deadline(text) == expected
-    config = CarbonConfig(provider="constant", deadline=text)  # type: ignore[arg-type]
+    config = CarbonConfig.from_mapping({"provider": "constant", "deadline": text})
     assert config.deadline == expected
+
+
+def test_python_keywords_take_typed_values_and_text_is_parsed_from_mappings() -> None:
+    with pytest.raises(CarbonConfigError, match=r"deadline: '36h' is not allowed") as info:
+        CarbonConfig(provider="constant", deadline="36h")  # type: ignore[arg-type]
+    assert "from_mapping" in str(info.value)
+    with pytest.raises(CarbonConfigError, match=r"region: 13 is not allowed"):
+        CarbonConfig(provider="uk", region=13)  # type: ignore[arg-type]
+    assert CarbonConfig.from_mapping({"provider": "uk", "region": 13}).region == "13"
+    with pytest.raises(CarbonConfigError, match=r"region: True is not allowed"):
+        CarbonConfig.from_mapping({"provider": "uk", "region": True})
 
 
 @pytest.mark.parametrize(

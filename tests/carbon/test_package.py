@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,14 +28,17 @@ def test_no_source_file_imports_lightning_energy() -> None:
 
 
 def test_importing_carbon_loads_no_lightning_energy_module() -> None:
-    code = (
-        "import sys, carbon, carbon.monitor, carbon.config, carbon.providers;"
-        "print(sorted(m for m in sys.modules if m.startswith('lightning_energy')))"
-    )
+    probe = ["tests.import_probe", "--prefix", "lightning_energy"]
+    modules = ["carbon", "carbon.monitor", "carbon.config", "carbon.providers"]
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-m", *probe, *modules],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
-    assert result.stdout.strip() == "[]"
+    assert json.loads(result.stdout) == []
 
 
 def test_public_names_resolve() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -83,3 +84,17 @@ def test_example_script_shares_the_command_line() -> None:
     )
     assert result.returncode == 2
     assert "--steps: -1 is not allowed" in result.stderr
+
+
+def test_the_demo_does_not_import_the_command_line() -> None:
+    # The demo and the command share their argparse types through a neutral module.
+    probe = ["tests.import_probe", "--prefix", "lightning_energy.cli", "lightning_energy.demo"]
+    out = subprocess.run(
+        [sys.executable, "-m", *probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []

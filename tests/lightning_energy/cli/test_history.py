@@ -9,7 +9,7 @@ import pytest
 
 from lightning_energy.cli import main
 from lightning_energy.optimize.batch_size import BatchSizeOptimizer, JobSpec, Trial
-from lightning_energy.optimize.store import ENV_STORE_URL, Store
+from lightning_energy.store import ENV_STORE_URL, Store
 
 
 def _fill(url: str) -> None:

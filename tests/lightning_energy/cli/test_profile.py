@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,41 +12,8 @@ import yaml
 from lightning_energy.cli import main
 from lightning_energy.report import load_report
 
-SCRIPT = textwrap.dedent(
-    """
-    import torch
-    from lightning.pytorch import LightningModule, Trainer
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Tiny(LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(8, 2)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    torch.set_num_threads(1)
-    x = torch.randn(512, 8)
-    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=8)
-    # No max_steps here: `lightning-energy profile --steps N` sets PL_TRAINER_MAX_STEPS.
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tiny(), loader)
-    print("TRAINED", trainer.global_step)
-    """
-)
-
-
-@pytest.fixture
-def script(tmp_path: Path) -> Path:
-    path = tmp_path / "train.py"
-    path.write_text(SCRIPT)
-    return path
+# An unchanged Lightning script; `lightning-energy profile --steps N` limits its fit.
+TRAIN_SCRIPT = Path(__file__).with_name("tiny_fit.py")
 
 
 @pytest.fixture
@@ -73,11 +39,11 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.slow
 def test_prints_the_frontier_of_a_lightning_script(
-    script: Path, config: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    config: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     report = tmp_path / "profile.json"
     args = ["profile", "--steps", "90", "--config", str(config), "--report", str(report)]
-    assert main([*args, "--selector", "energy", "--", sys.executable, str(script)]) == 0
+    assert main([*args, "--selector", "energy", "--", sys.executable, str(TRAIN_SCRIPT)]) == 0
     out = capfd.readouterr().out
     assert "TRAINED 90" in out  # PL_TRAINER_MAX_STEPS stopped the unchanged script
     assert "Power-limit frontier over 90 steps" in out
@@ -91,11 +57,9 @@ def test_prints_the_frontier_of_a_lightning_script(
 
 
 @pytest.mark.slow
-def test_json_output_keeps_stdout_clean(
-    script: Path, config: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_json_output_keeps_stdout_clean(config: Path, capfd: pytest.CaptureFixture[str]) -> None:
     args = ["profile", "--steps", "90", "--config", str(config), "--json"]
-    assert main([*args, "--", sys.executable, str(script)]) == 0
+    assert main([*args, "--", sys.executable, str(TRAIN_SCRIPT)]) == 0
     captured = capfd.readouterr()
     body = json.loads(captured.out)
     assert "TRAINED 90" in captured.err

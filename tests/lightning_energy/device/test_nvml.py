@@ -12,6 +12,7 @@ from fake_pynvml import ERROR_CODES, FakeDevice, FakeNVML, a100, make_module
 
 from lightning_energy.device import GPU
 from lightning_energy.device import nvml as backend
+from lightning_energy.device.base import LeaseSource
 from lightning_energy.device.nvml import NVMLGPU, PowerSampler, nvml_gpus, visible_gpu_count
 from lightning_energy.errors import (
     DeviceError,
@@ -339,6 +340,20 @@ def test_synchronize_uses_torch_cuda_when_available(
     monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     gpus[1].synchronize()
     assert synced == [torch.device("cuda", 1)]
+
+
+def test_a_real_gpu_is_timed_on_the_wall_clock_and_reopened_through_nvml(
+    gpus: list[NVMLGPU], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = gpus[0]
+    assert gpu.lease_source() == LeaseSource("nvml")
+    slept: list[float] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(backend.time, "sleep", slept.append)
+        patch.setattr(backend.time, "perf_counter", lambda: 42.5)
+        gpu.idle(0.25)
+        assert gpu.now_s() == 42.5
+    assert slept == [0.25]
 
 
 def test_running_process_ids(fake: FakeNVML, gpus: list[NVMLGPU]) -> None:

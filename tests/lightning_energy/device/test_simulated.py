@@ -20,6 +20,7 @@ from lightning_energy.device import (
     run_in_parallel,
     simulated_gpus,
 )
+from lightning_energy.device.base import LeaseSource
 from lightning_energy.errors import (
     ConfigError,
     DriverError,
@@ -192,7 +193,7 @@ def test_invalid_work_arguments() -> None:
     with pytest.raises(ConfigError) as info:
         gpu.run_work(-1.0, 2.0)
     assert len(info.value.problems) == 2
-    with pytest.raises(ConfigError, match=r"slowdown=0\.5"):
+    with pytest.raises(ConfigError, match=r"slowdown: 0\.5 is not allowed"):
         SimulatedGPU(gpu.model, slowdown=0.5)
 
 
@@ -211,16 +212,30 @@ def test_state_persists_across_instances(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["GPU-sim-a100-0.json"]  # no temp files left
 
 
+def test_lease_source_clock_and_idle(tmp_path: Path) -> None:
+    in_memory = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    assert in_memory.lease_source() == LeaseSource(
+        "simulated", persistent=False, simulated_gpu="a100"
+    )
+    kept = simulated_gpus(SimulatedSpec(gpu="a40", state_dir=str(tmp_path)))[0]
+    assert kept.lease_source() == LeaseSource(
+        "simulated",
+        persistent=True,
+        simulated_gpu="a40",
+        state_path=str(tmp_path.absolute() / "GPU-sim-a40-0.json"),
+    )
+    start_s = kept.now_s()
+    assert start_s == kept.clock.now()
+    energy_j = kept.energy_j()
+    kept.idle(2.5)
+    assert kept.now_s() == start_s + 2.5
+    assert kept.energy_j() > energy_j  # idling draws idle power
+
+
 @pytest.mark.gpu_state_may_change
 def test_state_left_by_a_killed_process_is_seen_by_the_next(tmp_path: Path) -> None:
-    code = (
-        "import os, sys\n"
-        "from lightning_energy.device import SimulatedSpec, simulated_gpus\n"
-        "gpu = simulated_gpus(SimulatedSpec(gpu='a40', state_dir=sys.argv[1]))[0]\n"
-        "gpu.set_power_limit_w(150.0)\n"
-        "os.kill(os.getpid(), 9)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+    worker = Path(__file__).with_name("killed_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], check=False)
     assert proc.returncode == -9
     gpu = simulated_gpus(SimulatedSpec(gpu="a40", state_dir=str(tmp_path)))[0]
     assert gpu.power_limit_w() == 150.0

@@ -120,5 +120,5 @@ def test_physics_step_parameters() -> None:
     assert gpu.name == "NVIDIA H100 80GB HBM3 (simulated)"
     with pytest.raises(ConfigError, match="not a physics preset"):
         physics_preset("b200")
-    with pytest.raises(ConfigError, match=r"step_compute_bound_share=1\.5"):
+    with pytest.raises(ConfigError, match=r"step_compute_bound_share: 1\.5 is not allowed"):
         physics_preset("a100", compute_bound_share=1.5)

@@ -155,5 +155,5 @@ def test_spec_reports_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as info:
         SimulatedSpec(gpu="a100", count=0, noise_std=-1, workload="x/y", slowdowns=(0.5,))
     problems = "\n".join(info.value.problems)
-    for key in ("count=0", "noise_std=-1", "workload='x/y'", "slowdowns=(0.5,)"):
+    for key in ("count: 0", "noise_std: -1", "workload: 'x/y'", "slowdowns: (0.5,)"):
         assert key in problems

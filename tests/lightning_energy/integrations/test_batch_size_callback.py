@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 
 from lightning_energy.errors import ConfigError, StoreError
 from lightning_energy.integrations.batch_size import batch_size_callback_class
-from lightning_energy.optimize.store import Store
+from lightning_energy.store import Store
 from tests.lightning_energy.integrations._models import make_loader, module_class
 
 # Epochs each batch size needs to reach the target; 8 never does.
@@ -205,59 +204,21 @@ def test_unavailable_store_trains_with_the_default(
     assert "secret" not in str(failure.value)
 
 
-DDP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import lightning.pytorch as ns
-    sys.path.insert(0, os.environ["REPO_ROOT"])
-    from tests.lightning_energy.integrations import test_batch_size_callback as t
-    from lightning_energy.integrations import batch_size as module
-    from lightning_energy.integrations.lightning import EnergyCallback
-
-    out = os.environ["OUT_DIR"]
-    opened = []
-    real_open = module.Store.open
-    def spy(*args, **kwargs):
-        opened.append(args)
-        return real_open(*args, **kwargs)
-    module.Store.open = spy
-
-    energy_cb = EnergyCallback(json.loads(os.environ["ENERGY_CFG"]))
-    batch_cb = module.BatchSizeCallback(
-        "toy-ddp", monitor="val_score", target=1.0, batch_sizes=[8, 16, 32],
-        default_batch_size=int(os.environ["DEFAULT_BS"]), store=os.environ["STORE_URL"])
-    data_cls, model_cls = t._classes(ns)
-    model = model_cls()
-    trainer = ns.Trainer(
-        max_epochs=6, accelerator="cpu", devices=2, strategy="ddp",
-        callbacks=[energy_cb, batch_cb], enable_progress_bar=False,
-        enable_model_summary=False, logger=False, enable_checkpointing=False,
-        default_root_dir=out,
-    )
-    trainer.fit(model, datamodule=data_cls())
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"opened": len(opened), "batch_size": batch_cb.batch_size,
-                   "loader": model.loader_batch_size, "epochs": trainer.current_epoch}, f)
-    """
-)
-
-
 @pytest.mark.slow
 def test_two_process_ddp_only_rank_zero_uses_the_store(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_fit.py"
-    script.write_text(DDP_SCRIPT)
     url = f"sqlite:///{tmp_path / 'history.sqlite'}"
     env = dict(
         os.environ,
-        REPO_ROOT=str(Path(__file__).resolve().parents[3]),
+        PYTHONPATH=str(Path(__file__).resolve().parents[3]),
         ENERGY_CFG=json.dumps(_energy_config(tmp_path)),
         OUT_DIR=str(tmp_path),
         STORE_URL=url,
         DEFAULT_BS="32",
         PL_DISABLE_FORK="1",
     )
+    worker = "tests.lightning_energy.integrations.ddp_batch_size_worker"
     out = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=240
     )
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

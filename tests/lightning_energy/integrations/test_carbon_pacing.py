@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -101,43 +100,18 @@ def test_pausing_shifts_work_to_clean_hours_and_emits_less(tmp_path: Path) -> No
     assert gpu.power_limit_w() == callback.summary.pre_job_power_limit_w
 
 
-DDP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    sys.path.insert(0, os.environ["REPO_ROOT"])
-    import lightning.pytorch as ns
-    from tests.lightning_energy.integrations._models import make_loader, module_class
-    from lightning_energy.integrations.lightning import EnergyCallback
-
-    callback = EnergyCallback(json.loads(os.environ["ENERGY_CFG"]))
-    trainer = ns.Trainer(
-        max_steps=int(os.environ["STEPS"]), accelerator="cpu", devices=2, strategy="ddp",
-        callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
-        logger=False, enable_checkpointing=False, default_root_dir=os.environ["OUT_DIR"],
-    )
-    trainer.fit(module_class(ns)(), make_loader(n=4096))
-    decisions = [(d["step"], d["value"]) for d in callback.controller.decisions]
-    scales = [e.get("scale") for e in callback.controller.timeline]
-    with open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
-        carbon = {k: v for k, v in callback.summary.carbon.items() if k != "baselines"}
-        json.dump({"decisions": decisions, "scales": scales, "carbon": carbon}, f)
-    """
-)
-
-
 @pytest.mark.slow
 def test_two_process_ddp_ranks_follow_the_same_pace(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_carbon.py"
-    script.write_text(DDP_SCRIPT)
     env = dict(
         os.environ,
-        REPO_ROOT=str(Path(__file__).resolve().parents[3]),
+        PYTHONPATH=str(Path(__file__).resolve().parents[3]),
         ENERGY_CFG=json.dumps(_config(tmp_path, "CISO", "66h", allow_pause=False)),
         OUT_DIR=str(tmp_path),
         STEPS=str(STEPS),
     )
+    worker = "tests.lightning_energy.integrations.ddp_carbon_worker"
     out = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,8 @@ import pytest
 from lightning_energy.device import SimulatedSpec
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
 from tests.lightning_energy.integrations._models import make_loader, module_class
+
+ROOT = Path(__file__).resolve().parents[3]
 
 CANDIDATES = [300.0, 250.0, 200.0, 150.0, 100.0]
 
@@ -261,22 +262,23 @@ def test_entry_point_with_a_missing_file_fails_clearly(monkeypatch: pytest.Monke
         ns.Trainer(logger=False)
 
 
-def test_importing_one_namespace_does_not_import_the_other() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        import lightning_energy.integrations.pytorch_lightning
-        assert "lightning.pytorch" not in sys.modules, "lightning.pytorch imported"
-        print("ok")
-        """
+@pytest.mark.parametrize(
+    ("module", "other"),
+    [
+        ("lightning_energy.integrations.pytorch_lightning", "lightning.pytorch"),
+        ("lightning_energy.integrations.lightning", "pytorch_lightning"),
+    ],
+)
+def test_importing_one_namespace_does_not_import_the_other(module: str, other: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.import_probe", "--prefix", other, module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
-    code = code.replace("integrations.pytorch_lightning", "integrations.lightning").replace(
-        '"lightning.pytorch" not in', '"pytorch_lightning" not in'
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
 
 
 def test_fabric_loop(tmp_path: Path) -> None:
@@ -316,47 +318,21 @@ def test_fabric_loop(tmp_path: Path) -> None:
         restored.teardown()
 
 
-DDP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import lightning.pytorch as ns
-    sys.path.insert(0, os.environ["REPO_ROOT"])
-    from tests.lightning_energy.integrations._models import make_loader, module_class
-    from lightning_energy.integrations.lightning import EnergyDDPStrategy
-
-    # The strategy variant: configuring the strategy alone attaches the callback.
-    strategy = EnergyDDPStrategy(energy=json.loads(os.environ["ENERGY_CFG"]))
-    trainer = ns.Trainer(
-        max_steps=160, accelerator="cpu", devices=2, strategy=strategy,
-        enable_progress_bar=False, enable_model_summary=False, logger=False,
-        enable_checkpointing=False, default_root_dir=os.environ["OUT_DIR"],
-    )
-    trainer.fit(module_class(ns)(), make_loader())
-    callback = strategy.energy_callback
-    assert callback in trainer.callbacks
-    with open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"power_limit_w": callback.summary.power_limit_w,
-                   "profile": callback.controller.profile()}, f)
-    """
-)
-
-
 @pytest.mark.slow
 def test_two_process_ddp_picks_one_limit_on_all_ranks(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_fit.py"
-    script.write_text(DDP_SCRIPT)
     cfg = _energy_config(tmp_path, "energy")
     # Rank 1 is a straggler: job time is the slowest rank's, energy the sum of both.
     cfg["device"]["slowdowns"] = [1.0, 1.3]
     env = dict(
         os.environ,
-        REPO_ROOT=str(Path(__file__).resolve().parents[3]),
+        PYTHONPATH=str(ROOT),
         ENERGY_CFG=json.dumps(cfg),
         OUT_DIR=str(tmp_path),
         PL_DISABLE_FORK="1",
     )
+    worker = "tests.lightning_energy.integrations.ddp_strategy_worker"
     out = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=240
     )
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -20,7 +20,7 @@ from lightning_energy.optimize.batch_size import (
     thompson_choice,
 )
 from lightning_energy.optimize.cost import zeus_cost
-from lightning_energy.optimize.store import Store
+from lightning_energy.store import Store
 
 SIZES = (8, 16, 32, 64, 128, 256)
 

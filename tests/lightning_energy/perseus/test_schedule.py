@@ -75,7 +75,7 @@ def test_interleaved_layout() -> None:
 def test_build_schedule_errors() -> None:
     with pytest.raises(ConfigError, match="allowed"):
         build_schedule("zb", 2, 2)
-    with pytest.raises(ConfigError, match="num_microbatches=0"):
+    with pytest.raises(ConfigError, match="num_microbatches: 0 is not allowed"):
         build_schedule("1f1b", 2, 0)
     with pytest.raises(ConfigError, match="multiple of virtual_stages"):
         build_schedule("interleaved_1f1b", 3, 4, virtual_stages=2)

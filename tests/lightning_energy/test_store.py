@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from lightning_energy import store as store_module
 from lightning_energy.errors import StoreError
-from lightning_energy.optimize import store as store_module
-from lightning_energy.optimize.store import (
+from lightning_energy.store import (
     ENV_STORE_URL,
     JobId,
     Store,

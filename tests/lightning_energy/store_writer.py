@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_energy.optimize.store import JobId, Store, TrialRecord
+from lightning_energy.store import JobId, Store, TrialRecord
 
 JOB = JobId("crash-test", "Simulated A40", 1)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_energy.errors import StoreError
-from lightning_energy.optimize.store import JobId, Store
+from lightning_energy.store import JobId, Store
 
 JOB = JobId("resnet50-imagenet", "NVIDIA A40", 2)
 
