@@ -24,7 +24,7 @@ from . import nccl_like
 NAMESPACE = os.environ.get("PERSEUS_TEST_NAMESPACE", "lightning.pytorch")
 pl: Any = importlib.import_module(NAMESPACE)
 perseus: Any = importlib.import_module(
-    "lightning_energy.perseus."
+    "lightning_energy.integrations.perseus_"
     + ("lightning" if NAMESPACE == "lightning.pytorch" else "pytorch_lightning")
 )
 

@@ -17,8 +17,8 @@ from lightning_energy.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[3]
 
 NAMESPACES = {
-    "lightning.pytorch": "lightning_energy.perseus.lightning",
-    "pytorch_lightning": "lightning_energy.perseus.pytorch_lightning",
+    "lightning.pytorch": "lightning_energy.integrations.perseus_lightning",
+    "pytorch_lightning": "lightning_energy.integrations.perseus_pytorch_lightning",
 }
 
 
@@ -71,7 +71,7 @@ def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path)
     ranks = fit(
         tmp_path,
         {
-            "class_path": "lightning_energy.perseus.lightning.PerseusPipelineStrategy",
+            "class_path": "lightning_energy.integrations.perseus_lightning.PerseusPipelineStrategy",
             "init_args": {
                 "schedule": "1f1b",
                 "microbatches": 4,
@@ -145,15 +145,16 @@ def test_bad_pipeline_arguments_are_all_reported(namespace: str) -> None:
     with pytest.raises(ConfigError) as info:
         module.PerseusPipelineStrategy(schedule="zigzag", microbatches=0)
     message = str(info.value)
-    assert "schedule='zigzag'" in message and "microbatches=0" in message
+    assert "perseus.schedule: 'zigzag' is not allowed; allowed: 1f1b" in message
+    assert "perseus.microbatches: 0 is not allowed; use an integer >= 1" in message
     assert "PerseusPipelineStrategy" in message
 
 
 @pytest.mark.slow
 def test_importing_one_namespace_does_not_import_the_other() -> None:
     for module, other in (
-        ("lightning_energy.perseus.pytorch_lightning", "lightning.pytorch"),
-        ("lightning_energy.perseus.lightning", "pytorch_lightning"),
+        ("lightning_energy.integrations.perseus_pytorch_lightning", "lightning.pytorch"),
+        ("lightning_energy.integrations.perseus_lightning", "pytorch_lightning"),
     ):
         code = textwrap.dedent(
             f"""
