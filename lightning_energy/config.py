@@ -201,7 +201,7 @@ class PerseusConfig:
         compute_bound_share: simulated GPUs: the compute-bound share of the work, in [0, 1].
         window_steps: ddp: steps between re-evaluations of the straggler, >= 1.
         steps_per_clock: ddp: profiled steps per clock, >= 1.
-        margin: ddp: finish this much (relative) before the straggler, in [0, 0.5].
+        margin: ddp: finish this much (relative) before the straggler, in [0, 0.5).
         simulated_step_s: ddp, simulated GPUs: compute time of a step at the maximum
             clock, > 0.
         schedule: pipeline: ``1f1b``, ``gpipe`` or ``interleaved_1f1b``.
@@ -620,18 +620,18 @@ def _check_perseus(section: PerseusConfig, problems: list[str]) -> None:
             f"{', '.join(_PIPELINE_SCHEDULES)}"
         )
     clocks = section.profile_clocks_mhz
-    if clocks is not None and (not clocks or any(c <= 0 for c in clocks)):
+    if clocks is not None and (len(set(clocks)) < 2 or any(c <= 0 for c in clocks)):
         problems.append(
-            f"perseus.profile_clocks_mhz: {list(clocks)} is not allowed; use a non-empty "
-            "list of positive MHz"
+            f"perseus.profile_clocks_mhz: {list(clocks)} is not allowed; use two or more "
+            "distinct clocks in MHz, each > 0"
         )
     if not 0.0 <= section.compute_bound_share <= 1.0:
         problems.append(
             f"perseus.compute_bound_share: {section.compute_bound_share} is not allowed; "
             "use 0 <= x <= 1"
         )
-    if not 0.0 <= section.margin <= 0.5:
-        problems.append(f"perseus.margin: {section.margin} is not allowed; use 0 <= x <= 0.5")
+    if not 0.0 <= section.margin < 0.5:
+        problems.append(f"perseus.margin: {section.margin} is not allowed; use 0 <= x < 0.5")
     for key in ("simulated_step_s", "target_time_s"):
         value = getattr(section, key)
         if value is not None and not value > 0:

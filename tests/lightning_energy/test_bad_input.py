@@ -168,7 +168,7 @@ def test_any_bytes_as_a_config_file_give_a_config_error(tmp_path: Path, blob: by
         ({"perseus": {"mode": "tensor"}}, "perseus.mode: 'tensor' is not allowed; allowed: ddp"),
         ({"perseus": {"schedule": "zigzag"}}, "perseus.schedule: 'zigzag' is not allowed"),
         ({"perseus": {"microbatches": 0}}, "perseus.microbatches: 0 is not allowed; use an"),
-        ({"perseus": {"margin": 0.9}}, "perseus.margin: 0.9 is not allowed; use 0 <= x <= 0.5"),
+        ({"perseus": {"margin": 0.9}}, "perseus.margin: 0.9 is not allowed; use 0 <= x < 0.5"),
         ({"perseus": {"profile_clocks_mhz": [1410.5]}}, "perseus.profile_clocks_mhz: [1410.5]"),
         ({"perseus": {"profile_clocks_mhz": []}}, "perseus.profile_clocks_mhz: [] is not"),
         ({"perseus": {"clocks": [1]}}, "perseus.clocks: unknown key; allowed keys:"),
