@@ -183,3 +183,10 @@ def test_perseus_and_batch_size_problems_are_collected_with_the_others() -> None
         "batch_size.enabled",
     ):
         assert any(p.startswith(key) for p in problems), (key, problems)
+
+
+def test_the_perseus_example_file_is_valid_and_enables_the_equaliser() -> None:
+    path = Path(__file__).parents[2] / "examples" / "perseus_ddp.yaml"
+    config = EnergyConfig.from_yaml(path)
+    assert config.perseus.enabled and config.perseus.mode == "ddp"
+    assert config.device.gpu == "a100" and not config.power_limit.enabled
