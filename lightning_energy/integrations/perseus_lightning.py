@@ -16,7 +16,8 @@ Settings come from the ``perseus:`` section of the energy configuration (``energ
 ``EnergyCallback`` in the same Trainer, Perseus changes the clocks of the callback's GPUs
 through its guard (one opening, one lease); alone, it opens this rank's GPU from the
 ``device:`` section. Either way the GPU is restored at the end, on exceptions and on
-SIGTERM. From the LightningCLI YAML::
+SIGTERM. From the LightningCLI YAML (the energy configuration named by
+``LIGHTNING_ENERGY_CONFIG``)::
 
     trainer:
       accelerator: cpu
@@ -24,7 +25,6 @@ SIGTERM. From the LightningCLI YAML::
       strategy:
         class_path: lightning_energy.integrations.perseus_lightning.PerseusPipelineStrategy
         init_args:
-          energy: energy.yaml
           microbatches: 4
 
 For the ``pytorch_lightning`` namespace, see
