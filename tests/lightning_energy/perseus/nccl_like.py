@@ -19,7 +19,6 @@ import torch.distributed as real_dist
 
 MODULES = (
     "lightning_energy.collectives",
-    "lightning_energy.perseus.data_parallel",
     "lightning_energy.perseus.pipeline_run",
     "lightning_energy.perseus.online",
     "lightning_energy.perseus.runtime",
