@@ -15,6 +15,16 @@ YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
     carbon:                    # optional; see docs/carbon.md
       provider: trace
       region: DE
+    perseus:                   # optional; see docs/perseus.md
+      enabled: true
+      mode: ddp                # ddp (straggler clocks) | pipeline
+    batch_size:                # optional; see docs/batch-size.md
+      enabled: true
+      job_key: resnet50-imagenet
+      monitor: val_acc
+      target: 0.65
+      batch_sizes: [64, 128, 256]
+      default_batch_size: 128
     strict: false
     report: run.json
 
@@ -45,8 +55,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_ENV_VAR",
+    "BatchSizeConfig",
     "DeviceConfig",
     "EnergyConfig",
+    "PerseusConfig",
     "PowerLimitConfig",
     "load_config",
 ]
@@ -55,6 +67,8 @@ __all__ = [
 CONFIG_ENV_VAR = "LIGHTNING_ENERGY_CONFIG"
 
 _BACKENDS = ("auto", "nvml", "simulated")
+_PERSEUS_MODES = ("ddp", "pipeline")
+_PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
 @dataclass(frozen=True)
@@ -178,6 +192,98 @@ class PowerLimitConfig:
 
 
 @dataclass(frozen=True)
+class PerseusConfig:
+    """Per-instruction and straggler-aware GPU clocks (Perseus), see docs/perseus.md.
+
+    The Perseus strategies read this section; an argument given to a strategy overrides
+    the key of the same name. ``enabled`` and ``mode`` only matter where nothing else
+    names Perseus (``LIGHTNING_ENERGY_CONFIG`` with the Lightning entry point): ``ddp``
+    installs the straggler equaliser, ``pipeline`` needs the ``perseus_pipeline`` strategy.
+
+    Attributes:
+        enabled: install Perseus where the configuration alone decides.
+        mode: ``ddp`` (data parallel: fast ranks wait for the straggler at a lower clock)
+            or ``pipeline`` (per-instruction clocks of a pipeline schedule).
+        profile_clocks_mhz: clocks to profile (None: a few from the maximum to 60 %).
+        compute_bound_share: simulated GPUs: the compute-bound share of the work, in [0, 1].
+        window_steps: ddp: steps between re-evaluations of the straggler, >= 1.
+        steps_per_clock: ddp: profiled steps per clock, >= 1.
+        margin: ddp: finish this much (relative) before the straggler, in [0, 0.5).
+        simulated_step_s: ddp, simulated GPUs: compute time of a step at the maximum
+            clock, > 0.
+        schedule: pipeline: ``1f1b``, ``gpipe`` or ``interleaved_1f1b``.
+        microbatches: pipeline: microbatches per batch, >= 1.
+        virtual_stages: pipeline: stages per rank (interleaved 1F1B), >= 1.
+        plan: pipeline: a plan JSON to apply (None: profile online and plan).
+        target_time_s: pipeline: iteration time to plan for (None: no slowdown), > 0.
+        warmup_iterations: pipeline: iterations at full clock before profiling, >= 0.
+        iterations_per_clock: pipeline: profiled iterations per clock, >= 1.
+        replan_every_iterations: pipeline: how often the ranks look for a new target
+            time once planned, >= 1.
+    """
+
+    enabled: bool = False
+    mode: str = "ddp"
+    profile_clocks_mhz: tuple[int, ...] | None = None
+    compute_bound_share: float = 0.85
+    window_steps: int = 10
+    steps_per_clock: int = 2
+    margin: float = 0.01
+    simulated_step_s: float = 0.2
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+    plan: str | None = None
+    target_time_s: float | None = None
+    warmup_iterations: int = 1
+    iterations_per_clock: int = 1
+    replan_every_iterations: int = 10
+
+
+@dataclass(frozen=True)
+class BatchSizeConfig:
+    """Batch-size optimisation across recurring runs of a job, see docs/batch-size.md.
+
+    ``BatchSizeCallback`` reads this section (its arguments override it); with
+    ``enabled: true`` the Lightning entry point adds the callback by itself. The tuning
+    store is named by ``LIGHTNING_ENERGY_STORE_URL`` (a URL can hold a password, so it is
+    not a key of this file).
+
+    Attributes:
+        enabled: add the batch-size callback where the configuration alone decides.
+        job_key: the name of the recurring job.
+        monitor: the validation metric logged by the module (e.g. ``val_acc``).
+        target: the value of ``monitor`` that counts as converged.
+        batch_sizes: every batch size allowed (positive integers).
+        default_batch_size: the batch size exploration starts from (one of batch_sizes).
+        higher_is_better: false for losses and error rates.
+        max_epochs: a run not converged after this many epochs has failed (None: the
+            Trainer's ``max_epochs``).
+        attribute: the batch-size attribute set on the datamodule, module or hparams.
+        eta: energy weight of the cost, in [0, 1].
+        beta: a run stops once its cost exceeds beta x the cheapest converged run, >= 1.
+        window: Thompson sampling uses each batch size's latest runs (None: all), >= 2.
+        seed: seed of the sampling.
+        allow_network_fs: accept a SQLite store on a network file system.
+    """
+
+    enabled: bool = False
+    job_key: str | None = None
+    monitor: str | None = None
+    target: float | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    default_batch_size: int | None = None
+    higher_is_better: bool = True
+    max_epochs: int | None = None
+    attribute: str = "batch_size"
+    eta: float = 0.5
+    beta: float = 2.0
+    window: int | None = None
+    seed: int = 0
+    allow_network_fs: bool = False
+
+
+@dataclass(frozen=True)
 class EnergyConfig:
     """The whole configuration of an energy-optimised training job.
 
@@ -187,6 +293,8 @@ class EnergyConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     power_limit: PowerLimitConfig = field(default_factory=PowerLimitConfig)
     carbon: CarbonConfig | None = None
+    perseus: PerseusConfig = field(default_factory=PerseusConfig)
+    batch_size: BatchSizeConfig = field(default_factory=BatchSizeConfig)
     strict: bool = False
     report: str | None = None
     log_every_n_steps: int = 50
@@ -205,7 +313,16 @@ class EnergyConfig:
                 f"the configuration must be a mapping of sections, got {type(data).__name__}",
                 source,
             )
-        known = {"device", "power_limit", "carbon", "strict", "report", "log_every_n_steps"}
+        known = {
+            "device",
+            "power_limit",
+            "carbon",
+            "perseus",
+            "batch_size",
+            "strict",
+            "report",
+            "log_every_n_steps",
+        }
         for key in data:
             if key not in known:
                 problems.append(
@@ -217,6 +334,12 @@ class EnergyConfig:
             _check_device(device, problems)
         if power_limit is not None:
             _check_power_limit(power_limit, problems)
+        perseus = _build(PerseusConfig, data.get("perseus"), "perseus", problems)
+        if perseus is not None:
+            _check_perseus(perseus, problems)
+        batch_size = _build(BatchSizeConfig, data.get("batch_size"), "batch_size", problems)
+        if batch_size is not None:
+            _check_batch_size(batch_size, problems)
         carbon = _build_carbon(data.get("carbon"), problems)
         strict = data.get("strict", False)
         if not isinstance(strict, bool):
@@ -232,10 +355,13 @@ class EnergyConfig:
         if problems:
             raise ConfigError(problems, source)
         assert device is not None and power_limit is not None
+        assert perseus is not None and batch_size is not None
         return cls(
             device=device,
             power_limit=power_limit,
             carbon=carbon,
+            perseus=perseus,
+            batch_size=batch_size,
             strict=bool(strict),
             report=report,
             log_every_n_steps=int(every),
@@ -281,6 +407,8 @@ class EnergyConfig:
         out: dict[str, Any] = {
             "device": _plain(dataclasses.asdict(self.device)),
             "power_limit": _plain(dataclasses.asdict(self.power_limit)),
+            "perseus": _plain(dataclasses.asdict(self.perseus)),
+            "batch_size": _plain(dataclasses.asdict(self.batch_size)),
             "strict": self.strict,
             "report": self.report,
             "log_every_n_steps": self.log_every_n_steps,
@@ -386,6 +514,11 @@ def _convert(value: Any, annotation: str, key: str, problems: list[str]) -> Any:
             numbers = [_number(v) for v in value]
             if all(n is not None for n in numbers):
                 converted = tuple(n for n in numbers if n is not None)
+    elif kind == "tuple[int, ...]":
+        if isinstance(value, list | tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63 for v in value
+        ):
+            converted = tuple(value)
     elif isinstance(value, str):
         converted = value
     elif isinstance(value, datetime | date) and key == "device.start":
@@ -400,6 +533,7 @@ _EXPECTED = {
     "int": "use an integer (64-bit)",
     "float": "use a finite number",
     "tuple[float, ...]": "use a list of numbers, each finite",
+    "tuple[int, ...]": "use a list of integers",
     "str": "use a string",
 }
 
@@ -479,6 +613,102 @@ def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
         problems.append(
             f"power_limit.settle_steps: {section.settle_steps} is not allowed; use >= 0"
         )
+
+
+def _check_perseus(section: PerseusConfig, problems: list[str]) -> None:
+    if section.mode not in _PERSEUS_MODES:
+        problems.append(
+            f"perseus.mode: {_shown(section.mode)} is not allowed; allowed: "
+            f"{', '.join(_PERSEUS_MODES)}"
+        )
+    if section.schedule not in _PIPELINE_SCHEDULES:
+        problems.append(
+            f"perseus.schedule: {_shown(section.schedule)} is not allowed; allowed: "
+            f"{', '.join(_PIPELINE_SCHEDULES)}"
+        )
+    clocks = section.profile_clocks_mhz
+    if clocks is not None and (len(set(clocks)) < 2 or any(c <= 0 for c in clocks)):
+        problems.append(
+            f"perseus.profile_clocks_mhz: {list(clocks)} is not allowed; use two or more "
+            "distinct clocks in MHz, each > 0"
+        )
+    if not 0.0 <= section.compute_bound_share <= 1.0:
+        problems.append(
+            f"perseus.compute_bound_share: {section.compute_bound_share} is not allowed; "
+            "use 0 <= x <= 1"
+        )
+    if not 0.0 <= section.margin < 0.5:
+        problems.append(f"perseus.margin: {section.margin} is not allowed; use 0 <= x < 0.5")
+    for key in ("simulated_step_s", "target_time_s"):
+        value = getattr(section, key)
+        if value is not None and not value > 0:
+            problems.append(f"perseus.{key}: {value} is not allowed; use seconds > 0")
+    for key, lowest in (
+        ("window_steps", 1),
+        ("steps_per_clock", 1),
+        ("microbatches", 1),
+        ("virtual_stages", 1),
+        ("warmup_iterations", 0),
+        ("iterations_per_clock", 1),
+        ("replan_every_iterations", 1),
+    ):
+        value = getattr(section, key)
+        if value < lowest:
+            problems.append(f"perseus.{key}: {value} is not allowed; use an integer >= {lowest}")
+    if section.plan is not None and (not section.plan.strip() or "\0" in section.plan):
+        problems.append(f"perseus.plan: {section.plan!r} is not allowed; use a file path or null")
+
+
+def _check_batch_size(section: BatchSizeConfig, problems: list[str]) -> None:
+    from lightning_energy.optimize.cost import check_eta
+
+    problems.extend(check_eta(section.eta, "batch_size.eta"))
+    if not section.beta >= 1.0:
+        problems.append(f"batch_size.beta: {section.beta} is not allowed; use a number >= 1")
+    if section.window is not None and section.window < 2:
+        problems.append(
+            f"batch_size.window: {section.window} is not allowed; use null or an integer >= 2"
+        )
+    if section.max_epochs is not None and section.max_epochs < 1:
+        problems.append(
+            f"batch_size.max_epochs: {section.max_epochs} is not allowed; use an integer >= 1"
+        )
+    if not section.attribute.isidentifier():
+        problems.append(
+            f"batch_size.attribute: {_shown(section.attribute)} is not allowed; give an "
+            "attribute name"
+        )
+    for key in ("job_key", "monitor"):
+        value = getattr(section, key)
+        if value is not None and not value.strip():
+            problems.append(f"batch_size.{key}: {value!r} is not allowed; use a non-empty name")
+    sizes = section.batch_sizes
+    if sizes is not None:
+        if not sizes or any(b < 1 for b in sizes):
+            problems.append(
+                f"batch_size.batch_sizes: {list(sizes)} is not allowed; give positive integers"
+            )
+        elif len(set(sizes)) != len(sizes):
+            problems.append(
+                f"batch_size.batch_sizes: {list(sizes)} is not allowed; give each size once"
+            )
+    default = section.default_batch_size
+    if default is not None and sizes and default not in sizes:
+        problems.append(
+            f"batch_size.default_batch_size: {default} is not allowed; use one of "
+            f"batch_sizes {sorted(sizes)}"
+        )
+    if section.enabled:
+        missing = [
+            key
+            for key in ("job_key", "monitor", "target", "batch_sizes", "default_batch_size")
+            if getattr(section, key) is None
+        ]
+        if missing:
+            needed = ", ".join(f"batch_size.{k}" for k in missing)
+            problems.append(
+                f"batch_size.enabled: true is not allowed without {needed}; set them or use false"
+            )
 
 
 def _build_carbon(section: Any, problems: list[str]) -> CarbonConfig | None:

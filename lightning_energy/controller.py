@@ -62,6 +62,8 @@ from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 if TYPE_CHECKING:
     import torch
 
+    from lightning_energy.device.guard import GPUGuard
+
 __all__ = ["EnergyController", "RunSummary"]
 
 log = logging.getLogger(__name__)
@@ -221,6 +223,12 @@ class EnergyController:
         if self._collective is None:
             self._collective = default_collective()
         return self._collective
+
+    @property
+    def guard(self) -> GPUGuard | None:
+        """The guard of the run in progress (None outside a run): every other part of the
+        job (Perseus clocks) changes the GPUs through it, under the same lease."""
+        return self._guard if self._is_setup else None
 
     def setup(self, *, collective: Collective | None = None) -> None:
         """Open the GPUs, take their lease and start measuring a run. Idempotent.

@@ -609,13 +609,16 @@ class GPUGuard:
         """Put the clock state of some GPUs (all by default) back to its pre-job state.
 
         Only GPUs whose clocks this guard changed are touched: a pre-job lock is set
-        again, otherwise the lock is released.
+        again, otherwise the lock is released. After :meth:`restore` nothing is touched
+        (the GPUs are back and released).
 
         Raises:
             ConfigError: a bad position.
             DeviceError: strict mode, a reset failed.
         """
         with self._critical():
+            if self._restored:
+                return
             self._ensure_acquired()
             for i in self._targets(gpus):
                 lease = self._leases[i]

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
 from lightning_energy.config import load_config
+from lightning_energy.integrations._entry_point import configured_callbacks
 from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergyStrategyCore,
@@ -73,9 +74,12 @@ class EnergySingleDeviceStrategy(EnergyStrategyCore, SingleDeviceStrategy):
 
 
 def callbacks_factory() -> list[Callback]:
-    """Entry point: the energy callback when ``LIGHTNING_ENERGY_CONFIG`` is set, else none."""
+    """Entry point: when ``LIGHTNING_ENERGY_CONFIG`` is set, the energy callback and what
+    the file enables (Perseus, batch size); else none."""
     config = load_config()
-    return [EnergyCallback(config)] if config is not None else []
+    if config is None:
+        return []
+    return [EnergyCallback(config), *configured_callbacks(config, "lightning.pytorch")]
 
 
 register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

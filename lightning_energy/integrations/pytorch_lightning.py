@@ -11,6 +11,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
 from lightning_energy.config import load_config
+from lightning_energy.integrations._entry_point import configured_callbacks
 from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergyStrategyCore,
@@ -42,9 +43,12 @@ class EnergySingleDeviceStrategy(EnergyStrategyCore, SingleDeviceStrategy):
 
 
 def callbacks_factory() -> list[Callback]:
-    """Entry point: the energy callback when ``LIGHTNING_ENERGY_CONFIG`` is set, else none."""
+    """Entry point: when ``LIGHTNING_ENERGY_CONFIG`` is set, the energy callback and what
+    the file enables (Perseus, batch size); else none."""
     config = load_config()
-    return [EnergyCallback(config)] if config is not None else []
+    if config is None:
+        return []
+    return [EnergyCallback(config), *configured_callbacks(config, "pytorch_lightning")]
 
 
 register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

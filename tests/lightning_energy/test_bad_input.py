@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from carbon.config import CarbonConfig
 from carbon.errors import CarbonConfigError
-from lightning_energy.config import DeviceConfig, EnergyConfig, PowerLimitConfig
+from lightning_energy.config import (
+    BatchSizeConfig,
+    DeviceConfig,
+    EnergyConfig,
+    PerseusConfig,
+    PowerLimitConfig,
+)
 from lightning_energy.errors import ConfigError
 
 _SETTINGS = settings(
@@ -76,6 +82,8 @@ def _keys(cls: type[Any]) -> list[str]:
 _SECTION_KEYS = {
     "device": _keys(DeviceConfig),
     "power_limit": _keys(PowerLimitConfig),
+    "perseus": _keys(PerseusConfig),
+    "batch_size": _keys(BatchSizeConfig),
     "carbon": [f.name for f in dataclasses.fields(CarbonConfig) if f.name != "source"],
 }
 
@@ -157,6 +165,24 @@ def test_any_bytes_as_a_config_file_give_a_config_error(tmp_path: Path, blob: by
             "at most 366 days",
         ),
         ({"carbon": {"provider": "constant", "poll_interval_s": 10**400}}, "finite number > 0"),
+        ({"perseus": {"mode": "tensor"}}, "perseus.mode: 'tensor' is not allowed; allowed: ddp"),
+        ({"perseus": {"schedule": "zigzag"}}, "perseus.schedule: 'zigzag' is not allowed"),
+        ({"perseus": {"microbatches": 0}}, "perseus.microbatches: 0 is not allowed; use an"),
+        ({"perseus": {"margin": 0.9}}, "perseus.margin: 0.9 is not allowed; use 0 <= x < 0.5"),
+        ({"perseus": {"profile_clocks_mhz": [1410.5]}}, "perseus.profile_clocks_mhz: [1410.5]"),
+        ({"perseus": {"profile_clocks_mhz": []}}, "perseus.profile_clocks_mhz: [] is not"),
+        ({"perseus": {"clocks": [1]}}, "perseus.clocks: unknown key; allowed keys:"),
+        ({"batch_size": {"eta": 2}}, "batch_size.eta: 2.0 is not allowed; use a number from 0"),
+        ({"batch_size": {"batch_sizes": [8, 8]}}, "batch_size.batch_sizes: [8, 8] is not"),
+        (
+            {"batch_size": {"batch_sizes": [8, 16], "default_batch_size": 4}},
+            "batch_size.default_batch_size: 4 is not allowed; use one of batch_sizes [8, 16]",
+        ),
+        (
+            {"batch_size": {"enabled": True, "job_key": "j"}},
+            "batch_size.enabled: true is not allowed without batch_size.monitor",
+        ),
+        ({"batch_size": {"store": "sqlite://"}}, "batch_size.store: unknown key"),
     ],
 )
 def test_named_bad_values_are_refused(data: dict[str, Any], needle: str) -> None:

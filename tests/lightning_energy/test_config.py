@@ -137,3 +137,56 @@ def test_simulated_start_sets_the_jobs_clock(tmp_path: Path) -> None:
         assert controller.now() > start  # the virtual clock moved by one simulated step
     finally:
         controller.teardown()
+
+
+def test_perseus_and_batch_size_sections_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "energy.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "perseus": {"enabled": True, "mode": "ddp", "profile_clocks_mhz": [1410, 990]},
+                "batch_size": {
+                    "enabled": True,
+                    "job_key": "toy",
+                    "monitor": "val_acc",
+                    "target": 0.9,
+                    "batch_sizes": [32, 16],
+                    "default_batch_size": 16,
+                },
+            }
+        )
+    )
+    config = EnergyConfig.from_yaml(path)
+    assert config.perseus.enabled and config.perseus.profile_clocks_mhz == (1410, 990)
+    assert config.batch_size.batch_sizes == (32, 16)
+    assert EnergyConfig.from_mapping(config.to_mapping(), source=str(path)) == config
+    merged = config.merged({"perseus": {"window_steps": 4}})
+    assert merged.perseus.window_steps == 4 and merged.perseus.mode == "ddp"
+
+
+def test_perseus_and_batch_size_problems_are_collected_with_the_others() -> None:
+    with pytest.raises(ConfigError) as info:
+        EnergyConfig.from_mapping(
+            {
+                "device": {"backend": "cuda"},
+                "perseus": {"mode": "tensor", "window_steps": 0, "speed": 1},
+                "batch_size": {"enabled": True, "beta": 0.5},
+            }
+        )
+    problems = info.value.problems
+    for key in (
+        "device.backend",
+        "perseus.mode",
+        "perseus.window_steps",
+        "perseus.speed",
+        "batch_size.beta",
+        "batch_size.enabled",
+    ):
+        assert any(p.startswith(key) for p in problems), (key, problems)
+
+
+def test_the_perseus_example_file_is_valid_and_enables_the_equaliser() -> None:
+    path = Path(__file__).parents[2] / "examples" / "perseus_ddp.yaml"
+    config = EnergyConfig.from_yaml(path)
+    assert config.perseus.enabled and config.perseus.mode == "ddp"
+    assert config.device.gpu == "a100" and not config.power_limit.enabled

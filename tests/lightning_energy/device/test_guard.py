@@ -277,6 +277,21 @@ def test_clock_lock_is_capped_by_the_pre_job_lock_and_restored(
     assert gpus[0].settings() == (350.0, (210, 1200))
 
 
+def test_a_clock_reset_after_the_restore_leaves_the_released_gpu_alone(
+    lease_dir: Path,
+) -> None:
+    """Two parts of a job share a guard; the owner restores first, the other resets late:
+    the GPU, released, may belong to another job by then."""
+    gpus = gpus_of(None, gpu="a100")
+    guard = GPUGuard(gpus, lease_dir=lease_dir, install_signal_handlers=False)
+    guard.lock_clocks_mhz(900, 900)
+    guard.restore()
+    gpus[0].set_locked_clocks_mhz(600, 600)  # the next job's lock
+    guard.reset_clocks()
+    assert gpus[0].locked_clocks_mhz() == (600, 600)
+    gpus[0].reset_locked_clocks()  # the next job ends
+
+
 def test_unlocked_clocks_are_unlocked_again(lease_dir: Path) -> None:
     gpus = gpus_of(None, count=2, gpu="a100")
     with GPUGuard(gpus, lease_dir=lease_dir) as guard:

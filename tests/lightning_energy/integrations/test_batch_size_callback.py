@@ -229,3 +229,59 @@ def test_two_process_ddp_only_rank_zero_uses_the_store(tmp_path: Path) -> None:
     with Store.open(url) as store:
         (trial,) = store.trials()
     assert trial.job.gpu_count == 2 and trial.converged and trial.epochs == 3
+
+
+def _section(**overrides: Any) -> dict[str, Any]:
+    return {
+        "job_key": "toy-job",
+        "monitor": "val_score",
+        "target": 1.0,
+        "batch_sizes": [8, 16, 32],
+        "default_batch_size": 16,
+        **overrides,
+    }
+
+
+def test_settings_come_from_the_batch_size_section_and_arguments_override_them() -> None:
+    cls = batch_size_callback_class()
+    callback = cls(config={"batch_size": _section(eta=0.2)}, default_batch_size=8)
+    assert callback.settings.default_batch_size == 8  # the argument wins
+    assert callback.settings.eta == 0.2 and callback.settings.job_key == "toy-job"
+    with pytest.raises(ConfigError) as info:
+        cls("j", target=1.0, batch_sizes=[8], default_batch_size=8)
+    assert info.value.problems == [
+        "batch_size.monitor: missing; set it in the batch_size: section (or as the "
+        "callback's argument of that name)"
+    ]
+    with pytest.raises(ConfigError, match=r"batch_size\.eta: 3\.0 is not allowed"):
+        cls(config={"batch_size": _section()}, eta=3.0)
+
+
+def test_a_config_file_alone_adds_the_callback_to_an_unchanged_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning.pytorch as ns
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    path = tmp_path / "energy.yaml"
+    path.write_text(json.dumps({**_energy_config(tmp_path), "batch_size": _section(enabled=True)}))
+    monkeypatch.setenv("LIGHTNING_ENERGY_CONFIG", str(path))
+    monkeypatch.setenv("LIGHTNING_ENERGY_STORE_URL", url)
+    data_cls, model_cls = _classes(ns)
+    model = model_cls()
+    trainer = ns.Trainer(
+        max_epochs=MAX_EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    trainer.fit(model, datamodule=data_cls())
+    assert model.loader_batch_size == 16
+    assert trainer.current_epoch == 2  # stopped once 16 reached the target
+    with Store.open(url) as store:
+        (trial,) = store.trials()
+    assert trial.batch_size == 16 and trial.converged and trial.job.key == "toy-job"

@@ -18,13 +18,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.integrations._lightning_core import EnergyCallbackCore
 
 from . import nccl_like
 
 NAMESPACE = os.environ.get("PERSEUS_TEST_NAMESPACE", "lightning.pytorch")
 pl: Any = importlib.import_module(NAMESPACE)
 perseus: Any = importlib.import_module(
-    "lightning_energy.perseus."
+    "lightning_energy.integrations.perseus_"
     + ("lightning" if NAMESPACE == "lightning.pytorch" else "pytorch_lightning")
 )
 
@@ -98,6 +99,13 @@ class Report(pl.Callback):
         if isinstance(strategy, perseus.PerseusDDPStrategy):
             assert strategy.equalizer is not None
             out["straggler"] = strategy.equalizer.straggler_rank
+        energy = next((c for c in trainer.callbacks if isinstance(c, EnergyCallbackCore)), None)
+        if energy is not None:
+            # One opening, one guard: the strategy drives the energy callback's GPU.
+            out["shared"] = (
+                strategy.gpu is energy.controller.devices.gpus[0]
+                and strategy._run.rank.guard is energy.controller.guard
+            )
         self.gpu = strategy.gpu
         self.out = out
 

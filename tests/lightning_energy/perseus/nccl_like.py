@@ -19,7 +19,7 @@ import torch.distributed as real_dist
 
 MODULES = (
     "lightning_energy.collectives",
-    "lightning_energy.perseus._strategy_core",
+    "lightning_energy.perseus.pipeline_run",
     "lightning_energy.perseus.online",
     "lightning_energy.perseus.runtime",
     "lightning_energy.perseus.straggler",

@@ -16,8 +16,8 @@ from lightning_energy.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[3]
 
 NAMESPACES = {
-    "lightning.pytorch": "lightning_energy.perseus.lightning",
-    "pytorch_lightning": "lightning_energy.perseus.pytorch_lightning",
+    "lightning.pytorch": "lightning_energy.integrations.perseus_lightning",
+    "pytorch_lightning": "lightning_energy.integrations.perseus_pytorch_lightning",
 }
 
 
@@ -26,6 +26,7 @@ def fit(
     strategy: dict[str, Any],
     max_steps: int,
     namespace: str = "lightning.pytorch",
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the LightningCLI app of ``namespace`` on 2 CPU processes (gloo) with ``strategy``."""
     config = {
@@ -47,6 +48,7 @@ def fit(
         "PERSEUS_TEST_OUT": str(tmp_path),
         "PERSEUS_TEST_NAMESPACE": namespace,
         "PYTHONPATH": str(ROOT),
+        **(env or {}),
     }
     subprocess.run(
         [
@@ -70,7 +72,7 @@ def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path)
     ranks = fit(
         tmp_path,
         {
-            "class_path": "lightning_energy.perseus.lightning.PerseusPipelineStrategy",
+            "class_path": "lightning_energy.integrations.perseus_lightning.PerseusPipelineStrategy",
             "init_args": {
                 "schedule": "1f1b",
                 "microbatches": 4,
@@ -122,6 +124,36 @@ def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path, namespace: s
     assert ranks[0]["clock_after"] is None and ranks[1]["clock_after"] is None
 
 
+@pytest.mark.slow
+def test_ddp_strategy_shares_the_energy_callbacks_gpus_and_guard(tmp_path: Path) -> None:
+    energy = {
+        "device": {
+            "backend": "simulated",
+            "gpu": "a100",
+            "slowdowns": [1.0, 1.3],
+            "lease_dir": str(tmp_path / "leases"),
+        },
+        "power_limit": {"enabled": False},
+        "perseus": {"window_steps": 4, "steps_per_clock": 2, "simulated_step_s": 2.0},
+    }
+    path = tmp_path / "energy.yaml"
+    path.write_text(yaml.safe_dump(energy))
+    ranks = fit(
+        tmp_path,
+        {
+            "class_path": f"{NAMESPACES['lightning.pytorch']}.PerseusDDPStrategy",
+            "init_args": {"process_group_backend": "gloo"},
+        },
+        max_steps=10,
+        # The strategy reads the file; the entry point adds the EnergyCallback from it.
+        env={"LIGHTNING_ENERGY_CONFIG": str(path)},
+    )
+    assert ranks[0]["shared"] and ranks[1]["shared"]
+    assert ranks[0]["straggler"] == ranks[1]["straggler"] == 1
+    assert ranks[0]["clocks"][-1][1] < 1410
+    assert ranks[0]["clock_after"] is None and ranks[1]["clock_after"] is None
+
+
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
 def test_strategies_are_registered_in_their_namespace(namespace: str) -> None:
     registry = importlib.import_module(f"{namespace}.strategies").StrategyRegistry
@@ -144,15 +176,16 @@ def test_bad_pipeline_arguments_are_all_reported(namespace: str) -> None:
     with pytest.raises(ConfigError) as info:
         module.PerseusPipelineStrategy(schedule="zigzag", microbatches=0)
     message = str(info.value)
-    assert "schedule='zigzag'" in message and "microbatches=0" in message
+    assert "perseus.schedule: 'zigzag' is not allowed; allowed: 1f1b" in message
+    assert "perseus.microbatches: 0 is not allowed; use an integer >= 1" in message
     assert "PerseusPipelineStrategy" in message
 
 
 @pytest.mark.slow
 def test_importing_one_namespace_does_not_import_the_other() -> None:
     for module, other in (
-        ("lightning_energy.perseus.pytorch_lightning", "lightning.pytorch"),
-        ("lightning_energy.perseus.lightning", "pytorch_lightning"),
+        ("lightning_energy.integrations.perseus_pytorch_lightning", "lightning.pytorch"),
+        ("lightning_energy.integrations.perseus_lightning", "pytorch_lightning"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "tests.import_probe", "--prefix", other, module],
@@ -163,3 +196,28 @@ def test_importing_one_namespace_does_not_import_the_other() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("namespace", sorted(NAMESPACES))
+def test_arguments_override_the_perseus_section_which_overrides_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, namespace: str
+) -> None:
+    module = importlib.import_module(NAMESPACES[namespace])
+    path = tmp_path / "energy.yaml"
+    path.write_text(
+        yaml.safe_dump({"device": {"gpu": "h100"}, "perseus": {"window_steps": 7, "margin": 0.05}})
+    )
+    monkeypatch.setenv("LIGHTNING_ENERGY_CONFIG", str(path))
+    strategy = module.PerseusDDPStrategy(window_steps=3, slowdowns=[1.0, 1.2])
+    section = strategy.config.perseus
+    assert (section.window_steps, section.margin) == (3, 0.05)
+    assert strategy.config.device.gpu == "h100"
+    assert strategy.config.device.slowdowns == (1.0, 1.2)
+    # An explicit configuration is used instead of the file.
+    explicit = module.PerseusPipelineStrategy(energy={"perseus": {"microbatches": 8}})
+    assert explicit.config.perseus.microbatches == 8
+    assert explicit.config.device.gpu == "a40"  # that configuration's own device
+    monkeypatch.delenv("LIGHTNING_ENERGY_CONFIG")
+    # No configuration at all: the defaults, on a simulated GPU that models clocks.
+    bare = module.PerseusDDPStrategy()
+    assert bare.config.perseus.window_steps == 10 and bare.config.device.gpu == "a100"

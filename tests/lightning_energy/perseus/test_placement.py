@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins.environments import LightningEnvironment
 
-from lightning_energy.perseus.lightning import PerseusPipelineStrategy
+from lightning_energy.integrations.perseus_lightning import PerseusPipelineStrategy
 
 
 class TwoStages(torch.nn.Module):
