@@ -34,7 +34,11 @@ from lightning_energy.perseus.runtime import (
     StageWork,
 )
 from lightning_energy.perseus.schedule import PipelineSchedule, build_schedule
-from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from lightning_energy.perseus.straggler import (
+    SimulatedDataParallel,
+    StepReadings,
+    StragglerEqualizer,
+)
 
 __all__ = [
     "PerseusDDPCore",
@@ -45,19 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _exact_spec(gpu: str, count: int) -> SimulatedSpec:
-    """Simulated GPUs that read energy exactly and apply clocks at once: Perseus measures
-    single instructions of milliseconds, shorter than the presets' ~100 ms energy counter
-    period and their set-clock latency."""
-    return SimulatedSpec(
-        gpu=gpu,
-        count=count,
-        energy_counter_period_s=0.0,
-        power_average_s=0.0,
-        setting_latency_s=0.0,
-    )
 
 
 _SCHEDULE_CLASSES: dict[str, Any] = {
@@ -270,7 +261,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
                 f"{self.virtual_stages} virtual stages need {schedule.num_stages}"
             )
         rank = self.global_rank
-        gpu, guard = self._open_gpu(_exact_spec(self.simulated_gpu, max(ranks, 1)))
+        gpu, guard = self._open_gpu(SimulatedSpec(gpu=self.simulated_gpu, count=max(ranks, 1)))
         simulation = None
         if isinstance(gpu, SimulatedGPU):
             times = self.simulated_stage_times_s or [[0.02, 0.04]] * schedule.num_stages
@@ -410,9 +401,6 @@ class PerseusDDPCore(PerseusStrategyCore):
             gpu=self.simulated_gpu,
             count=max(self.world_size, len(self.slowdowns), 1),
             slowdowns=self.slowdowns,
-            energy_counter_period_s=0.0,
-            power_average_s=0.0,
-            setting_latency_s=0.0,
         )
         gpu, guard = self._open_gpu(spec)
         self.equalizer = StragglerEqualizer(
@@ -422,6 +410,7 @@ class PerseusDDPCore(PerseusStrategyCore):
             steps_per_clock=self.steps_per_clock,
             window_steps=self.window_steps,
             margin=self.margin,
+            counter_period_s=gpu.energy_counter_period_s(),
             group=self._cpu_group,
         )
         if isinstance(gpu, SimulatedGPU):
@@ -446,9 +435,8 @@ class PerseusDDPCore(PerseusStrategyCore):
         if self.equalizer is None:
             return out
         if self._simulation is not None:
-            compute = self._simulation.compute()
-            total = self._simulation.all_reduce()
-            self.equalizer.record_step(*compute, *total)
+            compute_s = self._simulation.compute()
+            self.equalizer.record_step(compute_s, self._simulation.all_reduce())
         elif self._probe is not None:
             measured = self._probe.step_end()
             if measured is None:
@@ -499,18 +487,18 @@ class _CudaComputeProbe:
                 self._end = (time.perf_counter(), self.gpu.energy_j())
         return self._allreduce(state, bucket)
 
-    def step_end(self) -> tuple[float, float | None, float | None, float | None] | None:
-        """``(compute_s, compute_j, step_s, step_j)`` of a finished step, or None."""
+    def step_end(self) -> tuple[float, StepReadings | None] | None:
+        """``(compute_s, counter readings while profiling)`` of a finished step, or None."""
         if self.equalizer.profiling and self._start is not None and self._end is not None:
             torch.cuda.synchronize()
             now = (time.perf_counter(), self.gpu.energy_j())
-            (t0, e0), (t1, e1) = self._start, self._end
+            start, end = self._start, self._end
             self._start = self._end = None
-            return t1 - t0, e1 - e0, now[0] - t0, now[1] - e0
+            return end[0] - start[0], (start, end, now)
         previous, self._pending = self._pending, self._events
         if previous is None or previous[1] is None or not previous[1].query():
             return None
-        return previous[0].elapsed_time(previous[1]) / 1000.0, None, None, None
+        return previous[0].elapsed_time(previous[1]) / 1000.0, None
 
 
 def register_perseus_strategies(registry: Any, pipeline_class: type, ddp_class: type) -> None:
