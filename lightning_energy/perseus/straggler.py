@@ -130,6 +130,8 @@ class StragglerEqualizer:
         self._clock_steps = 0  # at the current profiling clock, the landing one included
         self._clock_seconds = 0.0  # measured at the current profiling clock
         self._window: list[float] = []
+        self._landing = False  # the clock just changed
+        self._drift = 1.0  # measured over modelled compute time
         first = self.profile_clocks_mhz[0]
         #: False when clocks cannot be changed on some rank: the equalizer does nothing.
         self.enabled = agree_on_clock_control(guard, first, gpu_position, self.group)
@@ -145,6 +147,7 @@ class StragglerEqualizer:
         if freq_mhz != self.clock_mhz:
             self.guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[self.gpu_position])
             self.clock_mhz = freq_mhz
+            self._landing = True
 
     def record_step(self, compute_time_s: float, readings: StepReadings | None = None) -> None:
         """Report this rank's last step at the current clock.
@@ -159,7 +162,12 @@ class StragglerEqualizer:
         """
         if not self.enabled:
             return
-        self._window.append(compute_time_s)
+        if self._landing:
+            # A clock change governs work only after a while: this step ran partly at the
+            # previous clock, so its time says little about the new one.
+            self._landing = False
+        else:
+            self._window.append(compute_time_s)
         if not self.profiling:
             return
         if readings is None:
@@ -252,10 +260,12 @@ class StragglerEqualizer:
 
     def _equalise(self) -> None:
         assert self.model is not None and self.clock_mhz is not None
-        measured_s = sum(self._window) / max(len(self._window), 1)
+        if self._window:
+            # What this rank would take at the maximum clock, scaled from what it takes now.
+            measured_s = sum(self._window) / len(self._window)
+            self._drift = measured_s / self.model.time_s(self.clock_mhz)
         self._window = []
-        # What this rank would take at the maximum clock, scaled from what it takes now.
-        drift = measured_s / self.model.time_s(self.clock_mhz)
+        drift = self._drift
         at_max_s = self.model.time_s(self.max_clock_mhz) * drift
         times = torch.tensor([at_max_s], dtype=torch.float64)
         if dist.is_initialized():
