@@ -1,4 +1,4 @@
-"""Split a coarse energy counter's increments between the pieces of work they cover.
+"""Split a coarse energy counter's updates between the pieces of work they cover.
 
 An NVIDIA energy counter (``nvmlDeviceGetTotalEnergyConsumption``) moves only every
 counter period ``P`` (about 100 ms on many boards): a read at time ``t`` returns the energy
@@ -19,18 +19,24 @@ wait), where each segment between two marks has one label and runs at one power.
    counter is uniform, the update is placed at the middle of that bracket, which is
    right on average and, because one segment (one power) fills the bracket, errs on
    the energy by at most half the bracket at that segment's power;
-2. the increment between two consecutive updates is the energy of exactly the timeline
-   between them: ``sum over labels of (seconds of that label in between) x (its power)``;
-3. the powers of all labels follow by least squares over all increments. The time a
-   label ran is measured exactly (clocks, not the counter), so each label's energy per
-   segment is its power times its mean segment time.
+2. when the updates of a stretch are strictly periodic (the simulated counter's are, and
+   a hardware timer's should be), a phase and period that fit every bracket of the
+   stretch place them much closer (a 2-variable linear program); updates that wander
+   fit no such line and keep their bracket middles;
+3. the counter's value at each update is the energy of exactly the timeline before it:
+   ``sum over labels of (seconds of that label up to the update) x (its power)`` plus
+   the stretch's origin, so the powers of all labels follow by least squares (each
+   update weighed by how precisely it is placed). The time a label ran is measured
+   exactly (clocks, not the counter), so each label's energy per segment is its power
+   times its mean segment time.
 
 This holds for any phase of the counter and any period (with a continuous counter,
 ``P = 0``, every mark is an exact reading and the powers are exact). The error left is
-the placement of updates within their brackets: unbiased, and shrinking with the number
-of updates, i.e. with the time measured in counter periods (see
-:func:`min_profile_s`). Segments labelled ``None`` (a clock change landing, work outside
-the measured loop) are left out: increments that cover any of them are not used.
+the placement of updates: unbiased, and shrinking with the number of updates, i.e. with
+the time measured in counter periods (see :func:`min_profile_s`). Segments labelled
+``None`` (a clock change landing, work outside the measured loop) are left out: the
+stretch ends there and the next one starts after them, as it does when the counter goes
+back (a driver reload).
 
 Example:
     >>> timeline = EnergyTimeline(counter_period_s=0.0)

@@ -56,7 +56,7 @@ class PerseusPipelineStrategy(PerseusPipelineCore, DDPStrategy):
         warmup_iterations: iterations at full clock before profiling.
         iterations_per_clock: measured iterations per clock, at least (see
             :class:`~lightning_energy.perseus.online.OnlinePerseus`: one more lets each
-            change land, and a clock is measured for at least 40 energy counter periods).
+            change land, and a clock is measured for at least 200 energy counter periods).
         replan_every_iterations: after planning, how often (in iterations) the ranks check
             for a new target time (one small collective over a gloo group).
         device_backend: ``"auto"``, ``"nvml"`` or ``"simulated"`` (None: the
