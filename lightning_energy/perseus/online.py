@@ -401,14 +401,15 @@ class OnlinePerseus:
         dist.broadcast_object_list(box, src=_src(self.group), group=self.group)
         return box[0]
 
-    def _measurements(self) -> tuple[dict[tuple[int, str], list[Sample]], tuple[float, float]]:
-        """This rank's ``({(stage, kind): [(clock, time_s, energy_j)]}, (blocked J, s))``
-        from its timeline (empty when the counter's updates cannot be split)."""
+    def _measurements(
+        self,
+    ) -> tuple[dict[tuple[int, str], list[Sample]], tuple[float, float], str | None]:
+        """This rank's ``({(stage, kind): [(clock, time_s, energy_j)]}, (blocked J, s),
+        problem)`` from its timeline; the problem says why nothing was measured."""
         try:
             fitted = self._timeline.fit()
         except ProfileError as exc:
-            log.warning("Perseus: cannot measure this rank's instructions: %s", exc)
-            return {}, (0.0, 0.0)
+            return {}, (0.0, 0.0), f"rank {self._rank()}: {exc}"
         finally:
             self._timeline.clear()
         samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
@@ -419,7 +420,7 @@ class OnlinePerseus:
             else:
                 stage, kind, freq = cast(tuple[int, str, int], label)
                 samples[(stage, kind)].append((freq, measured.segment_s, measured.segment_energy_j))
-        return dict(samples), blocked
+        return dict(samples), blocked, None
 
     def _plan_from_samples(self) -> None:
         gathered = self._gather(self._measurements())
@@ -427,14 +428,17 @@ class OnlinePerseus:
         if self._rank() == 0:
             samples: dict[tuple[int, str], list[Sample]] = {}
             energy = seconds = 0.0
-            for rank_samples, (blocked_j, blocked_s) in gathered:
+            problems = []
+            for rank_samples, (blocked_j, blocked_s), problem in gathered:
                 samples.update(rank_samples)
                 energy += blocked_j
                 seconds += blocked_s
+                if problem is not None:
+                    problems.append(problem)
             blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
             try:
-                if not samples:
-                    raise ProfileError("no instruction was measured")
+                if problems:
+                    raise ProfileError("; ".join(problems))
                 self.profile = fit_profile(
                     samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
                 )

@@ -225,6 +225,25 @@ def test_online_profiling_is_sized_by_the_counter_period_and_lets_changes_land(
         guard.restore()
 
 
+def test_a_counter_that_never_moves_leaves_the_clocks_alone_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    online, _, guard = _single_rank(tmp_path)
+    monkeypatch.setattr(online.gpu, "energy_j", lambda: 1234.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            while online.phase == "profiling":
+                _iterate(online)
+        assert online.phase == "disabled" and online.runtime.plan is None
+        assert online.gpu.locked_clocks_mhz() is None  # back to the pre-job state
+    finally:
+        online.runtime.close()
+        guard.restore()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "cannot plan" in warnings[0] and "rank 0: the energy counter moved 0" in warnings[0]
+
+
 def test_a_clock_without_energy_is_left_out_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
