@@ -217,7 +217,10 @@ class PerseusConfig:
         plan: pipeline: a plan JSON to apply (None: profile online and plan).
         target_time_s: pipeline: iteration time to plan for (None: no slowdown), > 0.
         warmup_iterations: pipeline: iterations at full clock before profiling, >= 0.
-        iterations_per_clock: pipeline: profiled iterations per clock, >= 1.
+        iterations_per_clock: pipeline: measured iterations per clock, >= 1, at least
+            (one more lets each clock change land, and a clock is measured for at least
+            200 energy counter periods; see
+            :class:`~lightning_energy.perseus.online.OnlinePerseus`).
         replan_every_iterations: pipeline: how often the ranks look for a new target
             time once planned, >= 1.
     """

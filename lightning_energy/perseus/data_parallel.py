@@ -18,7 +18,11 @@ import torch
 from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import DeviceError
 from lightning_energy.perseus.runtime import StageWork
-from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from lightning_energy.perseus.straggler import (
+    SimulatedDataParallel,
+    StepReadings,
+    StragglerEqualizer,
+)
 
 if TYPE_CHECKING:
     from lightning_energy.config import PerseusConfig
@@ -74,6 +78,7 @@ class StragglerRun:
             steps_per_clock=section.steps_per_clock,
             window_steps=section.window_steps,
             margin=section.margin,
+            counter_period_s=gpu.energy_counter_period_s(),
             group=rank.group,
         )
         if (simulated := as_simulated(gpu)) is not None:
@@ -94,9 +99,8 @@ class StragglerRun:
         if self.equalizer is None:
             return
         if self._simulation is not None:
-            compute = self._simulation.compute()
-            total = self._simulation.all_reduce()
-            self.equalizer.record_step(*compute, *total)
+            compute_s = self._simulation.compute()
+            self.equalizer.record_step(compute_s, self._simulation.all_reduce())
         elif self._probe is not None:
             measured = self._probe.step_end()
             if measured is None:
@@ -154,15 +158,15 @@ class _CudaComputeProbe:
                 self._end = (time.perf_counter(), self.gpu.energy_j())
         return self._allreduce(state, bucket)
 
-    def step_end(self) -> tuple[float, float | None, float | None, float | None] | None:
-        """``(compute_s, compute_j, step_s, step_j)`` of a finished step, or None."""
+    def step_end(self) -> tuple[float, StepReadings | None] | None:
+        """``(compute_s, counter readings while profiling)`` of a finished step, or None."""
         if self.equalizer.profiling and self._start is not None and self._end is not None:
             torch.cuda.synchronize()
             now = (time.perf_counter(), self.gpu.energy_j())
-            (t0, e0), (t1, e1) = self._start, self._end
+            start, end = self._start, self._end
             self._start = self._end = None
-            return t1 - t0, e1 - e0, now[0] - t0, now[1] - e0
+            return end[0] - start[0], (start, end, now)
         previous, self._pending = self._pending, self._events
         if previous is None or previous[1] is None or not previous[1].query():
             return None
-        return previous[0].elapsed_time(previous[1]) / 1000.0, None, None, None
+        return previous[0].elapsed_time(previous[1]) / 1000.0, None

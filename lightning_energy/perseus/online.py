@@ -1,8 +1,14 @@
 """Online profiling: plan without an offline step.
 
 During the first iterations every pipeline rank runs all its instructions at a few clocks,
-one clock per iteration, and measures each instruction's time and energy (and the power
-its GPU draws while blocked). Then every rank fits, per ``(stage, instruction)``, a model of
+one clock at a time, and measures each instruction's time and energy (and the power its
+GPU draws while blocked). The first iteration at each clock only lets the change land (a
+clock set takes tens of ms to govern the work); the following ones are measured, for
+``iterations_per_clock`` iterations and at least :func:`~.counter.min_profile_s` seconds
+(many periods of the GPU's energy counter). Energy is not read per instruction: the
+counter marks at every instruction's start and end go to an
+:class:`~.counter.EnergyTimeline`, which splits the counter's updates between the
+instructions and the waits. Then every rank fits, per ``(stage, instruction)``, a model of
 time and power against the clock, rank 0 gathers the fits, predicts the profile at every
 supported clock in the profiled range, plans, and broadcasts the plan; all ranks switch to
 it at the same iteration. When the target iteration time changes (the carbon policy's),
@@ -33,7 +39,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -41,10 +47,12 @@ import torch.distributed as dist
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import PerseusPlanner
 from lightning_energy.perseus.profile import PipelineProfile
 from lightning_energy.perseus.runtime import (
+    BLOCKED_LABEL,
     InstructionMeter,
     PipelineRuntime,
     agree_on_clock_control,
@@ -79,10 +87,8 @@ class ClockModel:
     def fit(cls, samples: Sequence[Sample], *, warn: bool = True) -> ClockModel:
         """Least-squares fit from measurements at two clocks or more.
 
-        Measurements are first averaged per clock (see :func:`mean_per_clock`): an energy
-        counter that moves only every ~100 ms reads 0 J for most short instructions and a
-        whole period's energy for a few, and only the mean over many of them is right. A
-        clock whose mean time or energy is still not positive is left out.
+        Measurements are first averaged per clock (see :func:`mean_per_clock`). A clock
+        whose mean time or energy is not positive (nothing measured there) is left out.
 
         Args:
             samples: the measurements.
@@ -149,8 +155,8 @@ def mean_per_clock(
 def _warn_unusable(clocks_mhz: Sequence[int]) -> None:
     log.warning(
         "Perseus: no energy measured at %s MHz: the GPU's energy counter moved too rarely "
-        "during these measurements; profile more iterations (or steps) per clock. Fitting "
-        "without these clocks.",
+        "during these measurements; profile longer at each clock. Fitting without these "
+        "clocks.",
         list(clocks_mhz),
     )
 
@@ -225,7 +231,9 @@ class OnlinePerseus:
         profile_clocks_mhz: clocks to profile (default :func:`default_profile_clocks`).
         warmup_iterations: iterations at the maximum clock before profiling (allocation,
             compilation and caches make the first ones unrepresentative).
-        iterations_per_clock: profiled iterations per clock.
+        iterations_per_clock: measured iterations per clock, at least (each clock also
+            gets one unmeasured iteration for the change to land, and is measured for at
+            least :func:`~.counter.min_profile_s` of the GPU's counter period).
         target_time_s: iteration time to plan for (None: no slowdown).
         replan_every_iterations: after planning, how often (in iterations) the ranks
             check whether rank 0's target time changed; a new target takes effect at the
@@ -285,11 +293,13 @@ class OnlinePerseus:
         self._planned_at = 0
         self._target_s = target_time_s
         self._pending_target: tuple[float | None] | None = None
-        self._samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
-        self._blocked: list[tuple[float, float]] = []  # (blocked energy, blocked time)
-        self._iter_instr: list[tuple[float, float]] = []
-        self._iter_start: tuple[float, float] | None = None
-        self._meter = InstructionMeter(gpu, self._record, clock)
+        self._timeline = EnergyTimeline(gpu.energy_counter_period_s())
+        self._min_profile_s = min_profile_s(self._timeline.counter_period_s)
+        self._meter = InstructionMeter(gpu, self._timeline, self._label, clock)
+        self._clock_index = 0
+        self._clock_iterations = 0  # at the current profiling clock, the landing one included
+        self._clock_seconds = 0.0  # measured at the current profiling clock
+        self._iteration_start_s: float | None = None
         controller = runtime.controller
         #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
         self.enabled = agree_on_clock_control(
@@ -320,18 +330,10 @@ class OnlinePerseus:
         """Plan for ``target_s`` from the next iteration boundary (rank 0's value counts)."""
         self._pending_target = (target_s,)
 
-    def _profiling_clock(self) -> int | None:
-        k = (self.iteration - self.warmup_iterations) // self.iterations_per_clock
-        if 0 <= k < len(self.profile_clocks_mhz):
-            return self.profile_clocks_mhz[k]
-        return None
-
-    def _record(self, inst: Instruction, time_s: float, energy_j: float) -> None:
+    def _label(self, inst: Instruction) -> tuple[int, str, int] | None:
         # The clock read back once the change was applied (a pre-job lock may cap it).
         freq = self.runtime.controller.current_mhz
-        if freq is not None:
-            self._samples[(inst.stage, inst.kind)].append((freq, time_s, energy_j))
-        self._iter_instr.append((time_s, energy_j))
+        return None if freq is None else (inst.stage, inst.kind, freq)
 
     def on_iteration_start(self) -> None:
         """Set this iteration's clocks (profiling) and start measuring."""
@@ -340,12 +342,11 @@ class OnlinePerseus:
         if self.phase == "warmup":
             self.runtime.set_fixed_clock(max(self.supported_clocks_mhz))
             return
-        freq = self._profiling_clock()
-        self.runtime.set_fixed_clock(freq)
-        self.runtime.measure_with(self._meter)
-        self._iter_instr = []
-        self.gpu.synchronize()
-        self._iter_start = (self.clock(), self.gpu.energy_j())
+        self.runtime.set_fixed_clock(self.profile_clocks_mhz[self._clock_index])
+        measured = self._clock_iterations > 0  # the first iteration lets the change land
+        self.runtime.measure_with(self._meter if measured else None)
+        self._meter.mark(BLOCKED_LABEL if measured else None)
+        self._iteration_start_s = self.clock() if measured else None
 
     def on_iteration_end(self) -> None:
         """Close the iteration; after the last profiled one, plan and switch (collective).
@@ -353,24 +354,26 @@ class OnlinePerseus:
         Raises:
             ProfileError: the measurements cannot be fitted.
         """
-        simulated = self.runtime.end_iteration()
+        self.runtime.end_iteration()
         if not self.enabled:
             self.iteration += 1
             return
-        if self.phase == "profiling" and self._iter_start is not None:
-            self.gpu.synchronize()
-            t0, e0 = self._iter_start
-            iter_s, iter_j = self.clock() - t0, self.gpu.energy_j() - e0
-            if simulated is not None:
-                iter_s = simulated[0]
-            busy_s = sum(t for t, _ in self._iter_instr)
-            busy_j = sum(e for _, e in self._iter_instr)
-            if iter_s - busy_s > 1e-9:
-                self._blocked.append((iter_j - busy_j, iter_s - busy_s))
-            self._iter_start = None
+        profiling = self.phase == "profiling"
         self.iteration += 1
-        profiled = self.warmup_iterations + self.iterations_per_clock * len(self.profile_clocks_mhz)
-        if not self._planned and self.iteration >= profiled:
+        if profiling:
+            # Until the next iteration starts: work outside the pipeline (optimizer step).
+            self._meter.mark(None)
+            if self._iteration_start_s is not None:
+                self._clock_seconds += self.clock() - self._iteration_start_s
+            self._clock_iterations += 1
+            done = (
+                self._clock_iterations > self.iterations_per_clock
+                and self._clock_seconds >= self._min_profile_s
+            )
+            if self._broadcast(done):  # rank 0's view: every rank moves on together
+                self._clock_index += 1
+                self._clock_iterations, self._clock_seconds = 0, 0.0
+        if not self._planned and profiling and self._clock_index >= len(self.profile_clocks_mhz):
             self.runtime.measure_with(None)
             self.runtime.set_fixed_clock(None)
             self._plan_from_samples()
@@ -398,19 +401,44 @@ class OnlinePerseus:
         dist.broadcast_object_list(box, src=_src(self.group), group=self.group)
         return box[0]
 
+    def _measurements(
+        self,
+    ) -> tuple[dict[tuple[int, str], list[Sample]], tuple[float, float], str | None]:
+        """This rank's ``({(stage, kind): [(clock, time_s, energy_j)]}, (blocked J, s),
+        problem)`` from its timeline; the problem says why nothing was measured."""
+        try:
+            fitted = self._timeline.fit()
+        except ProfileError as exc:
+            return {}, (0.0, 0.0), f"rank {self._rank()}: {exc}"
+        finally:
+            self._timeline.clear()
+        samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
+        blocked = (0.0, 0.0)
+        for label, measured in fitted.items():
+            if label == BLOCKED_LABEL:
+                blocked = (measured.power_w * measured.seconds, measured.seconds)
+            else:
+                stage, kind, freq = cast(tuple[int, str, int], label)
+                samples[(stage, kind)].append((freq, measured.segment_s, measured.segment_energy_j))
+        return dict(samples), blocked, None
+
     def _plan_from_samples(self) -> None:
-        gathered = self._gather((dict(self._samples), self._blocked))
+        gathered = self._gather(self._measurements())
         text = None
         if self._rank() == 0:
             samples: dict[tuple[int, str], list[Sample]] = {}
-            blocked = []
-            for rank_samples, rank_blocked in gathered:
+            energy = seconds = 0.0
+            problems = []
+            for rank_samples, (blocked_j, blocked_s), problem in gathered:
                 samples.update(rank_samples)
-                blocked.extend(rank_blocked)
-            energy = sum(e for e, _ in blocked)
-            seconds = sum(t for _, t in blocked)
+                energy += blocked_j
+                seconds += blocked_s
+                if problem is not None:
+                    problems.append(problem)
             blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
             try:
+                if problems:
+                    raise ProfileError("; ".join(problems))
                 self.profile = fit_profile(
                     samples, self.supported_clocks_mhz, blocked_power_w=blocked_power_w
                 )

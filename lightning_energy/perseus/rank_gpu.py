@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -100,15 +99,9 @@ def open_rank_gpu(
         devices, guard = shared
         return RankGPU(devices, guard, owned=False, group=group)
     dev = config.device
-    # Perseus measures single instructions of milliseconds: simulated GPUs read energy
-    # exactly and apply clocks at once, not with the presets' ~100 ms counter period.
-    spec = dataclasses.replace(
-        dev.simulated_spec(),
-        energy_counter_period_s=0.0,
-        power_average_s=0.0,
-        setting_latency_s=0.0,
+    devices = open_devices(
+        dev.backend, simulated=dev.simulated_spec(), local_rank=local_rank, device=device
     )
-    devices = open_devices(dev.backend, simulated=spec, local_rank=local_rank, device=device)
     guard = GPUGuard(
         devices.gpus[:1],
         lease_dir=dev.lease_dir,

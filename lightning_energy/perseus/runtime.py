@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
@@ -52,11 +52,13 @@ from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.physics import PhysicsModel
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError, EnergyError
+from lightning_energy.perseus.counter import EnergyTimeline
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.profile import BACKWARD, FORWARD, PipelineProfile
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
 
 __all__ = [
+    "BLOCKED_LABEL",
     "ClockController",
     "ExecutedInstruction",
     "InstructionMeter",
@@ -72,6 +74,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _THREAD_NAME = "lightning-energy-perseus-clock"
+
+#: Timeline label of the time a pipeline rank waits between its instructions.
+BLOCKED_LABEL = "blocked"
 
 
 class Marker(Protocol):
@@ -266,7 +271,9 @@ class ExecutedInstruction:
         instruction: what ran.
         freq_mhz: the clock locked while it ran (None: unchanged).
         time_s: its GPU time, when measured (simulated, or while profiling).
-        energy_j: its GPU energy, when measured.
+        energy_j: how far the energy counter moved over it, when measured (on a counter
+            that moves every ~100 ms, mostly 0 J; see
+            :class:`~lightning_energy.perseus.counter.EnergyTimeline`).
     """
 
     instruction: Instruction
@@ -573,14 +580,14 @@ class PipelineRuntime:
         freq = self.planned_mhz(inst)
         if freq is not None:
             self.controller.request(freq)
-        if self.simulation is not None:
+        if self.simulation is not None or self._meter is not None:
             # The simulated GPU runs "on the stream" in this thread: the clock change and
-            # the input must be there before its work starts.
+            # the input must be there before its work starts; a measured instruction
+            # starts at the clock it is attributed to.
             self.controller.flush()
+        if self.simulation is not None:
             self.simulation.wait_for_input(self.schedule, self.rank, inst)
-        elif self._meter is not None:
-            # A measurement window starts at the clock it is attributed to.
-            self.controller.flush()
+        if self._meter is not None:
             self._meter.start(inst)
 
     def after(self, inst: Instruction) -> None:
@@ -590,10 +597,10 @@ class PipelineRuntime:
         if self.simulation is not None:
             time_s, energy_j = self.simulation.run(inst)
             self.simulation.publish(self.schedule, self.rank, inst)
-        elif self._meter is not None:
-            time_s, energy_j = self._meter.stop(inst)
-        if self._meter is not None and self.simulation is not None:
-            self._meter.add(inst, time_s, energy_j)
+        if self._meter is not None:
+            measured = self._meter.stop(inst)
+            if self.simulation is None:
+                time_s, energy_j = measured
         if self.record:
             if self.simulation is not None:
                 # What the simulated GPU was actually locked to while the work ran.
@@ -639,46 +646,59 @@ class PipelineRuntime:
 
 
 class InstructionMeter:
-    """Measures instructions: ``start``/``stop`` around each on a real GPU (synchronising
-    it, so only while profiling), or ``add`` for times measured elsewhere (simulation).
+    """Marks the energy counter at the start and end of every measured instruction
+    (synchronising the GPU, so only while profiling), for an
+    :class:`~lightning_energy.perseus.counter.EnergyTimeline` to split the counter's
+    updates between instructions and the waits between them.
 
     Args:
         gpu: the GPU whose energy counter to read.
+        timeline: where the marks go.
+        label: the timeline label of an instruction (e.g. its stage, kind and clock).
         clock: seconds in the GPU's time base.
-        sink: receives ``(instruction, time_s, energy_j)``.
     """
 
     def __init__(
         self,
         gpu: GPU,
-        sink: Callable[[Instruction, float, float], None],
+        timeline: EnergyTimeline,
+        label: Callable[[Instruction], Hashable],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.gpu = gpu
-        self.sink = sink
+        self.timeline = timeline
+        self.label = label
         self.clock = clock
         self._start: tuple[float, float] | None = None
 
+    def mark(self, label: Hashable | None) -> None:
+        """Synchronise and mark the counter; ``label`` runs from now on (None: left out)."""
+        self.gpu.synchronize()
+        self.timeline.mark(self.clock(), self.gpu.energy_j(), label)
+
     def start(self, inst: Instruction) -> None:
-        """Synchronise and read the clock and the energy counter."""
+        """Mark the start of ``inst``."""
         self.gpu.synchronize()
         self._start = (self.clock(), self.gpu.energy_j())
+        self.timeline.mark(*self._start, self.label(inst))
 
     def stop(self, inst: Instruction) -> tuple[float, float]:
-        """Synchronise, read again, report and return ``(time_s, energy_j)``."""
+        """Mark the end of ``inst`` (a wait follows); ``(time_s, counter delta in J)``.
+
+        The delta is what the counter showed, not the instruction's energy: on a counter
+        that moves every ~100 ms it is mostly 0 J (the timeline's fit is the estimate).
+
+        Raises:
+            ConfigError: no :meth:`start` before.
+        """
         if self._start is None:
             raise ConfigError(f"{inst}: stop() without start()")
         self.gpu.synchronize()
+        now, energy_j = self.clock(), self.gpu.energy_j()
+        self.timeline.mark(now, energy_j, BLOCKED_LABEL)
         t0, e0 = self._start
         self._start = None
-        time_s, energy_j = self.clock() - t0, self.gpu.energy_j() - e0
-        self.sink(inst, time_s, energy_j)
-        return time_s, energy_j
-
-    def add(self, inst: Instruction, time_s: float | None, energy_j: float | None) -> None:
-        """Report a measurement taken elsewhere."""
-        if time_s is not None and energy_j is not None:
-            self.sink(inst, time_s, energy_j)
+        return now - t0, energy_j - e0
 
 
 class PerseusPipelineStage(PipelineStage):

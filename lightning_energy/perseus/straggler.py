@@ -8,8 +8,12 @@ energy (SOSP'24, section 3, "extrinsic energy bloat").
 
 :class:`StragglerEqualizer` runs on every rank:
 
-1. *profile*: a few steps at each of a few clocks, measuring the rank's compute time and
-   energy per step (and, from the whole step, its power while blocked); fit
+1. *profile*: a few steps at each of a few clocks (the first step at each only lets the
+   change land; then ``steps_per_clock`` steps and at least
+   :func:`~lightning_energy.perseus.counter.min_profile_s`), marking the energy counter at
+   each step's start, compute end and end; an
+   :class:`~lightning_energy.perseus.counter.EnergyTimeline` splits the counter's updates
+   into the compute power at each clock and the power while blocked; fit
    :class:`~lightning_energy.perseus.online.ClockModel`;
 2. *equalise*: every ``window_steps`` steps the ranks exchange their compute time at the
    maximum clock (scaled from what they measure now, so drift and new stragglers show
@@ -23,8 +27,8 @@ Example (every rank)::
 
     equalizer = StragglerEqualizer(guard, gpu.supported_sm_clocks_mhz())
     for batch in data:
-        ...  # forward, backward; measure this rank's compute (time, energy)
-        equalizer.record_step(compute_s, compute_j, step_s, step_j)
+        ...  # forward, backward; read (time_s, energy_j) at the start, compute end, end
+        equalizer.record_step(compute_s, (start, compute_end, end))
         equalizer.on_step_end()
 """
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,12 +46,20 @@ from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
 from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
-__all__ = ["SimulatedDataParallel", "StragglerEqualizer"]
+__all__ = ["Reading", "SimulatedDataParallel", "StepReadings", "StragglerEqualizer"]
 
 log = logging.getLogger(__name__)
+
+#: One read of the energy counter: ``(time_s, energy_j)``.
+Reading = tuple[float, float]
+#: The counter at a step's start, at the end of its compute, and at its end.
+StepReadings = tuple[Reading, Reading, Reading]
+
+_BLOCKED = "blocked"
 
 
 class StragglerEqualizer:
@@ -58,7 +70,10 @@ class StragglerEqualizer:
         supported_clocks_mhz: clocks the GPU supports.
         gpu_position: position of this rank's GPU in the guard.
         profile_clocks_mhz: clocks to profile (default: 3 from the maximum to 60 % of it).
-        steps_per_clock: profiled steps per clock.
+        steps_per_clock: measured steps per clock, at least (each clock also gets one
+            unmeasured step for the change to land, and is measured for at least
+            :func:`~lightning_energy.perseus.counter.min_profile_s`).
+        counter_period_s: how often the GPU's energy counter moves (0: continuously).
         window_steps: steps between re-evaluations.
         margin: finish this much (relative) before the straggler, to absorb noise.
         group: the data-parallel process group (None: the default group). Its CPU
@@ -79,6 +94,7 @@ class StragglerEqualizer:
         steps_per_clock: int = 2,
         window_steps: int = 10,
         margin: float = 0.01,
+        counter_period_s: float = 0.0,
         group: Any = None,
     ) -> None:
         problems = []
@@ -108,9 +124,14 @@ class StragglerEqualizer:
         self.deadline_s: float | None = None
         self.clock_mhz: int | None = None
         self.step = 0
-        self._samples: list[Sample] = []
-        self._blocked: list[tuple[float, float]] = []
+        self._timeline = EnergyTimeline(counter_period_s)
+        self._min_profile_s = min_profile_s(counter_period_s)
+        self._clock_index = 0
+        self._clock_steps = 0  # at the current profiling clock, the landing one included
+        self._clock_seconds = 0.0  # measured at the current profiling clock
         self._window: list[float] = []
+        self._landing = False  # the clock just changed
+        self._drift = 1.0  # measured over modelled compute time
         first = self.profile_clocks_mhz[0]
         #: False when clocks cannot be changed on some rank: the equalizer does nothing.
         self.enabled = agree_on_clock_control(guard, first, gpu_position, self.group)
@@ -126,41 +147,39 @@ class StragglerEqualizer:
         if freq_mhz != self.clock_mhz:
             self.guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[self.gpu_position])
             self.clock_mhz = freq_mhz
+            self._landing = True
 
-    def record_step(
-        self,
-        compute_time_s: float,
-        compute_energy_j: float | None = None,
-        step_time_s: float | None = None,
-        step_energy_j: float | None = None,
-    ) -> None:
+    def record_step(self, compute_time_s: float, readings: StepReadings | None = None) -> None:
         """Report this rank's last step at the current clock.
 
         Args:
             compute_time_s: time computing (forward + backward), not waiting.
-            compute_energy_j: energy of that computing (needed while profiling).
-            step_time_s: the whole step, waiting for the other ranks included.
-            step_energy_j: energy of the whole step (with ``step_time_s``: the blocked
-                power estimate).
+            readings: the energy counter at the step's start, at the end of its compute
+                and at its end, in one time base (needed while profiling).
 
         Raises:
-            ConfigError: no compute energy while profiling.
+            ConfigError: no readings while profiling.
         """
         if not self.enabled:
             return
+        if self._landing:
+            # A clock change governs work only after a while: this step ran partly at the
+            # previous clock, so its time says little about the new one.
+            self._landing = False
+        else:
+            self._window.append(compute_time_s)
+        if not self.profiling:
+            return
+        if readings is None:
+            raise ConfigError("record_step: the counter readings are needed while profiling")
         assert self.clock_mhz is not None
-        if self.profiling:
-            if compute_energy_j is None:
-                raise ConfigError("record_step: compute_energy_j is needed while profiling")
-            self._samples.append((self.clock_mhz, compute_time_s, compute_energy_j))
-        self._window.append(compute_time_s)
-        if (
-            compute_energy_j is not None
-            and step_time_s is not None
-            and step_energy_j is not None
-            and step_time_s - compute_time_s > 1e-9
-        ):
-            self._blocked.append((step_energy_j - compute_energy_j, step_time_s - compute_time_s))
+        start, compute_end, end = readings
+        measured = self._clock_steps > 0  # the first step lets the clock change land
+        self._timeline.mark(*start, ("compute", self.clock_mhz) if measured else None)
+        self._timeline.mark(*compute_end, _BLOCKED if measured else None)
+        self._timeline.mark(*end, None)  # until the next step starts
+        if measured:
+            self._clock_seconds += end[0] - start[0]
 
     def on_step_end(self) -> None:
         """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
@@ -168,10 +187,17 @@ class StragglerEqualizer:
         if not self.enabled:
             return
         if self.profiling:
-            k = self.step // self.steps_per_clock
-            if k < len(self.profile_clocks_mhz):
-                if self.step % self.steps_per_clock == 0:
-                    self._apply(self.profile_clocks_mhz[k])
+            self._clock_steps += 1
+            done = (
+                self._clock_steps > self.steps_per_clock
+                and self._clock_seconds >= self._min_profile_s
+            )
+            if not self._all(done):
+                return
+            self._clock_index += 1
+            self._clock_steps, self._clock_seconds = 0, 0.0
+            if self._clock_index < len(self.profile_clocks_mhz):
+                self._apply(self.profile_clocks_mhz[self._clock_index])
                 return
             if not self._fit():
                 return
@@ -181,11 +207,38 @@ class StragglerEqualizer:
         if self.step % self.window_steps == 0:
             self._equalise()
 
+    def _all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (collective)."""
+        if not dist.is_initialized():
+            return flag
+        votes = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(votes.item() > 0)
+
+    def _measure(self) -> ClockModel:
+        """The step model and the blocked power, from the timeline.
+
+        Raises:
+            ProfileError: the counter's updates cannot be split, or the fit fails.
+        """
+        try:
+            fitted = self._timeline.fit()
+        finally:
+            self._timeline.clear()
+        samples: list[Sample] = []
+        for label, measured in fitted.items():
+            if label == _BLOCKED:
+                self.blocked_power_w = max(measured.power_w, 0.0)
+            else:
+                _, freq = cast(tuple[str, int], label)
+                samples.append((freq, measured.segment_s, measured.segment_energy_j))
+        return ClockModel.fit(samples)
+
     def _fit(self) -> bool:
         """Fit the step model; when it cannot be fitted on some rank, every rank stops
         equalising and resets its clock (one warning on the ranks that failed)."""
         try:
-            model: ClockModel | None = ClockModel.fit(self._samples)
+            model: ClockModel | None = self._measure()
         except ProfileError as exc:
             log.warning(
                 "Straggler equalisation off: cannot fit the step model (%s); the GPU clock "
@@ -207,14 +260,12 @@ class StragglerEqualizer:
 
     def _equalise(self) -> None:
         assert self.model is not None and self.clock_mhz is not None
-        if self._blocked:
-            energy = sum(e for e, _ in self._blocked)
-            seconds = sum(t for _, t in self._blocked)
-            self.blocked_power_w = max(energy / seconds, 0.0)
-        measured_s = sum(self._window) / max(len(self._window), 1)
+        if self._window:
+            # What this rank would take at the maximum clock, scaled from what it takes now.
+            measured_s = sum(self._window) / len(self._window)
+            self._drift = measured_s / self.model.time_s(self.clock_mhz)
         self._window = []
-        # What this rank would take at the maximum clock, scaled from what it takes now.
-        drift = measured_s / self.model.time_s(self.clock_mhz)
+        drift = self._drift
         at_max_s = self.model.time_s(self.max_clock_mhz) * drift
         times = torch.tensor([at_max_s], dtype=torch.float64)
         if dist.is_initialized():
@@ -264,20 +315,23 @@ class SimulatedDataParallel:
     gpu: SimulatedGPU
     work: StageWork
     group: Any = None
-    _step_start: tuple[float, float] = field(default=(0.0, 0.0))
+    _step_start: Reading = field(default=(0.0, 0.0))
+    _compute_end: Reading = field(default=(0.0, 0.0))
 
     def __post_init__(self) -> None:
         self.group = cpu_collective_group(self.group)
 
-    def compute(self) -> tuple[float, float]:
-        """Run the step's compute at the locked clock: ``(time_s, energy_j)``."""
-        self._step_start = (self.gpu.clock.now(), self.gpu.energy_j())
-        energy_before = self.gpu.energy_j()
-        time_s = self.gpu.run_work(self.work.t0_s, self.work.compute_bound_share)
-        return time_s, self.gpu.energy_j() - energy_before
+    def _read(self) -> Reading:
+        return self.gpu.clock.now(), self.gpu.energy_j()
 
-    def all_reduce(self) -> tuple[float, float]:
-        """Wait (idle) for the slowest rank: ``(step_time_s, step_energy_j)``."""
+    def compute(self) -> float:
+        """Run the step's compute at the locked clock; its time in seconds."""
+        self._step_start = self._read()
+        time_s = self.gpu.run_work(self.work.t0_s, self.work.compute_bound_share)
+        self._compute_end = self._read()
+        return time_s
+
+    def all_reduce(self) -> StepReadings:
+        """Wait (idle) for the slowest rank; the step's counter readings."""
         wait_for_slowest(self.gpu, self.group)
-        t0, e0 = self._step_start
-        return self.gpu.clock.now() - t0, self.gpu.energy_j() - e0
+        return self._step_start, self._compute_end, self._read()

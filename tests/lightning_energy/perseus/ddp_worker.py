@@ -19,21 +19,23 @@ from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
-from tests.lightning_energy.perseus.helpers import EXACT_BOARD
 
 from . import nccl_like
 
 SLOWDOWNS = (1.0, 1.25)
 WORK = StageWork(0.2, 0.85)
+# Steps a phase's energy is read over: 16-20 s, so the 100 ms energy counter's error (at
+# most a period's energy at each end) stays under 1 %.
+WINDOW_STEPS = 80
 
 
 def main() -> None:
     rank, port, out_dir, lease_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     nccl_like.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    gpu = simulated_gpus(
-        SimulatedSpec(gpu="a100", first_index=rank, slowdowns=(SLOWDOWNS[rank],), **EXACT_BOARD)
-    )[0]
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", first_index=rank, slowdowns=(SLOWDOWNS[rank],)))[
+        0
+    ]
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     training: dict[str, Any] = {
@@ -49,26 +51,33 @@ def main() -> None:
         loss = training["model"](torch.randn(8, 4)).pow(2).mean()
         loss.backward()  # the real all-reduce of DDP over gloo
         training["optimizer"].step()
-        compute = sim.compute()
-        total = sim.all_reduce()
+        compute_s = sim.compute()
+        readings = sim.all_reduce()
         clock = gpu.locked_clocks_mhz()
         if equalizer is not None:
-            equalizer.record_step(*compute, *total)
+            equalizer.record_step(compute_s, readings)
             equalizer.on_step_end()
-        return {"time_s": total[0], "energy_j": total[1], "clock": clock}
+        end_s, end_j = readings[2]
+        return {"end_s": end_s, "end_j": end_j, "clock": clock}
 
     try:
-        for _ in range(3):
+        for _ in range(WINDOW_STEPS + 1):
             phases["baseline"].append(step(None))
         with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
             equalizer = StragglerEqualizer(
-                guard, gpu.supported_sm_clocks_mhz(), steps_per_clock=2, window_steps=3
+                guard,
+                gpu.supported_sm_clocks_mhz(),
+                steps_per_clock=2,
+                window_steps=3,
+                counter_period_s=gpu.energy_counter_period_s(),
             )
-            for _ in range(6 + 9):
+            while equalizer.profiling:  # the same steps on both ranks: they agree
+                step(equalizer)
+            for _ in range(WINDOW_STEPS + 1):
                 phases["equalised"].append(step(equalizer))
             straggler_before = equalizer.straggler_rank
             gpu.slowdown = SLOWDOWNS[1 - rank]
-            for _ in range(9):
+            for _ in range(WINDOW_STEPS + 6):
                 phases["swapped"].append(step(equalizer))
             straggler_after = equalizer.straggler_rank
         reset_clock = gpu.locked_clocks_mhz()

@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypedDict
 
 import numpy as np
 
 from lightning_energy.device.physics import physics_preset
 from lightning_energy.perseus import PipelineProfile
-
-
-class ExactBoard(TypedDict):
-    """``SimulatedSpec`` keywords of a board that reads energy exactly and sets at once."""
-
-    energy_counter_period_s: float
-    power_average_s: float
-    setting_latency_s: float
-
-
-# Perseus times single instructions of milliseconds: the simulated GPUs of these tests read
-# energy exactly and apply clocks at once (the presets' boards do neither).
-EXACT_BOARD: ExactBoard = {
-    "energy_counter_period_s": 0.0,
-    "power_average_s": 0.0,
-    "setting_latency_s": 0.0,
-}
 
 
 def physics_profile(

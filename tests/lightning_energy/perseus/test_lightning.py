@@ -83,7 +83,9 @@ def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path)
                 "lease_dir": str(tmp_path / "leases"),
             },
         },
-        max_steps=6,
+        # Warm-up, then each clock: a landing iteration and 20 s (200 periods of the
+        # 100 ms energy counter) of ~0.5 s iterations; then planned ones.
+        max_steps=130,
     )
     for result in ranks:
         assert result["phase"] == "planned"
@@ -95,7 +97,12 @@ def test_pipeline_strategy_from_yaml_profiles_plans_and_restores(tmp_path: Path)
     stage0 = plan["frequencies_mhz"][0]
     assert min(stage0["forward"] + stage0["backward"]) < 1410
     # Profiling visited the requested clocks (the clock locked at the end of each step).
-    assert [c[1] for c in ranks[0]["clocks"][1:4]] == [1410, 1200, 990]
+    visited = [c[1] for c in ranks[0]["clocks"] if c is not None]
+    assert [f for k, f in enumerate(visited) if k == 0 or f != visited[k - 1]][:3] == [
+        1410,
+        1200,
+        990,
+    ]
 
 
 @pytest.mark.slow
@@ -114,7 +121,8 @@ def test_ddp_strategy_from_yaml_slows_the_fast_rank(tmp_path: Path, namespace: s
                 "lease_dir": str(tmp_path / "leases"),
             },
         },
-        max_steps=10,
+        # Each of 3 clocks: a landing step and 20 s of ~0.26 s steps; then equalised ones.
+        max_steps=260,
         namespace=namespace,
     )
     assert ranks[0]["trainer"].startswith(f"{namespace}.")

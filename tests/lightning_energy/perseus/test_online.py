@@ -23,9 +23,10 @@ from lightning_energy.perseus.runtime import (
     PipelineRuntime,
     PipelineSimulation,
     StageWork,
+    simulated_profile,
 )
 
-from .helpers import EXACT_BOARD, TickingCounter
+from .helpers import TickingCounter
 
 
 def _samples(t0_s: float, beta: float, clocks: list[int]) -> list[tuple[int, float, float]]:
@@ -81,7 +82,7 @@ def _single_rank(
     tmp_path: Path, spec: SimulatedSpec | None = None, **options: Any
 ) -> tuple[OnlinePerseus, list[Any], Any]:
     """An online Perseus on one simulated rank of a one-stage pipeline; counts broadcasts."""
-    gpu = simulated_gpus(spec or SimulatedSpec(gpu="a100", **EXACT_BOARD))[0]
+    gpu = simulated_gpus(spec or SimulatedSpec(gpu="a100"))[0]
     schedule = one_f_one_b(1, 2)
     works = {(0, "forward"): StageWork(0.02, 0.9), (0, "backward"): StageWork(0.04, 0.8)}
     guard = GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False)
@@ -125,8 +126,10 @@ def _iterate(online: OnlinePerseus) -> None:
 def test_replanning_is_checked_every_n_iterations_not_every_one(tmp_path: Path) -> None:
     online, broadcasts, guard = _single_rank(tmp_path, replan_every_iterations=10)
     try:
-        for _ in range(3):
+        for _ in range(1000):
             _iterate(online)
+            if online.phase != "profiling":
+                break
         assert online.phase == "planned"
         planned_with = len(broadcasts)  # the plan itself
         for _ in range(25):
@@ -185,20 +188,60 @@ def _ticking_samples(
     return samples
 
 
-def test_fit_aggregates_a_counter_that_ticks_every_100_ms() -> None:
-    """Each tick falls in an instruction or a gap with odds equal to their share of the
-    time, so the mean energy of an instruction is its time at the power averaged over the
-    counter period (instruction and gap blended): the best a 100 ms counter can tell."""
-    samples = _ticking_samples([1410, 1200, 990], 2000, TickingCounter(0.1))
-    assert sum(e == 0 for _, _, e in samples) > len(samples) / 2  # mostly zero deltas
-    fit = ClockModel.fit(samples)
-    model = physics_preset("a100")
-    for f in (1410, 1200, 990):
-        t = model.work_time_s(0.02, 0.85, f)
-        blended_w = (t * model.work_power_w(0.85, f) + 0.005 * model.idle_power_w) / (t + 0.005)
-        assert fit.time_s(f) == pytest.approx(t, rel=1e-9)
-        # ~400 ticks per clock: a few % of sampling error.
-        assert fit.energy_j(f) == pytest.approx(t * blended_w, rel=0.08)
+def test_online_profiling_is_sized_by_the_counter_period_and_lets_changes_land(
+    tmp_path: Path,
+) -> None:
+    """On the default board (100 ms counter, 50 ms set latency) each clock gets one
+    iteration for the change to land and then 200 counter periods (20 s) of measured
+    iterations; the fitted profile matches the physics."""
+    online, _, guard = _single_rank(tmp_path)
+    try:
+        clocks = []
+        while online.phase == "profiling":
+            clocks.append(online.profile_clocks_mhz[online._clock_index])
+            _iterate(online)
+        assert online.phase == "planned" and online.profile is not None
+        iteration_s = {
+            f: 2
+            * sum(
+                physics_preset("a100").work_time_s(t, b, f) for t, b in ((0.02, 0.9), (0.04, 0.8))
+            )
+            for f in (1410, 1200, 990)
+        }
+        for f in (1410, 1200, 990):
+            measured = clocks.count(f) - 1
+            assert measured * iteration_s[f] >= 20.0 > (measured - 1) * iteration_s[f]
+        truth = simulated_profile(
+            physics_preset("a100"),
+            {(0, "forward"): StageWork(0.02, 0.9), (0, "backward"): StageWork(0.04, 0.8)},
+            [1410, 1200, 990],
+        )
+        for stage, kind, f, time_s, energy_j in truth.rows():
+            fitted_s, fitted_j = online.profile.entry(stage, kind).at(f)
+            assert fitted_s == pytest.approx(time_s, rel=1e-6)
+            assert fitted_j == pytest.approx(energy_j, rel=0.02)
+    finally:
+        online.runtime.close()
+        guard.restore()
+
+
+def test_a_counter_that_never_moves_leaves_the_clocks_alone_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    online, _, guard = _single_rank(tmp_path)
+    monkeypatch.setattr(online.gpu, "energy_j", lambda: 1234.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            while online.phase == "profiling":
+                _iterate(online)
+        assert online.phase == "disabled" and online.runtime.plan is None
+        assert online.gpu.locked_clocks_mhz() is None  # back to the pre-job state
+    finally:
+        online.runtime.close()
+        guard.restore()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "cannot plan" in warnings[0] and "rank 0: the energy counter moved 0" in warnings[0]
 
 
 def test_a_clock_without_energy_is_left_out_with_one_warning(
