@@ -60,6 +60,9 @@ Reading = tuple[float, float]
 StepReadings = tuple[Reading, Reading, Reading]
 
 _BLOCKED = "blocked"
+#: Between one step's end and the next one's start (data loading, the framework's own
+#: work): its power is fitted too, so the counter's updates there keep their stretch.
+_BETWEEN = "between steps"
 
 
 class StragglerEqualizer:
@@ -177,7 +180,7 @@ class StragglerEqualizer:
         measured = self._clock_steps > 0  # the first step lets the clock change land
         self._timeline.mark(*start, ("compute", self.clock_mhz) if measured else None)
         self._timeline.mark(*compute_end, _BLOCKED if measured else None)
-        self._timeline.mark(*end, None)  # until the next step starts
+        self._timeline.mark(*end, _BETWEEN if measured else None)
         if measured:
             self._clock_seconds += end[0] - start[0]
 
@@ -229,6 +232,8 @@ class StragglerEqualizer:
         for label, measured in fitted.items():
             if label == _BLOCKED:
                 self.blocked_power_w = max(measured.power_w, 0.0)
+            elif label == _BETWEEN:
+                continue
             else:
                 _, freq = cast(tuple[str, int], label)
                 samples.append((freq, measured.segment_s, measured.segment_energy_j))

@@ -152,7 +152,8 @@ def test_ddp_strategy_shares_the_energy_callbacks_gpus_and_guard(tmp_path: Path)
             "class_path": f"{NAMESPACES['lightning.pytorch']}.PerseusDDPStrategy",
             "init_args": {"process_group_backend": "gloo"},
         },
-        max_steps=10,
+        # Each of 3 clocks: a landing step and 20 s of ~2 s steps; then equalised ones.
+        max_steps=48,
         # The strategy reads the file; the entry point adds the EnergyCallback from it.
         env={"LIGHTNING_ENERGY_CONFIG": str(path)},
     )

@@ -93,6 +93,35 @@ def test_single_rank_profiles_then_stays_at_full_clock(tmp_path: Path) -> None:
     assert gpu.locked_clocks_mhz() is None
 
 
+def test_long_steps_with_work_between_them_still_fit(tmp_path: Path) -> None:
+    """Steps of 2 s on a 100 ms counter, with 0.3 s of other work between steps (data
+    loading, the framework's own work), as on a real GPU: the counter's updates between
+    steps keep their stretch, so three readings a step are enough to fit every clock."""
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
+    sim = SimulatedDataParallel(gpu, StageWork(2.0, 0.9))
+    with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
+        equalizer = StragglerEqualizer(
+            guard,
+            gpu.supported_sm_clocks_mhz(),
+            profile_clocks_mhz=[1410, 1200, 1005],
+            steps_per_clock=2,
+            window_steps=2,
+            counter_period_s=gpu.energy_counter_period_s(),
+        )
+        while equalizer.profiling:
+            compute_s = sim.compute()
+            equalizer.record_step(compute_s, sim.all_reduce())
+            equalizer.on_step_end()
+            gpu.idle(0.3)
+            assert equalizer.enabled, "the step model could not be fitted"
+        model = physics_preset("a100")
+        assert equalizer.model is not None
+        for f in (1410, 1200, 1005):
+            truth_j = model.work_time_s(2.0, 0.9, f) * model.work_power_w(0.9, f)
+            assert equalizer.model.energy_j(f) == pytest.approx(truth_j, rel=0.02)
+    assert gpu.locked_clocks_mhz() is None
+
+
 def test_equalizer_validates_its_arguments(tmp_path: Path) -> None:
     gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
