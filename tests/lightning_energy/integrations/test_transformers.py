@@ -218,6 +218,23 @@ def test_exception_during_training_restores_with_the_context_manager(
     assert callback.controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
 
 
+def test_exception_in_the_with_block_writes_the_report_without_a_collective(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = tmp_path / "report.json"
+    callback = EnergyTrainerCallback({**_config(), "report": str(report)})
+    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
+    with pytest.raises(RuntimeError, match="boom"), callback:
+        trainer.train()
+    controller = callback.controller
+    assert controller is not None and not callback.running
+    assert controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+    written = json.loads(report.read_text())
+    assert written["summary"]["steps"] == controller.steps > 0
+    assert "job" not in written  # no collective on an exception path: another rank may be gone
+
+
 def test_train_again_after_a_failure_outside_with_restores_the_first_run(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
