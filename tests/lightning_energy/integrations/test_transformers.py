@@ -19,7 +19,7 @@ from accelerate.state import AcceleratorState, GradientState
 from transformers import Trainer, TrainingArguments
 
 from lightning_energy.config import CONFIG_ENV_VAR
-from lightning_energy.controller import EnergyController
+from lightning_energy.controller import EnergyController, Event, Interruption, StepResult
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.transformers import EnergyTrainerCallback
 
@@ -165,13 +165,14 @@ def test_evaluation_interrupts_profiling_which_still_completes(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reasons: list[str] = []
-    original = EnergyController.interrupt
+    original = EnergyController.handle
 
-    def spy(self: EnergyController, reason: str) -> None:
-        reasons.append(reason)
-        original(self, reason)
+    def spy(self: EnergyController, event: Event) -> StepResult:
+        if isinstance(event, Interruption):
+            reasons.append(event.reason)
+        return original(self, event)
 
-    monkeypatch.setattr(EnergyController, "interrupt", spy)
+    monkeypatch.setattr(EnergyController, "handle", spy)
     callback = EnergyTrainerCallback(_config(selector="energy"))
     trainer = _trainer(
         example, tmp_path, callback, max_steps=90, eval_strategy="steps", eval_steps=7
