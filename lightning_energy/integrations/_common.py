@@ -1,24 +1,106 @@
-"""What every framework adapter shares: configuration, the run summary and the report.
+"""What every framework adapter shares: configuration, the run's life and the report.
 
 The adapters (Lightning and its twin namespace, Fabric, Accelerate, the Transformers
-``Trainer``) only translate their framework's hooks into controller calls; resolving the
-configuration and finishing a run (restore, summary, report) happen here, once.
+``Trainer``) only translate their framework's hooks into controller events; the contract
+they follow (docs/adapters.md) lives here, once: resolving the configuration, loading a
+checkpoint's state before or after setup, finishing a run (restore, totals, summary,
+report) or aborting it on an exception (restore, summary, report, no collective), the
+workload key and the ranks' collectives over the framework's own ``all_gather``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
 
+import torch
+from typing_extensions import Self
+
+from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import EnergyConfig, load_config
-from lightning_energy.controller import EnergyController, RunSummary
+from lightning_energy.controller import (
+    CheckpointLoad,
+    CheckpointSave,
+    End,
+    EnergyController,
+    RunSummary,
+)
 
-__all__ = ["EnergyAdapter", "build_config", "finish_run", "format_summary", "summary_values"]
+__all__ = [
+    "EnergyAdapter",
+    "build_config",
+    "count_parameters",
+    "finish_run",
+    "format_summary",
+    "summary_values",
+    "tensor_collective",
+    "workload_key",
+]
 
 log = logging.getLogger(__name__)
+
+
+class HasParameters(Protocol):
+    """A model: anything with ``parameters()`` (a ``torch.nn.Module``)."""
+
+    def parameters(self) -> Iterable[torch.Tensor]: ...
+
+
+def count_parameters(model: HasParameters) -> int:
+    """How many parameters ``model`` has (part of the workload key)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def workload_key(*, batch_size: int | None, params: int, **extra: int | str | None) -> str:
+    """The key that names a workload: what, once changed, is profiled again.
+
+    Every adapter builds its key here, so one training run reads the same key under every
+    framework and a checkpoint's profile is found again.
+
+    Args:
+        batch_size: the per-device batch size (None: unknown).
+        params: the model's parameter count (see :func:`count_parameters`).
+        **extra: anything else that changes the time and energy of a step, in order.
+
+    Example:
+        >>> workload_key(batch_size=32, params=1_000, gradient_accumulation_steps=4)
+        'batch_size=32,gradient_accumulation_steps=4,params=1000'
+    """
+    parts = {"batch_size": batch_size, **extra, "params": params}
+    return ",".join(f"{k}={v}" for k, v in parts.items())
+
+
+def tensor_collective(
+    rank: int,
+    world_size: int,
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
+    broadcast: Callable[[Any, int], Any],
+    device: torch.device,
+) -> GatherCollective:
+    """The ranks' collectives over a framework's tensor ``all_gather`` and object broadcast.
+
+    Lightning's and Fabric's ``all_gather`` stack one row per rank (a single process gets
+    the tensor back as is), Accelerate's ``gather`` concatenates: the rows are read back
+    alike from each.
+
+    Args:
+        rank: this process's global rank.
+        world_size: number of processes.
+        all_gather: gathers a tensor from every rank (on ``device``).
+        broadcast: takes an object and a source rank, returns the source's object.
+        device: where the framework's collectives expect tensors (NCCL rejects CPU ones).
+    """
+
+    def gather_rows(values: list[float]) -> list[list[float]]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        gathered = all_gather(tensor).reshape(-1, len(values))
+        return [row.tolist() for row in gathered.cpu()]
+
+    return GatherCollective(rank, world_size, gather_rows, broadcast)
 
 
 def build_config(
@@ -103,7 +185,14 @@ def summary_values(summary: RunSummary) -> dict[str, float]:
 
 
 class EnergyAdapter:
-    """The configuration of an adapter and how it finishes a run.
+    """The configuration of an adapter and the life of its runs (docs/adapters.md).
+
+    A run opens with :meth:`_begin_run` (setup, then the state of a checkpoint loaded
+    before it) and ends once: :meth:`_finish` on a normal end (every rank: the job's
+    totals are a collective), :meth:`_abort` on an exception (no collective). Both restore
+    every GPU first, keep the summary and write the report on the main process. Used as a
+    context manager, an adapter finishes the run when the block ends normally and aborts
+    it when the block raises.
 
     Args:
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
@@ -113,6 +202,10 @@ class EnergyAdapter:
         carbon: the ``carbon:`` section (overrides the file's).
         strict: raise instead of observing when GPU settings cannot be changed.
         report: write the run report (JSON) to this path at the end of training.
+
+    Attributes:
+        controller: the controller of the current (or last) run; None before the first.
+        summary: the run summary once the run ended.
 
     Raises:
         ConfigError: invalid configuration, raised here, before training starts.
@@ -140,11 +233,108 @@ class EnergyAdapter:
         )
         self.controller: EnergyController | None = None
         self.summary: RunSummary | None = None
+        self._running = False
+        self._main_process = True
+        self._pending_state: dict[str, Any] | None = None
 
-    def _finish(self, controller: EnergyController, *, main_process: bool) -> RunSummary:
-        """Finish the run (see :func:`finish_run`) and keep its summary."""
-        self.summary = finish_run(controller, self.config.report, main_process=main_process)
+    @property
+    def running(self) -> bool:
+        """Whether a run is open (set up and not yet finished or aborted)."""
+        return self._running
+
+    def _begin_run(
+        self,
+        controller: EnergyController,
+        *,
+        main_process: bool,
+        collective: GatherCollective | None = None,
+    ) -> EnergyController:
+        """Set up a run of ``controller``, then resume the state loaded before setup.
+
+        Args:
+            controller: this adapter's controller (a new one, or the last run's).
+            main_process: whether this is global rank 0 (it logs and writes the report).
+            collective: the ranks' collectives of this run (None: the controller's own).
+        """
+        self.controller = controller
+        self.summary = None
+        self._main_process = main_process
+        controller.setup(collective=collective)
+        self._running = True
+        pending, self._pending_state = self._pending_state, None
+        if pending is not None:
+            controller.handle(CheckpointLoad(pending))
+        return controller
+
+    def _finish(self) -> RunSummary | None:
+        """End the run normally (every rank): see :func:`finish_run`."""
+        if not self._running or self.controller is None:
+            return self.summary
+        self._running = False
+        self.summary = finish_run(
+            self.controller, self.config.report, main_process=self._main_process
+        )
         return self.summary
+
+    def _abort(self, failure: str) -> RunSummary | None:
+        """End the run on an exception: restore every GPU, summarise and, on the main
+        process, write the report; no collective, since another rank may not be there.
+
+        Args:
+            failure: what failed (the exception's type), for the warning.
+        """
+        if not self._running or self.controller is None:
+            return self.summary
+        self._running = False
+        controller = self.controller
+        self.summary = controller.handle(End()).summary
+        log.warning("training failed (%s); GPU settings restored", failure)
+        if self._main_process and self.config.report:
+            from lightning_energy.report import write_report
+
+            try:
+                write_report(controller, self.config.report)
+            except OSError as exc:  # the training error matters more than the report
+                log.warning("the run report could not be written: %s", exc)
+        return self.summary
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state, for the framework's checkpoints (JSON-serialisable)."""
+        if self.controller is None:
+            return dict(self._pending_state or {})
+        return self.controller.handle(CheckpointSave()).state or {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume the profile and choice of a checkpoint (no profiling again).
+
+        Before a run is set up, the state is kept and resumed right after setup.
+
+        Raises:
+            CheckpointMismatchError: the state was measured on another GPU model.
+        """
+        if not state_dict:
+            return
+        if self._running and self.controller is not None:
+            self.controller.handle(CheckpointLoad(dict(state_dict)))
+        else:
+            self._pending_state = dict(state_dict)
+
+    # ----------------------------------------------------------------- with
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Finish the open run, or abort it when the block raised."""
+        if exc_type is None:
+            self._finish()
+        else:
+            self._abort(exc_type.__name__)
 
 
 def finish_run(
@@ -160,7 +350,7 @@ def finish_run(
         report: where to write the JSON report (None: nowhere).
         main_process: whether this is global rank 0.
     """
-    controller.teardown()
+    controller.handle(End())
     controller.gather_job_totals()  # every rank takes part: the job's own numbers
     summary = controller.teardown()
     if main_process:

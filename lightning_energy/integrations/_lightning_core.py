@@ -8,183 +8,244 @@ imports neither: it only translates trainer hooks into controller calls.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
+from typing_extensions import override
 
-from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import EnergyConfig
-from lightning_energy.controller import EnergyController
-from lightning_energy.integrations._common import EnergyAdapter, summary_values
+from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
+from lightning_energy.integrations._common import (
+    EnergyAdapter,
+    count_parameters,
+    summary_values,
+    tensor_collective,
+    workload_key,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    # Type-checked as a Lightning callback, so ``@override`` is checked against its hooks;
+    # at run time the core imports neither namespace (each subclass adds its own base).
+    from lightning.pytorch.callbacks import Callback as _CallbackBase
+else:
+    _CallbackBase = object
 
 __all__ = ["EnergyCallbackCore", "EnergyStrategyCore", "register_energy_strategies"]
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class EnergyCallbackCore(EnergyAdapter):
+class _Strategy(Protocol):
+    """What the callback uses of a Lightning strategy."""
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T: ...
+
+
+class _Logger(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+
+class _Trainer(Protocol):
+    """What the callback uses of a Lightning ``Trainer`` (either namespace)."""
+
+    @property
+    def strategy(self) -> _Strategy: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def estimated_stepping_batches(self) -> int | float: ...
+
+    @property
+    def train_dataloader(self) -> object: ...
+
+    @property
+    def loggers(self) -> Sequence[_Logger]: ...
+
+    @property
+    def progress_bar_callback(self) -> object: ...
+
+
+class _Module(Protocol):
+    """What the callback uses of a ``LightningModule`` (either namespace)."""
+
+    def parameters(self, recurse: bool = True) -> Iterable[torch.nn.Parameter]: ...
+
+    def log_dict(
+        self, dictionary: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, logger: bool
+    ) -> None: ...
+
+    def log(
+        self, name: str, value: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, logger: bool
+    ) -> None: ...
+
+
+class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     """Power-limit optimisation for a Lightning ``Trainer``; see :class:`.lightning.EnergyCallback`.
 
     Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`.
     """
 
-    _pending_state: dict[str, Any] | None = None
-    _running = False
-
     @property
+    @override
     def state_key(self) -> str:
         """Distinguishes energy callbacks with different selectors in one checkpoint."""
         section = self.config.power_limit
         return f"{type(self).__qualname__}[selector={section.selector}]"
 
     # ----------------------------------------------------------------- hooks
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def setup(self, trainer: _Trainer, pl_module: _Module, stage: str) -> None:
         """Start a run for this fit once the strategy (and its process group) exists.
 
         Every ``fit`` (also the one ``Tuner.lr_find`` runs, or a notebook cell run again
         with a new ``Trainer``) is a run of its own: set up, optimised (a workload
         profiled by an earlier fit reuses its profile), restored, summarised, reported.
-        Other stages (validate, test, predict) change nothing.
+        Other stages (validate, test, predict) change nothing. A checkpoint's state
+        loaded before this hook is resumed right after setup.
         """
         if stage != "fit":
             return
-        if self._running:
+        if self.running:
             self._finish_run(trainer)  # a fit that ended without its teardown hook
         strategy = trainer.strategy
-
-        def all_gather(values: list[float]) -> list[list[float]]:
-            tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
-            gathered = strategy.all_gather(tensor)
-            if gathered.dim() == 1:
-                gathered = gathered.unsqueeze(0)
-            return [row.tolist() for row in gathered.cpu()]
-
-        collective = GatherCollective(
-            trainer.global_rank, trainer.world_size, all_gather, strategy.broadcast
+        collective = tensor_collective(
+            trainer.global_rank,
+            trainer.world_size,
+            strategy.all_gather,
+            strategy.broadcast,
+            strategy.root_device,
         )
-        self.summary = None
-        if self.controller is None:
-            self.controller = EnergyController(
-                self.config,
-                collective=collective,
-                local_rank=trainer.local_rank,
-                node_rank=trainer.node_rank,
-                device=strategy.root_device,
-                # Lightning installs its SIGTERM handler after this hook; the guard's is
-                # installed at train start, on top of it (see ``on_train_start``).
-                install_signal_handlers=False,
-            )
-        self.controller.setup(collective=collective)
-        self._running = True
-        if self._pending_state is not None:
-            self.controller.load_state_dict(self._pending_state)
-            self._pending_state = None
+        controller = self.controller or EnergyController(
+            self.config,
+            collective=collective,
+            local_rank=trainer.local_rank,
+            node_rank=trainer.node_rank,
+            device=strategy.root_device,
+            # Lightning installs its SIGTERM handler after this hook; the guard's is
+            # installed at train start, on top of it (see ``on_train_start``).
+            install_signal_handlers=False,
+        )
+        self._begin_run(controller, main_process=trainer.is_global_zero, collective=collective)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_start(self, trainer: _Trainer, pl_module: _Module) -> None:
         """Declare the workload and the job's length (carbon pacing plans to the end).
 
         Installs the guard's SIGTERM/SIGINT handler on top of Lightning's: a signal
         restores every GPU at once, even mid-step or mid-pause, then Lightning handles it
         as usual (it stops at the next batch and calls ``on_exception``).
         """
-        if not self._running or self.controller is None:
+        if not self.running or self.controller is None:
             return
         self.controller.handle_signals()
         self._declare_workload(trainer, pl_module)
         total = trainer.estimated_stepping_batches
         self.controller.set_total_steps(int(total) if math.isfinite(total) else None)
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_epoch_start(self, trainer: _Trainer, pl_module: _Module) -> None:
         """Re-check the workload at every epoch (a datamodule may change its batch size)."""
         self._declare_workload(trainer, pl_module)
 
+    @override
     def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+        self, trainer: _Trainer, pl_module: _Module, batch: Any, batch_idx: int
     ) -> None:
         """Open a step."""
-        if self._running and self.controller is not None:
-            self.controller.on_step_start()
+        if self.running and self.controller is not None:
+            self.controller.handle(StepStart())
 
+    @override
     def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: _Trainer, pl_module: _Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Close a step; log fresh metrics to the loggers and the progress bar."""
-        controller = self.controller
-        if not self._running or controller is None:
+        if not self.running or self.controller is None:
             return
-        before = controller.metrics
-        controller.on_step_end()
-        if controller.metrics is before or not controller.metrics:
+        metrics = self.controller.handle(StepEnd()).metrics
+        if metrics is None:
             return
         if trainer.loggers:
             pl_module.log_dict(
-                controller.metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True
+                dict(metrics), on_step=True, on_epoch=False, prog_bar=False, logger=True
             )
         if trainer.progress_bar_callback is not None:
             pl_module.log(
                 "power_limit_w",
-                controller.metrics["energy/power_limit_w"],
+                metrics["energy/power_limit_w"],
                 on_step=True,
                 on_epoch=False,
                 prog_bar=True,
                 logger=False,
             )
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_epoch_end(self, trainer: _Trainer, pl_module: _Module) -> None:
         """A profiling window must not span an epoch boundary."""
-        if self._running and self.controller is not None:
-            self.controller.interrupt("epoch end")
+        if self.running and self.controller is not None:
+            self.controller.handle(Interruption("epoch end"))
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_start(self, trainer: _Trainer, pl_module: _Module) -> None:
         """Pause profiling during validation (the window in progress is retried)."""
-        if self._running and self.controller is not None and trainer.training:
-            self.controller.interrupt("validation")
+        if self.running and self.controller is not None and trainer.training:
+            self.controller.handle(Interruption("validation"))
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """Restore every GPU before the exception propagates."""
-        if self._running and self.controller is not None:
-            self._running = False
-            self.summary = self.controller.teardown()
-            log.warning("training failed (%s); GPU settings restored", type(exception).__name__)
+    @override
+    def on_exception(self, trainer: _Trainer, pl_module: _Module, exception: BaseException) -> None:
+        """Restore every GPU before the exception propagates, then write the report."""
+        self._abort(type(exception).__name__)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def teardown(self, trainer: _Trainer, pl_module: _Module, stage: str) -> None:
         """Restore every GPU, then print and log the run summary (and write the report)."""
-        if stage == "fit" and self._running:
+        if stage == "fit" and self.running:
             self._finish_run(trainer)
 
-    def _finish_run(self, trainer: Any) -> None:
-        assert self.controller is not None
-        self._running = False
-        summary = self._finish(self.controller, main_process=trainer.is_global_zero)
+    def _finish_run(self, trainer: _Trainer) -> None:
+        summary = self._finish()
+        if summary is None:
+            return
         for logger in trainer.loggers:
             logger.log_metrics(summary_values(summary), step=trainer.global_step)
 
-    # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """The controller's state, saved in Lightning checkpoints."""
-        return self.controller.state_dict() if self.controller is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the profile and choice (no profiling again)."""
-        if not state_dict:
-            return
-        if self.controller is None:
-            self._pending_state = dict(state_dict)
-        else:
-            self.controller.load_state_dict(dict(state_dict))
-
     # ----------------------------------------------------------------- helpers
-    def _declare_workload(self, trainer: Any, pl_module: Any) -> None:
-        if not self._running or self.controller is None:
+    def _declare_workload(self, trainer: _Trainer, pl_module: _Module) -> None:
+        if not self.running or self.controller is None:
             return
-        params = sum(p.numel() for p in pl_module.parameters())
-        loader = trainer.train_dataloader
-        batch_size = getattr(loader, "batch_size", None)
-        self.controller.set_workload(f"batch_size={batch_size},params={params}")
+        batch_size = getattr(trainer.train_dataloader, "batch_size", None)
+        self.controller.set_workload(
+            workload_key(batch_size=batch_size, params=count_parameters(pl_module))
+        )
 
 
 class EnergyStrategyCore:

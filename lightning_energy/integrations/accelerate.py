@@ -31,7 +31,8 @@ What :func:`attach_energy` wires up:
   including :class:`EnergyTracker`) and to this module's logger.
 * ranks: they agree through Accelerate's own ``gather`` and ``broadcast_object_list``.
 * restore: ``accelerator.end_training()``, :meth:`AcceleratorEnergy.close`, the ``with``
-  block, SIGTERM/SIGINT and interpreter exit all put the pre-job settings back.
+  block, SIGTERM/SIGINT and interpreter exit all put the pre-job settings back; an
+  exception in the ``with`` block also writes the report (without a collective).
 """
 
 from __future__ import annotations
@@ -54,12 +55,24 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
-from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
-from lightning_energy.controller import EnergyController, RunSummary
+from lightning_energy.controller import (
+    EnergyController,
+    Interruption,
+    RunSummary,
+    StepEnd,
+    StepResult,
+    StepStart,
+)
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.integrations._common import build_config, finish_run, summary_values
+from lightning_energy.integrations._common import (
+    EnergyAdapter,
+    build_config,
+    summary_values,
+    tensor_collective,
+)
 
 __all__ = ["AcceleratorEnergy", "EnergyTracker", "attach_energy"]
 
@@ -124,7 +137,7 @@ def _config_from_env() -> EnergyConfig | None:
         raise ConfigError(exc.problems, source) from exc
 
 
-class AcceleratorEnergy:
+class AcceleratorEnergy(EnergyAdapter):
     """Energy optimisation attached to an ``Accelerator``; built by :func:`attach_energy`.
 
     Args:
@@ -144,22 +157,19 @@ class AcceleratorEnergy:
         *,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
+        super().__init__(config if config is not None else EnergyConfig())
         self.accelerator = accelerator
-        self.config = config
-        self.controller: EnergyController | None = None
-        self.summary: RunSummary | None = None
+        self._active = config is not None
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
         self._optimizer = optimizer
         self._handles: list[RemovableHandle] = []
         self._step_open = False
-        self._published: dict[str, float] | None = None
-        self._closed = False
 
     @property
     def active(self) -> bool:
         """Whether energy optimisation runs (a configuration was given or found)."""
-        return self.config is not None
+        return self._active
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -169,11 +179,13 @@ class AcceleratorEnergy:
     def start(self) -> None:
         """Open this rank's GPU, take its lease and hook the optimizer steps.
 
+        A state loaded before (:meth:`load_state_dict`) is resumed here.
+
         Raises:
             ConfigError: candidate power limits outside the GPU's range.
             EnergyError: strict mode, when the GPU cannot be controlled.
         """
-        if self.config is None:
+        if not self.active:
             log.info("%s is not set: energy optimisation is off", CONFIG_ENV_VAR)
             return
         if self.controller is not None:
@@ -181,29 +193,23 @@ class AcceleratorEnergy:
         accelerator = self.accelerator
         controller = EnergyController(
             self.config,
-            collective=GatherCollective(
+            collective=tensor_collective(
                 accelerator.process_index,
                 accelerator.num_processes,
-                self._all_gather,
+                accelerator.gather,
                 _broadcast,
+                accelerator.device,
             ),
             local_rank=accelerator.local_process_index,
             device=accelerator.device,
         )
-        controller.setup()
-        self.controller = controller
+        self._begin_run(controller, main_process=accelerator.is_main_process)
         self._handles = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
         original = accelerator.end_training
         accelerator.end_training = _EndTraining(self, original)
-
-    def _all_gather(self, values: list[float]) -> list[list[float]]:
-        accelerator = self.accelerator
-        tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-        gathered = accelerator.gather(tensor).reshape(accelerator.num_processes, len(values))
-        return [row.tolist() for row in gathered.cpu()]
 
     # ------------------------------------------------------------------ steps
     def _tracks(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -216,7 +222,7 @@ class AcceleratorEnergy:
     ) -> None:
         if self.controller is None or self._step_open or not self._tracks(optimizer):
             return
-        self.controller.on_step_start()
+        self.controller.handle(StepStart())
         self._step_open = True
 
     def _after_step(
@@ -227,20 +233,18 @@ class AcceleratorEnergy:
             return
         # A step runs from one optimizer step to the next, so a measurement window covers
         # whole iterations (forward, backward, data loading) and nothing is left out.
-        controller.on_step_end()
-        self._publish(controller)
-        controller.on_step_start()
+        self._publish(controller.handle(StepEnd()), controller.steps)
+        controller.handle(StepStart())
 
-    def _publish(self, controller: EnergyController) -> None:
-        metrics = controller.metrics
-        if not metrics or metrics is self._published:
+    def _publish(self, result: StepResult, step: int) -> None:
+        if result.metrics is None:
             return
-        self._published = metrics
-        self.accelerator.log(dict(metrics), step=controller.steps)
+        metrics = dict(result.metrics)
+        self.accelerator.log(metrics, step=step)
         if self.accelerator.is_main_process:
             log.info(
                 "energy at step %d: %s",
-                controller.steps,
+                step,
                 ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
             )
 
@@ -250,10 +254,13 @@ class AcceleratorEnergy:
         The power limit being profiled is measured again afterwards.
         """
         if self.controller is not None:
-            self.controller.interrupt(reason)
+            self.controller.handle(Interruption(reason))
 
     def set_workload(self, key: str) -> None:
-        """Declare a new workload (batch size or model change): it is profiled again."""
+        """Declare a new workload (batch size or model change): it is profiled again.
+
+        Build the key with :func:`~lightning_energy.integrations._common.workload_key`.
+        """
         if self.controller is not None:
             self.controller.set_workload(key)
 
@@ -263,18 +270,7 @@ class AcceleratorEnergy:
             self.controller.set_total_steps(total_steps)
 
     # ------------------------------------------------------------------ end
-    def close(self) -> RunSummary | None:
-        """Unhook, restore every GPU and log the run summary. Idempotent.
-
-        Returns:
-            The run summary (None when inactive).
-        """
-        controller = self.controller
-        if controller is None:
-            return None
-        if self._closed:
-            return self.summary
-        self._closed = True
+    def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -282,41 +278,55 @@ class AcceleratorEnergy:
         if isinstance(hook, _EndTraining) and hook.energy is self:
             del self.accelerator.end_training
         self._step_open = False
-        report = self.config.report if self.config is not None else None
-        self.summary = finish_run(controller, report, main_process=self.accelerator.is_main_process)
-        self.accelerator.log(summary_values(self.summary), step=controller.steps)
-        return self.summary
 
-    def __enter__(self) -> AcceleratorEnergy:
-        return self
+    def close(self) -> RunSummary | None:
+        """Unhook, restore every GPU and log the run summary. Idempotent.
 
+        Call it on every rank at a normal end (the job's totals are a collective).
+
+        Returns:
+            The run summary (None when inactive).
+        """
+        if not self.running:
+            return self.summary
+        self._unhook()
+        summary = self._finish()
+        if summary is not None and self.controller is not None:
+            self.accelerator.log(summary_values(summary), step=self.controller.steps)
+        return summary
+
+    @override
+    def _abort(self, failure: str) -> RunSummary | None:
+        """Unhook, then end the run on an exception (restore, summary, report)."""
+        if self.running:
+            self._unhook()
+        return super()._abort(failure)
+
+    @override
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
-        if exc_type is not None and self.controller is not None:
-            log.warning("training failed (%s); GPU settings restored", exc_type.__name__)
+        """Close the attachment, or abort the run when the block raised."""
+        if exc_type is None:
+            self.close()
+        else:
+            self._abort(exc_type.__name__)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The controller's state; ``accelerator.save_state`` stores it."""
-        return self.controller.state_dict() if self.controller is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    @override
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume the profile and choice; ``accelerator.load_state`` calls this.
 
         Raises:
             CheckpointMismatchError: the state was measured on another GPU model.
         """
-        if not state_dict:
-            return
-        if self.controller is None:
+        if state_dict and not self.active:
             log.debug("energy state in the checkpoint ignored: energy optimisation is off")
             return
-        self.controller.load_state_dict(dict(state_dict))
+        super().load_state_dict(state_dict)
 
 
 class _EndTraining:
@@ -376,10 +386,12 @@ class EnergyTracker(GeneralTracker):
         self._file: IO[str] | None = None
 
     @property
+    @override
     def tracker(self) -> list[dict[str, Any]]:
         """The recorded values (Accelerate's ``get_tracker(..., unwrap=True)`` returns this)."""
         return self.history
 
+    @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Record the energy and carbon values among ``values``."""
         kept = {k: v for k, v in values.items() if k.startswith(self.prefixes)}
@@ -394,6 +406,7 @@ class EnergyTracker(GeneralTracker):
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
+    @override
     def finish(self) -> None:
         """Close the file (``accelerator.end_training()`` calls this)."""
         if self._file is not None:

@@ -9,34 +9,62 @@ Fabric has no trainer, so the loop makes the calls a ``Trainer`` would make::
     fabric = Fabric(accelerator="auto", devices=2, strategy="ddp", callbacks=[energy])
     fabric.launch()
     energy.setup(fabric)
-    try:
+    with energy:                             # an exception restores and writes the report
         for batch in loader:
             fabric.call("on_train_batch_start")
             ...  # forward, fabric.backward(loss), optimizer.step()
             fabric.call("on_train_batch_end")
+            if energy.metrics_fresh:
+                fabric.log_dict(energy.metrics)
         fabric.call("on_validation_start")   # pauses profiling while validating
-    finally:
-        energy.teardown()                    # restores every GPU, returns the summary
+    summary = energy.summary                 # the block's normal end finished the run
 
 ``fabric.save(path, {"model": model, "energy": energy})`` saves the profile (the callback
 implements ``state_dict``/``load_state_dict``) so ``fabric.load`` resumes without
-profiling again.
+profiling again, also when it runs before :meth:`EnergyFabricCallback.setup`.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
+from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
+from lightning_energy.integrations._common import EnergyAdapter, tensor_collective
 
-from lightning_energy.collectives import GatherCollective
-from lightning_energy.controller import EnergyController, RunSummary
-from lightning_energy.integrations._common import EnergyAdapter
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_energy.controller import RunSummary
 
 __all__ = ["EnergyFabricCallback"]
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Fabric(Protocol):
+    """What the callback uses of a ``lightning.fabric.Fabric``."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def all_gather(self, data: torch.Tensor) -> Any: ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T: ...
 
 
 class EnergyFabricCallback(EnergyAdapter):
@@ -44,45 +72,38 @@ class EnergyFabricCallback(EnergyAdapter):
 
     Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`
     (``config``, ``device``, ``power_limit``, ``carbon``, ``strict``, ``report``); the
-    report is written in :meth:`teardown`.
+    report is written when the run ends (:meth:`teardown`, or the ``with`` block).
 
     Raises:
         ConfigError: invalid configuration (before any GPU is touched).
     """
 
-    _is_global_zero = True
+    _fresh = False
 
-    def setup(self, fabric: Any) -> None:
+    def setup(self, fabric: _Fabric) -> None:
         """Open this rank's GPU and take its lease (call after ``fabric.launch()``).
 
         Idempotent while a run is open; after :meth:`teardown` it starts another run (a
         second training loop), which reuses the profile of a workload already profiled.
+        A state loaded before (``fabric.load``) is resumed here.
         """
-        if self.controller is not None and self.summary is None:
+        if self.running:
             return
-
-        def all_gather(values: list[float]) -> list[list[float]]:
-            gathered = fabric.all_gather(
-                torch.tensor(values, dtype=torch.float64, device=fabric.device)
-            )
-            if gathered.dim() == 1:
-                gathered = gathered.unsqueeze(0)
-            return [row.tolist() for row in gathered.cpu()]
-
-        self._is_global_zero = bool(fabric.is_global_zero)
-        collective = GatherCollective(
-            fabric.global_rank, fabric.world_size, all_gather, fabric.broadcast
+        collective = tensor_collective(
+            fabric.global_rank,
+            fabric.world_size,
+            fabric.all_gather,
+            fabric.broadcast,
+            fabric.device,
         )
-        self.summary = None
-        if self.controller is None:
-            self.controller = EnergyController(
-                self.config,
-                collective=collective,
-                local_rank=fabric.local_rank,
-                node_rank=fabric.node_rank,
-                device=fabric.device,
-            )
-        self.controller.setup(collective=collective)
+        controller = self.controller or EnergyController(
+            self.config,
+            collective=collective,
+            local_rank=fabric.local_rank,
+            node_rank=fabric.node_rank,
+            device=fabric.device,
+        )
+        self._begin_run(controller, main_process=fabric.is_global_zero, collective=collective)
 
     def _require(self) -> EnergyController:
         if self.controller is None:
@@ -93,23 +114,35 @@ class EnergyFabricCallback(EnergyAdapter):
 
     def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
         """Open a training step (``fabric.call("on_train_batch_start")``)."""
-        self._require().on_step_start()
+        self._require().handle(StepStart())
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         """Close a training step (``fabric.call("on_train_batch_end")``)."""
-        self._require().on_step_end()
+        self._fresh = self._require().handle(StepEnd()).metrics is not None
 
     def on_validation_start(self, *args: Any, **kwargs: Any) -> None:
         """Pause profiling while validating (the window in progress is retried)."""
-        self._require().interrupt("validation")
+        self._require().handle(Interruption("validation"))
 
     def on_train_epoch_end(self, *args: Any, **kwargs: Any) -> None:
         """A profiling window must not span an epoch boundary."""
-        self._require().interrupt("epoch end")
+        self._require().handle(Interruption("epoch end"))
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Restore every GPU and write the report (``fabric.call("on_exception", exc)``)."""
+        self._abort(type(exception).__name__)
 
     def set_workload(self, key: str) -> None:
-        """Declare a new workload (batch size or model change): it is profiled again."""
+        """Declare a new workload (batch size or model change): it is profiled again.
+
+        Build the key with :func:`~lightning_energy.integrations._common.workload_key`.
+        """
         self._require().set_workload(key)
+
+    @property
+    def metrics_fresh(self) -> bool:
+        """Whether the last training step closed a logging interval (new metrics)."""
+        return self._fresh
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -118,17 +151,5 @@ class EnergyFabricCallback(EnergyAdapter):
 
     def teardown(self) -> RunSummary | None:
         """Restore every GPU and return the run summary (idempotent until the next
-        :meth:`setup`)."""
-        if self.controller is None:
-            return None
-        if self.summary is None:
-            self._finish(self.controller, main_process=self._is_global_zero)
-        return self.summary
-
-    def state_dict(self) -> dict[str, Any]:
-        """The controller's state (``fabric.save`` calls this)."""
-        return self._require().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the profile and choice (``fabric.load`` calls this)."""
-        self._require().load_state_dict(dict(state_dict))
+        :meth:`setup`); on every rank at a normal end (the job's totals are a collective)."""
+        return self._finish()

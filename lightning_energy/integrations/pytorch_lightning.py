@@ -26,7 +26,9 @@ __all__ = [
 ]
 
 
-class EnergyCallback(EnergyCallbackCore, Callback):
+# The core's hooks are type-checked against ``lightning.pytorch``'s ``Callback``; this
+# namespace's ``Callback`` names its own ``Trainer`` type, which the checker cannot match.
+class EnergyCallback(EnergyCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``integrations.lightning.EnergyCallback``."""
 
 

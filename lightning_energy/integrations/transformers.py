@@ -21,27 +21,28 @@ What it does with the Trainer's events:
   ``trainer.state.log_history`` and the callbacks after this one).
 * A profiling window spanning an evaluation or an epoch end is discarded and retried.
 * ``on_train_end`` (or the ``with`` block, SIGTERM/SIGINT, interpreter exit) restores
-  every GPU exactly once.
+  every GPU exactly once; an exception in the ``with`` block also writes the report.
 
 Requires ``pip install "lightning-energy[hf]"``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
+from typing_extensions import override
 
-from lightning_energy.controller import EnergyController
-from lightning_energy.integrations._common import EnergyAdapter
+from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
+from lightning_energy.integrations._common import (
+    EnergyAdapter,
+    count_parameters,
+    workload_key,
+)
 
 __all__ = ["EnergyTrainerCallback"]
-
-log = logging.getLogger(__name__)
 
 
 class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
@@ -65,15 +66,14 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
     """
 
     # ----------------------------------------------------------------- state
+    @override
     def state(self) -> dict[str, Any]:
         """What the Trainer writes to ``trainer_state.json`` at every checkpoint.
 
         ``args`` rebuild this callback (with ``restore_callback_states_from_checkpoint``);
         ``attributes`` hold the controller's state, read back in :meth:`on_train_begin`.
         """
-        controller = self.controller
-        running = controller is not None and self.summary is None
-        energy_state = controller.state_dict() if running and controller is not None else {}
+        energy_state = self.state_dict() if self.running else {}
         return {
             "args": {"config": self.config.to_mapping()},
             "attributes": {"energy_state": energy_state},
@@ -93,6 +93,7 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         return dict(saved) if isinstance(saved, Mapping) else {}
 
     # ----------------------------------------------------------------- hooks
+    @override
     def on_train_begin(
         self,
         args: TrainingArguments,
@@ -101,25 +102,25 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         **kwargs: Any,
     ) -> None:
         """Open this rank's GPU, resume a saved profile, declare the workload and its length."""
-        if self.controller is not None and self.summary is None:
-            self.controller.teardown()  # a previous train() call raised outside ``with``
-        self.summary = None
-        self.controller = EnergyController(
-            self.config, local_rank=args.local_process_index, device=args.device
-        )
-        self.controller.setup()
+        if self.running:  # a previous train() call raised outside ``with``
+            self._abort("an earlier train() call that did not end")
         if state.global_step > 0:  # resumed: the checkpoint's trainer_state.json was loaded
-            saved = self._saved_state(state)
-            if saved:
-                self.controller.load_state_dict(saved)
-        self.controller.set_total_steps(state.max_steps if state.max_steps > 0 else None)
+            self.load_state_dict(self._saved_state(state))  # resumed right after setup
+        controller = self._begin_run(
+            EnergyController(self.config, local_rank=args.local_process_index, device=args.device),
+            main_process=state.is_world_process_zero,
+        )
+        controller.set_total_steps(state.max_steps if state.max_steps > 0 else None)
         model = kwargs.get("model")
-        params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        self.controller.set_workload(
-            f"batch_size={state.train_batch_size},"
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps},params={params}"
+        controller.set_workload(
+            workload_key(
+                batch_size=state.train_batch_size,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                params=count_parameters(model) if model is not None else 0,
+            )
         )
 
+    @override
     def on_step_begin(
         self,
         args: TrainingArguments,
@@ -128,9 +129,10 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         **kwargs: Any,
     ) -> None:
         """Open an optimizer step (the first micro-batch of an accumulation)."""
-        if self.controller is not None:
-            self.controller.on_step_start()
+        if self.running and self.controller is not None:
+            self.controller.handle(StepStart())
 
+    @override
     def on_step_end(
         self,
         args: TrainingArguments,
@@ -138,10 +140,11 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Close an optimizer step."""
-        if self.controller is not None:
-            self.controller.on_step_end()
+        """Close an optimizer step (its metrics reach the Trainer's next log, in ``on_log``)."""
+        if self.running and self.controller is not None:
+            self.controller.handle(StepEnd())
 
+    @override
     def on_evaluate(
         self,
         args: TrainingArguments,
@@ -150,9 +153,10 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         **kwargs: Any,
     ) -> None:
         """Discard a profiling window that spanned the evaluation (it is retried)."""
-        if self.controller is not None:
-            self.controller.interrupt("evaluation")
+        if self.running and self.controller is not None:
+            self.controller.handle(Interruption("evaluation"))
 
+    @override
     def on_epoch_end(
         self,
         args: TrainingArguments,
@@ -161,9 +165,10 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         **kwargs: Any,
     ) -> None:
         """A profiling window must not span an epoch boundary."""
-        if self.controller is not None:
-            self.controller.interrupt("epoch end")
+        if self.running and self.controller is not None:
+            self.controller.handle(Interruption("epoch end"))
 
+    @override
     def on_log(
         self,
         args: TrainingArguments,
@@ -183,6 +188,7 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
             if last.get("step") == state.global_step and set(logs) - set(metrics) <= set(last):
                 last.update(metrics)
 
+    @override
     def on_train_end(
         self,
         args: TrainingArguments,
@@ -191,26 +197,4 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         **kwargs: Any,
     ) -> None:
         """Restore every GPU, then log the run summary (and write the report)."""
-        self._teardown(is_world_process_zero=state.is_world_process_zero)
-
-    # ----------------------------------------------------------------- end
-    def _teardown(self, *, is_world_process_zero: bool) -> None:
-        if self.controller is None or self.summary is not None:
-            return
-        self._finish(self.controller, main_process=is_world_process_zero)
-
-    def __enter__(self) -> EnergyTrainerCallback:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Restore every GPU if training did not reach ``on_train_end`` (it raised)."""
-        if self.controller is None or self.summary is not None:
-            return
-        self.summary = self.controller.teardown()
-        if exc_type is not None:
-            log.warning("training failed (%s); GPU settings restored", exc_type.__name__)
+        self._finish()

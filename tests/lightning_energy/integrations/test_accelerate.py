@@ -377,3 +377,50 @@ def test_two_process_accelerate_launch_agrees_resumes_and_restores(tmp_path: Pat
     for event in failed.values():
         assert event["decisions"] == ["resumed from checkpoint"]
         assert event["gpu_power_limit_w"] == event["pre_job_power_limit_w"] == PRE_JOB_W
+
+
+def test_exception_in_the_with_block_writes_the_report_without_a_collective(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "report.json"
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=40))
+    config = {**_config(tmp_path), "report": str(report)}
+    with pytest.raises(RuntimeError, match="boom"):  # noqa: SIM117 - the order is the point
+        with attach_energy(accelerator, config) as energy:
+            for x, y in loader:
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                if _gpu_limit_w(energy) < PRE_JOB_W:
+                    raise RuntimeError("boom")
+    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert energy.controller is not None
+    written = json.loads(report.read_text())
+    assert written["summary"]["steps"] == energy.controller.steps > 0
+    assert "job" not in written  # no collective on an exception path: another rank may be gone
+    assert "end_training" not in vars(accelerator)  # unhooked
+
+
+def test_state_loaded_before_start_is_resumed_at_start(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, _config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=80))
+        _train(accelerator, model, optimizer, loader)
+        assert energy.controller is not None and energy.controller.profile_done
+        state = energy.state_dict()
+        chosen_w = energy.controller.current_power_limit_w()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    from lightning_energy.config import EnergyConfig
+
+    resumed = AcceleratorEnergy(Accelerator(cpu=True), EnergyConfig.from_mapping(_config(tmp_path)))
+    resumed.load_state_dict(state)
+    assert resumed.controller is None
+    resumed.start()
+    with resumed:
+        controller = resumed.controller
+        assert controller is not None and controller.profile_done
+        assert [d["reason"] for d in controller.decisions] == ["resumed from checkpoint"]
+        assert _gpu_limit_w(resumed) == chosen_w

@@ -339,3 +339,77 @@ def test_two_process_ddp_picks_one_limit_on_all_ranks(tmp_path: Path) -> None:
     assert ranks[0]["power_limit_w"] == ranks[1]["power_limit_w"] is not None
     # Both ranks hold the same job-wide profile (aggregated with the strategy's collectives).
     assert ranks[0]["profile"] == ranks[1]["profile"]
+
+
+def test_exception_in_training_restores_and_writes_the_report(
+    namespace: tuple[Any, Any], tmp_path: Path
+) -> None:
+    ns, integ = namespace
+    report = tmp_path / "report.json"
+    callback = integ.EnergyCallback({**_energy_config(tmp_path, "energy"), "report": str(report)})
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(ns, callback, tmp_path, model_kw={"fail_at_step": 40}, num_sanity_val_steps=0)
+    controller = callback.controller
+    assert controller is not None and not callback.running
+    assert any(d["value"] is not None and d["value"] < 300 for d in controller.decisions)
+    assert controller.devices.gpus[0].power_limit_w() == 300.0
+    written = json.loads(report.read_text())
+    assert written["summary"]["steps"] == controller.steps == 40
+    assert "job" not in written  # no collective on an exception path: another rank may be gone
+
+
+def _fabric_loop(fabric: Any, energy: Any, batches: int, fail_below_w: float | None) -> None:
+    for _ in range(batches):
+        fabric.call("on_train_batch_start")
+        fabric.call("on_train_batch_end")
+        limit_w = energy.controller.current_power_limit_w()
+        if fail_below_w is not None and limit_w is not None and limit_w < fail_below_w:
+            raise RuntimeError("boom")
+
+
+def test_fabric_exception_in_the_with_block_restores_and_writes_the_report(
+    tmp_path: Path,
+) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_energy.integrations.fabric import EnergyFabricCallback
+
+    report = tmp_path / "report.json"
+    energy = EnergyFabricCallback({**_energy_config(tmp_path, "energy"), "report": str(report)})
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[energy])
+    fabric.launch()
+    energy.setup(fabric)
+    with pytest.raises(RuntimeError, match="boom"), energy:
+        _fabric_loop(fabric, energy, 100, fail_below_w=300.0)
+    assert energy.controller is not None and not energy.running
+    assert energy.controller.devices.gpus[0].power_limit_w() == 300.0
+    assert energy.summary is not None and energy.teardown() is energy.summary
+    written = json.loads(report.read_text())
+    assert written["summary"]["steps"] == energy.controller.steps > 0
+    assert "job" not in written
+
+
+def test_fabric_state_loaded_before_setup_is_resumed_at_setup(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_energy.integrations.fabric import EnergyFabricCallback
+
+    first = EnergyFabricCallback(_energy_config(tmp_path, "energy"))
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[first])
+    fabric.launch()
+    first.setup(fabric)
+    with first:
+        _fabric_loop(fabric, first, 150, fail_below_w=None)
+        fabric.save(tmp_path / "fabric.ckpt", {"energy": first})
+    assert first.controller is not None and first.controller.profile_done
+    chosen = first.controller.current_power_limit_w()
+
+    second = EnergyFabricCallback(_energy_config(tmp_path, "energy"))
+    fabric.load(tmp_path / "fabric.ckpt", {"energy": second})  # before setup
+    assert second.controller is None
+    second.setup(fabric)
+    with second:
+        controller = second.controller
+        assert controller is not None and controller.profile_done
+        assert [d["reason"] for d in controller.decisions] == ["resumed from checkpoint"]
+        assert controller.devices.gpus[0].power_limit_w() == chosen

@@ -19,7 +19,7 @@ from accelerate.state import AcceleratorState, GradientState
 from transformers import Trainer, TrainingArguments
 
 from lightning_energy.config import CONFIG_ENV_VAR
-from lightning_energy.controller import EnergyController
+from lightning_energy.controller import EnergyController, Event, Interruption, StepResult
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.transformers import EnergyTrainerCallback
 
@@ -165,13 +165,14 @@ def test_evaluation_interrupts_profiling_which_still_completes(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reasons: list[str] = []
-    original = EnergyController.interrupt
+    original = EnergyController.handle
 
-    def spy(self: EnergyController, reason: str) -> None:
-        reasons.append(reason)
-        original(self, reason)
+    def spy(self: EnergyController, event: Event) -> StepResult:
+        if isinstance(event, Interruption):
+            reasons.append(event.reason)
+        return original(self, event)
 
-    monkeypatch.setattr(EnergyController, "interrupt", spy)
+    monkeypatch.setattr(EnergyController, "handle", spy)
     callback = EnergyTrainerCallback(_config(selector="energy"))
     trainer = _trainer(
         example, tmp_path, callback, max_steps=90, eval_strategy="steps", eval_steps=7
@@ -216,6 +217,23 @@ def test_exception_during_training_restores_with_the_context_manager(
     assert callback.summary is not None
     assert callback.controller is not None
     assert callback.controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+
+
+def test_exception_in_the_with_block_writes_the_report_without_a_collective(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = tmp_path / "report.json"
+    callback = EnergyTrainerCallback({**_config(), "report": str(report)})
+    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
+    with pytest.raises(RuntimeError, match="boom"), callback:
+        trainer.train()
+    controller = callback.controller
+    assert controller is not None and not callback.running
+    assert controller.devices.gpus[0].power_limit_w() == PRE_JOB_W
+    written = json.loads(report.read_text())
+    assert written["summary"]["steps"] == controller.steps > 0
+    assert "job" not in written  # no collective on an exception path: another rank may be gone
 
 
 def test_train_again_after_a_failure_outside_with_restores_the_first_run(

@@ -1,0 +1,132 @@
+"""What adapters tell the controller, and what it answers.
+
+An adapter translates each framework hook into one event and hands it to
+:meth:`EnergyController.handle <lightning_energy.controller.EnergyController.handle>`;
+the answer is a :class:`StepResult`: the metrics to log when a logging interval closed
+(None otherwise) and the decisions the event led to.
+
+Example:
+    >>> from lightning_energy.controller import Interruption, StepEnd, StepResult
+    >>> Interruption("validation")
+    Interruption(reason='validation')
+    >>> StepResult().metrics is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from lightning_energy.controller.ledger import RunSummary
+    from lightning_energy.pacing import PaceUpdate
+
+__all__ = [
+    "CheckpointLoad",
+    "CheckpointSave",
+    "Decision",
+    "End",
+    "Event",
+    "Interruption",
+    "Pause",
+    "StepEnd",
+    "StepResult",
+    "StepStart",
+]
+
+
+class Decision(TypedDict):
+    """One setting the controller chose, and why (as written to reports).
+
+    Keys: ``step`` (training steps seen), ``time_s`` (device-clock seconds since setup),
+    ``kind`` (``power_limit``, ``observe-only``, ``enforced_power_limit``), ``purpose``
+    (``profile``, ``choice``, ``pause``, ``resume`` or None), ``value`` (watts, or None)
+    and ``reason``.
+    """
+
+    step: int
+    time_s: float
+    kind: str
+    purpose: str | None
+    value: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """A training (optimizer) step is about to run."""
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """A training (optimizer) step has run."""
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """Something that is not training runs next (validation, epoch end, evaluation): the
+    profiling window in progress is discarded and its power limit measured again later.
+
+    Attributes:
+        reason: why, for the debug log.
+    """
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait at the lowest power limit until the carbon policy resumes training.
+
+    The controller raises this itself at a logging boundary when rank 0's policy says so;
+    every rank handles it at the same step.
+
+    Attributes:
+        update: the pacing decision that asked for the pause.
+    """
+
+    update: PaceUpdate
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """A checkpoint is being written: the result's ``state`` is what to store."""
+
+
+@dataclass(frozen=True)
+class CheckpointLoad:
+    """A checkpoint is being read: resume its profile and choice.
+
+    Attributes:
+        state: what :class:`CheckpointSave` returned when it was written.
+    """
+
+    state: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class End:
+    """The run ends: restore every GPU first, then summarise (the result's ``summary``)."""
+
+
+Event = StepStart | StepEnd | Interruption | Pause | CheckpointSave | CheckpointLoad | End
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the controller answers to an event.
+
+    Attributes:
+        metrics: the ``energy/*`` (and ``carbon/*``) values to log, when a logging interval
+            closed during the event; None when there is nothing new to log.
+        decisions: the settings chosen while handling the event, in order.
+        state: for :class:`CheckpointSave`, the state to store (JSON-serialisable).
+        summary: for :class:`End`, the run summary.
+    """
+
+    metrics: Mapping[str, float] | None = None
+    decisions: tuple[Decision, ...] = field(default_factory=tuple)
+    state: dict[str, Any] | None = None
+    summary: RunSummary | None = None

@@ -1,0 +1,390 @@
+"""The run ledger: every number a run summary or report holds comes from here.
+
+It keeps the logging intervals (metrics, timeline), the energy and carbon accounting, the
+decisions, the baselines measured from the end of the profile on, the run summary and the
+job's totals. It decides nothing and changes no GPU: the coordinator tells it what
+happened and reads the numbers back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from carbon.accounting import emissions_g
+from lightning_energy.controller.events import Decision
+from lightning_energy.controller.readings import AFTER_PROFILE, INTERVAL, Readings
+from lightning_energy.pacing import utc_now
+
+if TYPE_CHECKING:
+    from lightning_energy.device.base import DeviceSet, GPUInfo
+    from lightning_energy.errors import DeviceError
+    from lightning_energy.measure import Measurement
+    from lightning_energy.pacing import CarbonPacer
+
+__all__ = ["RunLedger", "RunSummary"]
+
+log = logging.getLogger(__name__)
+
+#: Measured (time, energy) per step by power limit: the profile as the ledger reads it.
+Profile = dict[float, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run used and saved.
+
+    Attributes:
+        steps: training steps seen.
+        energy_j: energy used by this process's GPUs.
+        duration_s: device-clock time from setup to teardown.
+        power_limit_w: the power limit in force at the end (None: never changed).
+        pre_job_power_limit_w: the limit each GPU had before the job.
+        energy_saved_j: energy measured over the steps after profiling, subtracted from
+            the same steps at the highest profiled limit (per the measured profile; 0
+            before the profile completes).
+        slowdown: the time those steps took over their time at the highest profiled
+            limit (pauses included).
+        observe_only: True when GPU settings could not be changed.
+        read_error: why GPU readings failed during the run (None: they never did); the
+            energy from then on is missing and the settings were restored at that point.
+        carbon: with a ``carbon:`` section: grams emitted by this process's GPUs; on rank 0
+            also the same job run carbon-unaware (the selector's limit, no pacing) and at
+            full power, from the end of profiling on the intensities observed (cumulative
+            series in ``baselines``), and the deadline and whether it was met.
+        job_energy_j: energy used by every GPU of the job, each counted once (None until
+            the ranks have compared numbers at the end of a run; ``energy_j`` is this
+            process's own share).
+    """
+
+    steps: int
+    energy_j: float
+    duration_s: float
+    power_limit_w: float | None
+    pre_job_power_limit_w: float | None
+    energy_saved_j: float
+    slowdown: float
+    observe_only: bool
+    carbon: dict[str, Any] | None = None
+    job_energy_j: float | None = None
+    read_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for logs and reports."""
+        return asdict(self)
+
+
+class RunLedger:
+    """The numbers of one run (one ``fit``), from setup to teardown.
+
+    Args:
+        log_every_n_steps: steps per logging interval.
+        clock: the device clock (seconds).
+        on_lost: called once when a GPU reading first fails (see :class:`Readings`).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int,
+        clock: Callable[[], float],
+        on_lost: Callable[[DeviceError], None],
+    ) -> None:
+        self._log_every_n_steps = log_every_n_steps
+        self._clock = clock
+        self.readings = Readings(on_lost)
+        self.step = 0
+        self.energy_j = 0.0
+        self.interval_steps = 0
+        self.start_s = 0.0
+        self.end_s: float | None = None
+        self.job_start = utc_now()
+        self.intensity: float | None = None
+        self.scale: float | None = None
+        self.emissions_g = 0.0
+        self.profile_end: tuple[datetime, int, float] | None = None
+        self.after_profile: Measurement | None = None
+        self.idle_power_w: float | None = None
+        self.published = 0
+        self.metrics: dict[str, float] = {}
+        self.timeline: list[dict[str, Any]] = []
+        self.decisions: list[Decision] = []
+        self.device_info: list[GPUInfo] = []
+        self.job: dict[str, Any] | None = None
+        self.summary: RunSummary | None = None
+
+    @property
+    def read_error(self) -> str | None:
+        """Why GPU readings failed during the run (None: they never did)."""
+        return self.readings.error
+
+    def start(self, devices: DeviceSet, device_info: list[GPUInfo], job_start: datetime) -> None:
+        """Start measuring: the run's clock starts now."""
+        from lightning_energy.measure import EnergyMeter
+
+        self.device_info = device_info
+        self.readings.meter = EnergyMeter(devices)
+        self.start_s = self._clock()
+        self.job_start = job_start
+
+    def elapsed_s(self) -> float:
+        """Device-clock seconds since the run started."""
+        return self._clock() - self.start_s
+
+    def now(self, *, running: bool) -> datetime:
+        """The job's current time: its start plus the device-clock seconds elapsed."""
+        return self.job_start + timedelta(seconds=self.elapsed_s() if running else 0.0)
+
+    def decide(
+        self, kind: str, value: float | None, reason: str, purpose: str | None = None
+    ) -> None:
+        """Record a decision."""
+        entry: Decision = {
+            "step": self.step,
+            "time_s": self.elapsed_s(),
+            "kind": kind,
+            "purpose": purpose,
+            "value": value,
+            "reason": reason,
+        }
+        self.decisions.append(entry)
+        log.debug("decision at step %d: %s=%s (%s)", self.step, kind, value, reason)
+
+    def count_step(self) -> None:
+        """Count a training step."""
+        self.step += 1
+        self.interval_steps += 1
+
+    @property
+    def interval_complete(self) -> bool:
+        """Whether the logging interval has run its steps."""
+        return self.interval_steps >= self._log_every_n_steps
+
+    def lose_metrics(self) -> None:
+        """Readings failed: the last metrics no longer stand."""
+        self.metrics = {}
+
+    # ------------------------------------------------------------------ intervals
+    def begin_interval(self) -> None:
+        """Open the logging interval."""
+        self.readings.begin(INTERVAL)
+
+    def next_interval(self, power_limit_w: float | None) -> Measurement | None:
+        """Close the logging interval and open the next one."""
+        m = self.close_interval(power_limit_w)
+        self.begin_interval()
+        return m
+
+    def close_interval(self, power_limit_w: float | None) -> Measurement | None:
+        """Close the logging interval: metrics, timeline and carbon accounting.
+
+        Args:
+            power_limit_w: the limit in force (None: none applied).
+
+        Returns:
+            The interval's measurement; None when the readings failed (its numbers are
+            missing).
+        """
+        m = self.readings.end(INTERVAL)
+        steps = self.interval_steps
+        if m is None:
+            self.interval_steps = 0
+            return None
+        if not steps and m.duration_s <= 0:
+            return m  # an interval in which nothing happened (e.g. closed at teardown)
+        if not m.missing:  # a GPU that cannot be read: its energy is missing, not zero
+            self.energy_j += m.energy_j
+        self.metrics = {
+            # A pause has no steps: the energy per step of the last steps still stands.
+            "energy/step_j": m.energy_j / steps
+            if steps
+            else self.metrics.get("energy/step_j", 0.0),
+            "energy/power_w": m.average_power_w,
+            "energy/power_limit_w": float(power_limit_w or 0.0),
+            "energy/total_j": self.energy_j,
+        }
+        entry: dict[str, Any] = {
+            "step": self.step,
+            "time_s": self.elapsed_s(),
+            "duration_s": m.duration_s,
+            "steps": self.interval_steps,
+            "energy_j": m.energy_j,
+            "power_w": m.average_power_w,
+            "power_limit_w": power_limit_w,
+        }
+        if self.intensity is not None:
+            entry.update(self._account_carbon(m.energy_j))
+        self.timeline.append(entry)
+        self.interval_steps = 0
+        self.published += 1
+        return m
+
+    # ------------------------------------------------------------------ carbon
+    def _account_carbon(self, energy_j: float) -> dict[str, float | None]:
+        """Grams emitted during the interval just closed, at the intensity then in force."""
+        assert self.intensity is not None
+        grams = emissions_g(energy_j, self.intensity)
+        self.emissions_g += grams
+        self.metrics["carbon/intensity_g_per_kwh"] = self.intensity
+        self.metrics["carbon/emissions_g"] = self.emissions_g
+        if self.scale is not None:
+            self.metrics["carbon/scale"] = self.scale
+        return {
+            "intensity_g_per_kwh": self.intensity,
+            "emissions_g": grams,
+            "scale": self.scale,
+        }
+
+    def start_baselines(self, power_limit_w: float | None, now: datetime) -> None:
+        """The profile is complete: measure the steps that run at its choice from here.
+
+        The logging interval closes here, so the grams before the carbon baselines are
+        those of whole intervals and the baselines cover exactly the steps after it.
+
+        Args:
+            power_limit_w: the limit in force until the choice applies.
+            now: the job's current time.
+        """
+        if self.readings.is_open(INTERVAL):
+            self.next_interval(power_limit_w)
+        self.profile_end = (now, self.step, self.emissions_g)
+        self.readings.cancel(AFTER_PROFILE)
+        self.readings.begin(AFTER_PROFILE)
+
+    def forget_baselines(self) -> None:
+        """A new workload: its own profile starts its own baselines."""
+        self.profile_end = None
+        self.scale = None  # the carbon pace applies afresh to the new workload's profile
+        self.readings.cancel(AFTER_PROFILE)
+
+    def carbon_summary(
+        self,
+        pacer: CarbonPacer | None,
+        profile: Profile,
+        static_limit_w: float | None,
+        world_size: int,
+        now: datetime,
+    ) -> dict[str, Any]:
+        """Grams emitted; on rank 0 (the pacer's) also the baselines and the deadline.
+
+        Args:
+            pacer: rank 0's carbon pacer (None elsewhere).
+            profile: the measured profile of the workload.
+            static_limit_w: the selector's own choice (carbon-unaware).
+            world_size: ranks of the job (the profile is job-wide).
+            now: the job's current time.
+        """
+        carbon: dict[str, Any] = {"emissions_g": self.emissions_g}
+        if pacer is None:
+            return carbon
+        carbon.update(pacer.summary(now))
+        if self.profile_end is None or static_limit_w not in profile:
+            return carbon
+        when, step, grams_before = self.profile_end
+        steps = max(self.step - step, 0)
+        carbon["baselines_from_step"] = step
+        carbon["baselines_from_s"] = (when - self.job_start).total_seconds()
+        carbon["baselines_steps"] = steps
+        carbon["emissions_before_baselines_g"] = grams_before
+        baselines = {}
+        for name, limit in (("carbon_unaware", static_limit_w), ("full_power", max(profile))):
+            t, e = profile[limit]
+            series = pacer.emissions_at_pace(when, steps, t, e / world_size)
+            kept = series[:: max(steps // 200, 1)]
+            if series and kept[-1] != series[-1]:
+                kept.append(series[-1])  # the plotted series ends at the total
+            baselines[name] = [(s, grams_before + g) for s, g in kept]
+            carbon[f"{name}_emissions_g"] = grams_before + (series[-1][1] if series else 0.0)
+            if pacer.deadline is not None:
+                finish = when + timedelta(seconds=steps * t)
+                carbon[f"{name}_meets_deadline"] = finish <= pacer.deadline
+        carbon["baselines"] = baselines
+        return carbon
+
+    # ------------------------------------------------------------------ end
+    def close(self, power_limit_w: float | None, *, stop_clock: bool) -> None:
+        """Close the open windows (what can still be read) and stop the run's clock.
+
+        A failed reading (e.g. a sticky CUDA error) is recorded, not raised: the GPUs are
+        restored already and the summary leaves the missing numbers out.
+
+        Args:
+            power_limit_w: the limit in force.
+            stop_clock: whether the devices are there to read the end time from.
+        """
+        try:
+            self.after_profile = self.readings.end(AFTER_PROFILE)
+            if self.readings.is_open(INTERVAL):
+                self.close_interval(power_limit_w)
+            if stop_clock:
+                self.end_s = self._clock()
+        except Exception as exc:
+            self.fail(exc)
+
+    def fail(self, exc: Exception) -> None:
+        """A reading at the end of the run failed: record it, keep what was measured."""
+        self.readings.error = self.readings.error or str(exc)
+        log.warning("the last GPU reading failed (%s); the summary leaves it out", exc)
+
+    def build_summary(
+        self,
+        *,
+        power_limit_w: float | None,
+        pre_job_power_limit_w: float | None,
+        observe_only: bool,
+        profile: Profile,
+        world_size: int,
+        carbon: dict[str, Any] | None,
+    ) -> RunSummary:
+        """The run summary (kept in :attr:`summary`).
+
+        Args:
+            power_limit_w: the limit in force at the end.
+            pre_job_power_limit_w: the first GPU's limit before the job.
+            observe_only: whether GPU settings could not be changed.
+            profile: the measured profile of the workload (job-wide numbers).
+            world_size: ranks of the job.
+            carbon: the carbon summary (None without a ``carbon:`` section).
+        """
+        duration_s = (self.end_s or self.start_s) - self.start_s
+        saved_j, slowdown = 0.0, 1.0
+        after = self.after_profile
+        if profile and after is not None and self.profile_end is not None:
+            # Every step after profiling, measured, against the same steps at the highest
+            # profiled limit (this process's share of the job-wide profile).
+            steps = self.step - self.profile_end[1]
+            t_top, e_top = profile[max(profile)]
+            if steps > 0:
+                saved_j = steps * e_top / world_size - after.energy_j
+                slowdown = after.duration_s / (steps * t_top)
+        self.summary = RunSummary(
+            steps=self.step,
+            energy_j=self.energy_j,
+            duration_s=duration_s,
+            power_limit_w=power_limit_w,
+            pre_job_power_limit_w=pre_job_power_limit_w,
+            energy_saved_j=saved_j,
+            slowdown=slowdown,
+            observe_only=observe_only,
+            carbon=carbon,
+            read_error=self.read_error,
+        )
+        return self.summary
+
+    def own_totals(self, rank: int, node: str, counted: bool) -> dict[str, Any]:
+        """This rank's numbers, as compared with the other ranks' at the end of a run."""
+        assert self.summary is not None
+        carbon = self.summary.carbon or {}
+        return {
+            "rank": rank,
+            "node": node,
+            "counted": counted,
+            "observe_only": self.summary.observe_only,
+            "gpus": [{"uuid": g.uuid, "name": g.name, "index": g.index} for g in self.device_info],
+            "steps": self.summary.steps,
+            "energy_j": self.summary.energy_j,
+            "energy_saved_j": self.summary.energy_saved_j,
+            "emissions_g": carbon.get("emissions_g"),
+        }
