@@ -5,9 +5,11 @@ default) with deadlines 10 %, 25 % and 50 % past the full-speed finish, with and
 pausing, starting at many times spread over each carbon-intensity trace. The job's
 energy-time frontier comes from a Zeus power trace (one measured epoch per power limit).
 Every policy (``static``, ``threshold``, ``forecast``; see ``docs/carbon-aware.md``) is
-called once an hour, as the carbon monitor polls, and the job runs its decision at the
-trace's resolution until the next call; a target time between two frontier points is run
-by time sharing. Grams = energy x intensity of the interval it is used in.
+called once an hour, as the carbon monitor polls, with every measured power limit (as the
+controller passes its profile), and the job runs its decision as the training side does,
+at the trace's resolution until the next call: one power limit held for the whole hour (the
+least energy that meets the target time, so a target between two limits runs at the faster
+one), or a pause at idle power. Grams = energy x intensity of the interval it is used in.
 
 Baselines: ``full`` runs at the fastest point from the start; ``oracle`` is the least-carbon
 schedule for the true trace up to the same deadline on the policies' own operating points
@@ -54,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from carbon.planning import energy_per_step_j, fill_cheapest
+from carbon.planning import efficient_points, executed_point, fill_cheapest
 from carbon.policy import JobProgress, OperatingPoint, frontier_from_profile, make_policy
 from carbon.providers.trace import SHIPPED_TRACES, TraceSeries, load_trace
 from carbon.types import IntensityPoint, PointKind
@@ -207,7 +209,11 @@ def simulate_policy(
     forecast_mode: str,
     idle_power_w: float,
 ) -> tuple[float, bool]:
-    """Run one job under a policy; return (grams, deadline missed)."""
+    """Run one job under a policy; return (grams, deadline missed).
+
+    ``frontier`` holds the operating points the policy sees and the job may run at.
+    """
+    points = efficient_points(frontier)
     policy = make_policy(policy_name, allow_pause=shape.allow_pause, interval_s=POLL_S)
     policy.observe(trace.history(start_s))
     deadline = datetime.fromtimestamp(deadline_s, tz=timezone.utc)
@@ -221,8 +227,9 @@ def simulate_policy(
         decision = policy.decide(
             progress, float(trace.values[k]), forecast, frontier, idle_power_w=idle_power_w
         )
-        rate = 1.0 / decision.target_time_per_step_s
-        power_w = rate * energy_per_step_j(frontier, decision.target_time_per_step_s)
+        # The training side's hair of slack: rounding never picks a faster limit.
+        point = executed_point(points, decision.target_time_per_step_s * (1.0 + 1e-9))
+        rate, power_w = 1.0 / point.time_per_step_s, point.power_w
         poll_end_s = t_s + POLL_S
         while t_s < poll_end_s - 1e-9 and left > 1e-9:
             k = trace.index(t_s)
@@ -405,7 +412,7 @@ def run_task(task: Task) -> dict[str, list[float]]:
             grams, miss = simulate_policy(
                 trace,
                 name,
-                task.frontier,
+                task.measured or task.frontier,
                 steps,
                 start_s,
                 deadline_s,

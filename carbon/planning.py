@@ -45,7 +45,9 @@ __all__ = [
     "OperatingPoint",
     "Schedule",
     "deadline_from_max_slowdown",
+    "efficient_points",
     "energy_per_step_j",
+    "executed_point",
     "fill_cheapest",
     "frontier_from_profile",
     "plan_steps",
@@ -116,6 +118,36 @@ def frontier_from_profile(
         >>> [p.energy_per_step_j for p in frontier_from_profile([(1, 9), (2, 5), (3, 4), (4, 6)])]
         [9.0, 5.0, 4.0]
     """
+    efficient = efficient_points(points)
+    hull: list[OperatingPoint] = []
+    for p in efficient:
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) <= 0.0:
+            hull.pop()
+        hull.append(p)
+    return tuple(hull)
+
+
+def efficient_points(
+    points: Iterable[OperatingPoint | tuple[float, float]],
+) -> tuple[OperatingPoint, ...]:
+    """The points no other point beats on both time and energy (the Pareto front).
+
+    Unlike the convex frontier these include points above a chord: when one setting runs
+    for a whole interval (no time sharing), such a point may be the best single choice.
+
+    Args:
+        points: operating points, or ``(time_per_step_s, energy_per_step_j)`` pairs.
+
+    Returns:
+        The efficient points, fastest first (energy strictly decreasing).
+
+    Raises:
+        CarbonConfigError: if ``points`` is empty or holds a non-positive value.
+
+    Example:
+        >>> [p.energy_per_step_j for p in efficient_points([(1, 9), (2, 5), (3, 4), (4, 6)])]
+        [9.0, 5.0, 4.0]
+    """
     pts = [p if isinstance(p, OperatingPoint) else OperatingPoint(*p) for p in points]
     if not pts:
         raise CarbonConfigError("frontier: at least one operating point is needed; got none")
@@ -124,12 +156,25 @@ def frontier_from_profile(
     for p in pts:
         if not efficient or p.energy_per_step_j < efficient[-1].energy_per_step_j:
             efficient.append(p)
-    hull: list[OperatingPoint] = []
-    for p in efficient:
-        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) <= 0.0:
-            hull.pop()
-        hull.append(p)
-    return tuple(hull)
+    return tuple(efficient)
+
+
+def executed_point(points: Sequence[OperatingPoint], time_per_step_s: float) -> OperatingPoint:
+    """The one setting that runs a target time per step: the least energy among the points
+    at least that fast, or the fastest when none is.
+
+    This is how the training side turns a pace into a power limit (the ``target_time``
+    selector); it holds that setting until the next decision, so a target between two
+    points runs at the faster one.
+
+    Example:
+        >>> executed_point([OperatingPoint(1.0, 9.0), OperatingPoint(2.0, 5.0)], 1.5)
+        OperatingPoint(time_per_step_s=1.0, energy_per_step_j=9.0, label='')
+    """
+    meeting = [p for p in points if p.time_per_step_s <= time_per_step_s]
+    if not meeting:
+        return min(points, key=lambda p: p.time_per_step_s)
+    return min(meeting, key=lambda p: (p.energy_per_step_j, p.time_per_step_s))
 
 
 def _turn(o: OperatingPoint, a: OperatingPoint, b: OperatingPoint) -> float:
@@ -292,7 +337,8 @@ def plan_steps(
 
     With pausing allowed, an interval may hold any number of steps from 0 (paused at
     ``idle_power_w``) to full speed; idle power is counted for every non-working second up
-    to the end of the last interval, a slight overestimate when the job ends early.
+    to the end of the last interval with work (a slight overestimate within that interval),
+    and not after it: the job is done.
     Without pausing the job runs without a break, at least at its least-energy point,
     until it is done; the planner then also chooses the interval in which the job ends
     (finishing earlier costs nothing afterwards).
@@ -340,10 +386,14 @@ def _plan(
         return Schedule(zeros, zeros.copy(), 0.0, True)
     slopes, widths = curve.slopes_j_per_step, curve.widths
     if allow_pause:
-        base = curve.powers_w[0] * durations
         alloc = fill_cheapest(np.outer(intensity, slopes), np.outer(durations, widths), need)
+        steps = alloc.sum(axis=1)
+        # Idle power is the same wherever the work goes; it is paid until the job is done.
+        working = np.flatnonzero(steps > 0.0)
+        base = curve.powers_w[0] * durations
+        base[working[-1] + 1 :] = 0.0
         energy = base + alloc @ slopes
-        return Schedule(alloc.sum(axis=1), energy, float(intensity @ energy) / _J_PER_KWH, True)
+        return Schedule(steps, energy, float(intensity @ energy) / _J_PER_KWH, True)
     return _plan_without_pause(intensity, durations, need, curve)
 
 

@@ -49,9 +49,9 @@ from carbon.forecast import DailyProfileForecaster
 from carbon.planning import (
     IntensityOutlook,
     OperatingPoint,
-    Schedule,
     deadline_from_max_slowdown,
-    energy_per_step_j,
+    efficient_points,
+    executed_point,
     frontier_from_profile,
     plan_steps,
 )
@@ -90,19 +90,29 @@ class JobProgress:
         remaining_steps: training steps still to do (>= 0).
         now: the current time (naive means UTC).
         deadline: when the job must be done (naive means UTC).
+        emitted_g: grams the job has emitted since the policy's first decision, as measured
+            (energy at the intensity in force); None lets the policy estimate them from its
+            own decisions.
 
     Raises:
-        CarbonConfigError: if ``remaining_steps`` is negative.
+        CarbonConfigError: if ``remaining_steps`` or ``emitted_g`` is negative.
     """
 
     remaining_steps: int
     now: datetime
     deadline: datetime
+    emitted_g: float | None = None
 
     def __post_init__(self) -> None:
         if self.remaining_steps < 0:
             raise CarbonConfigError(
                 f"remaining_steps: {self.remaining_steps!r} is not allowed; use >= 0"
+            )
+        if self.emitted_g is not None and not (
+            math.isfinite(self.emitted_g) and self.emitted_g >= 0
+        ):
+            raise CarbonConfigError(
+                f"emitted_g: {self.emitted_g!r} is not allowed; use a finite number >= 0 or None"
             )
         object.__setattr__(self, "now", as_utc(self.now))
         object.__setattr__(self, "deadline", as_utc(self.deadline))
@@ -167,6 +177,7 @@ class _Situation:
     intensity_now: float
     forecast: Sequence[IntensityPoint]
     hull: tuple[OperatingPoint, ...]
+    points: tuple[OperatingPoint, ...]
     idle_power_w: float
 
     @property
@@ -208,6 +219,7 @@ class _BasePolicy(ABC):
     _outlook: IntensityOutlook = field(init=False, repr=False)
     _hull_key: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
     _hull: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
+    _points: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         forecaster = self.forecaster or DailyProfileForecaster(level_decay_s=_DAY_S)
@@ -258,7 +270,14 @@ class _BasePolicy(ABC):
         if time_left_s <= steps * fastest_s:
             return _decision(hull, 1.0 / fastest_s, False, "behind schedule: full speed")
         situation = _Situation(
-            steps, now_s, time_left_s, intensity_now_g_per_kwh, forecast, hull, idle_power_w
+            steps,
+            now_s,
+            time_left_s,
+            intensity_now_g_per_kwh,
+            forecast,
+            hull,
+            self._points,
+            idle_power_w,
         )
         rate, pause, reason = self._choose(situation)
         decision = self._guard(situation, rate, pause and self.allow_pause, reason)
@@ -283,6 +302,7 @@ class _BasePolicy(ABC):
         key = tuple(frontier)
         if key != self._hull_key:
             self._hull = frontier_from_profile(key)
+            self._points = efficient_points(key)
             self._hull_key = key
         return self._hull
 
@@ -365,9 +385,11 @@ class ThresholdPolicy(_BasePolicy):
 class _Unaware:
     """The carbon-unaware run of one job, and what it and the job have emitted so far.
 
-    The unaware run starts when the job's first decision is made, at the least-energy
-    constant pace that meets the deadline, and never pauses. Grams are counted at the
-    intensity observed at each decision, held until the next one.
+    The unaware run starts when the job's first decision is made, at the setting the
+    least-energy constant pace that meets the deadline runs at, and never pauses. Its grams
+    are counted at the intensity observed at each decision, held until the next one; the
+    job's are the measured ones when the caller passes them, else estimated the same way
+    from the decisions.
     """
 
     deadline_s: float
@@ -382,15 +404,17 @@ class _Unaware:
     unaware_g: float = 0.0
     left: bool = False
 
-    def account(self, now_s: float, steps: int) -> None:
+    def account(self, now_s: float, steps: int, emitted_g: float | None) -> None:
         """Add the grams of both runs since the last decision."""
         span_s = max(now_s - self.last_s, 0.0)
-        if self.last_energy_per_step_j is None:
-            job_j = self.last_idle_power_w * span_s
+        if emitted_g is not None:
+            self.job_g = emitted_g
+        elif self.last_energy_per_step_j is None:
+            self.job_g += self.last_intensity * self.last_idle_power_w * span_s / _J_PER_KWH
         else:
             job_j = max(self.last_steps - steps, 0) * self.last_energy_per_step_j
+            self.job_g += self.last_intensity * job_j / _J_PER_KWH
         unaware_s = max(min(now_s, self.end_s) - self.last_s, 0.0)
-        self.job_g += self.last_intensity * job_j / _J_PER_KWH
         self.unaware_g += self.last_intensity * self.power_w * unaware_s / _J_PER_KWH
         self.last_s, self.last_steps = now_s, steps
 
@@ -402,21 +426,25 @@ class ForecastPolicy(_BasePolicy):
     The intervals are ``interval_s`` long from now to the deadline (less the reserve); their
     intensities are the current value, the forecast, and past its end a daily profile
     fitted on the intensities seen (:meth:`observe` and every call) and the forecast
-    (:class:`~carbon.planning.IntensityOutlook`). The plan
-    (:func:`~carbon.planning.plan_steps`) fills the cleanest intervals with the most
-    efficient work first. The first interval of the plan is what to do now: its pace; or,
-    when the plan pauses for part of it, whichever of pausing all of it or working all of
-    it at the least-energy point is cheaper when followed by the best plan for the rest.
+    (:class:`~carbon.planning.IntensityOutlook`).
 
-    The plan must pay. At every call the policy weighs, under the same outlook, the job's
-    grams so far plus the plan's against the grams of the carbon-unaware run of the same
-    job (the least-energy constant pace that met the deadline when the job started, never
-    pausing), counted over the same past and the same outlook; and the plan's grams
-    against keeping the steady least-energy pace from now. Unless the plan saves at least
-    ``min_saving`` (a share) on both counts, the job runs at the carbon-unaware pace (or
-    faster, when that is needed to keep the deadline): a gain that small is within the
-    forecast's error and not worth changing settings for, and a job that has not left the
-    carbon-unaware pace stays exactly on it.
+    The current interval is planned as it will run: one setting held for all of it (one of
+    the efficient operating points, until done) or, when pausing is allowed, a pause at
+    ``idle_power_w``. Each choice is followed by the least-carbon plan for the rest
+    (:func:`~carbon.planning.plan_steps`, which fills the cleanest intervals with the most
+    efficient work first), and the cheapest pair is the plan.
+
+    The plan must pay. At every call the policy weighs, under the same outlook, the plan's
+    grams against keeping the steady least-energy pace from now, and the job's grams so
+    far (measured, when :class:`JobProgress` carries them) plus the plan's against the
+    grams of the carbon-unaware run of the same job (the setting of the least-energy
+    constant pace that met the deadline when the job started, never pausing), counted
+    over the same past and the same outlook. Unless the plan saves at least ``min_saving``
+    (a share) on both counts, under the outlook and under a pessimistic one past the
+    forecast, the job runs at the carbon-unaware pace (or faster, when that is needed to
+    keep the deadline). When even the steady pace cannot bring a job that is behind back
+    under the carbon-unaware run, only the first count applies: the plan is then followed
+    only if it loses less than the steady pace under both outlooks.
 
     Attributes:
         min_saving: the predicted share of emissions a plan must save to be followed.
@@ -444,7 +472,7 @@ class ForecastPolicy(_BasePolicy):
         if unaware is None or unaware.deadline_s != deadline_s or steps > unaware.last_steps:
             unaware = self._unaware = self._start_unaware(progress, frontier)
         else:
-            unaware.account(now_s, steps)
+            unaware.account(now_s, steps, progress.emitted_g)
         decision = super().decide(
             progress, intensity_now_g_per_kwh, forecast, frontier, idle_power_w=idle_power_w
         )
@@ -454,7 +482,7 @@ class ForecastPolicy(_BasePolicy):
         unaware.last_energy_per_step_j = (
             None
             if decision.pause
-            else energy_per_step_j(self._frontier(frontier), decision.target_time_per_step_s)
+            else executed_point(self._points, decision.target_time_per_step_s).energy_per_step_j
         )
         return decision
 
@@ -465,11 +493,12 @@ class ForecastPolicy(_BasePolicy):
         rate = 1.0 / hull[0].time_per_step_s
         if time_left_s > 0:
             rate = min(max(steps / time_left_s, 1.0 / hull[-1].time_per_step_s), rate)
+        point = executed_point(self._points, 1.0 / rate)
         now_s = progress.now.timestamp()
         return _Unaware(
             deadline_s=progress.deadline.timestamp(),
-            power_w=rate * energy_per_step_j(hull, 1.0 / rate),
-            end_s=now_s + steps / rate,
+            power_w=point.power_w,
+            end_s=now_s + steps * point.time_per_step_s,
             last_s=now_s,
             last_steps=steps,
             last_intensity=0.0,
@@ -482,50 +511,69 @@ class ForecastPolicy(_BasePolicy):
             s.now_s, s.intensity_now, s.forecast, edges, self.interval_s
         )
         durations = np.diff(edges)
-
-        def replan(first: int, steps: float) -> Schedule:
-            return plan_steps(
-                intensity[first:],
-                durations[first:],
-                steps,
-                s.hull,
-                allow_pause=self.allow_pause,
-                idle_power_w=s.idle_power_w,
-            )
-
-        plan = replan(0, s.steps)
-        steady_rate = s.pace
-        steady_s = np.clip(s.steps / steady_rate - offsets[:-1], 0.0, durations)
-        steady_j = steady_s * steady_rate * energy_per_step_j(s.hull, 1.0 / steady_rate)
+        plan = self._plan_interval(s, intensity, durations)
+        steady = executed_point(s.points, 1.0 / s.pace)
+        steady_s = np.clip(s.steps * steady.time_per_step_s - offsets[:-1], 0.0, durations)
+        steady_j = steady_s * steady.power_w
         unaware = self._unaware
         unaware_j, past_job_g, past_unaware_g = steady_j, 0.0, 0.0
         if unaware is not None:
             unaware_j = np.clip(unaware.end_s - edges[:-1], 0.0, durations) * unaware.power_w
             past_job_g, past_unaware_g = unaware.job_g, unaware.unaware_g
-        # Once the job has left the carbon-unaware pace, the past is spent: only the plan
-        # and the steady pace from now remain to weigh.
-        leaving = unaware is None or not unaware.left
         keep = 1.0 - self.min_saving
+        fallback = (s.pace, False, "forecast: carbon-unaware pace, a plan would not pay")
+        if plan is None:
+            return fallback
+        rate, pause, plan_j = plan
         for outlook in (intensity, self._pessimistic(s, edges, intensity)):
-            plan_g = float(outlook @ plan.energy_j) / _J_PER_KWH
+            plan_g = float(outlook @ plan_j) / _J_PER_KWH
+            steady_g = float(outlook @ steady_j) / _J_PER_KWH
             unaware_g = past_unaware_g + float(outlook @ unaware_j) / _J_PER_KWH
-            if plan_g >= keep * float(outlook @ steady_j) / _J_PER_KWH or (
-                leaving and past_job_g + plan_g >= keep * unaware_g
+            recoverable = past_job_g + steady_g <= unaware_g
+            if plan_g >= keep * steady_g or (
+                recoverable and past_job_g + plan_g >= keep * unaware_g
             ):
-                return s.pace, False, "forecast: carbon-unaware pace, a plan would not pay"
-        span_s, planned = float(durations[0]), float(plan.steps[0])
-        detail = f"{planned:.0f} steps planned now, {plan.emissions_g:.0f} g to go"
-        if planned >= s.r_eff * span_s * (1.0 - 1e-9) or not self.allow_pause:
-            return max(planned / span_s, s.r_eff), False, f"forecast: {detail}"
-        # The plan pauses for part of this interval: pause all of it, or work at the least-
-        # energy point (all of it, or until done), whichever is cheaper with the best rest.
-        run_s = min(span_s, s.steps / s.r_eff)
-        after_pause, after_run = replan(1, s.steps), replan(1, s.steps - s.r_eff * run_s)
-        now_g_per_j = intensity[0] / _J_PER_KWH
-        pause_g = now_g_per_j * s.idle_power_w * span_s + after_pause.emissions_g
-        run_g = now_g_per_j * s.hull[-1].power_w * run_s + after_run.emissions_g
-        pause = after_pause.feasible and pause_g < run_g
-        return s.r_eff, pause, f"forecast: {'pause, ' if pause else ''}{detail}"
+                return fallback
+        plan_g = float(intensity @ plan_j) / _J_PER_KWH
+        if pause:
+            return s.r_eff, True, f"forecast: pause, {plan_g:.0f} g to go"
+        label = executed_point(s.points, 1.0 / rate).label or f"{rate:.4g} steps/s"
+        return rate, False, f"forecast: {label} now, {plan_g:.0f} g to go"
+
+    def _plan_interval(
+        self, s: _Situation, intensity: FloatArray, durations: FloatArray
+    ) -> tuple[float, bool, FloatArray] | None:
+        """The cheapest way to spend the current interval followed by the best plan for
+        the rest: (rate, pause, energy of each interval), None if nothing keeps the
+        deadline."""
+        span_s = float(durations[0])
+        options = [(s.r_eff, True, s.idle_power_w * span_s, 0.0)] if self.allow_pause else []
+        for point in s.points:
+            rate = 1.0 / point.time_per_step_s
+            run_s = min(span_s, s.steps / rate)
+            options.append((rate, False, point.power_w * run_s, rate * run_s))
+        best: tuple[float, tuple[float, bool, FloatArray]] | None = None
+        for rate, pause, now_j, now_steps in options:
+            left = s.steps - now_steps
+            if left <= 1e-6 * s.steps:
+                rest_j = np.zeros(durations.size - 1)
+            else:
+                rest = plan_steps(
+                    intensity[1:],
+                    durations[1:],
+                    left,
+                    s.hull,
+                    allow_pause=self.allow_pause,
+                    idle_power_w=s.idle_power_w,
+                )
+                if not rest.feasible:
+                    continue
+                rest_j = rest.energy_j
+            energy_j = np.concatenate([[now_j], rest_j])
+            grams = float(intensity @ energy_j)
+            if best is None or grams < best[0]:
+                best = (grams, (rate, pause, energy_j))
+        return None if best is None else best[1]
 
     def _pessimistic(self, s: _Situation, edges: FloatArray, intensity: FloatArray) -> FloatArray:
         """The outlook with every interval past the forecast at the dirtiest value seen at

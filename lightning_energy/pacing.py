@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 #: Providers that read local data, so polling them on a virtual clock costs nothing.
 _LOCAL_PROVIDERS = ("trace", "constant")
 
+#: The scale sent to the training side sits this hair (relative) above the policy's, so that
+#: rounding never makes the operating point the policy chose miss its own target.
+_TARGET_SLACK = 1e-9
+
 
 @dataclass(frozen=True)
 class PaceUpdate:
@@ -90,6 +94,8 @@ class CarbonPacer:
         self._next_poll_s = 0.0
         self._next_decision_s = 0.0
         self._last: PaceUpdate | None = None
+        # (remaining steps, the job's grams) at the policy's first decision of this work.
+        self._emitted_origin: tuple[int, float] | None = None
 
     @property
     def pacing(self) -> bool:
@@ -166,13 +172,20 @@ class CarbonPacer:
         remaining_steps: int | None,
         frontier: Sequence[tuple[float, float, str]],
         idle_power_w: float,
+        *,
+        emitted_g: float | None = None,
     ) -> PaceUpdate:
         """The pace until the next update (re-decided once per ``poll_interval_s``).
+
+        The policy holds the setting it chooses for the whole interval, as the training
+        side runs it: one power limit (the least energy that meets the target) or a pause.
 
         Args:
             remaining_steps: steps still to train (None: unknown, so no pacing).
             frontier: measured (time per step, energy per step, label) points.
-            idle_power_w: job-wide power drawn while paused.
+            idle_power_w: job-wide power drawn while paused (measured once paused).
+            emitted_g: the job's measured grams so far; the policy weighs those emitted
+                since its first decision against the carbon-unaware run's.
         """
         intensity = self.intensity_g_per_kwh()
         if remaining_steps is None or not frontier or self.deadline is None:
@@ -184,15 +197,23 @@ class CarbonPacer:
         points = [OperatingPoint(t, e, label) for t, e, label in frontier]
         # The intensities seen so far continue a short forecast (daily seasonality).
         self.policy.observe(self.monitor.history())
+        since_g = None
+        if emitted_g is not None:
+            # Counted from the first decision, afresh when the work grows (a new policy run).
+            last = self._emitted_origin
+            origin_g = emitted_g if last is None or remaining_steps > last[0] else last[1]
+            self._emitted_origin = (remaining_steps, origin_g)
+            since_g = max(emitted_g - origin_g, 0.0)
         decision = self.policy.decide(
-            JobProgress(remaining_steps, self._now(), self.deadline),
+            JobProgress(remaining_steps, self._now(), self.deadline, emitted_g=since_g),
             intensity,
             self.monitor.forecast(),
             points,
             idle_power_w=idle_power_w,
         )
         self._next_decision_s = self._elapsed_s() + self.config.poll_interval_s
-        self._last = PaceUpdate(intensity, decision.scale, decision.pause, decision.reason)
+        scale = decision.scale * (1.0 + _TARGET_SLACK)
+        self._last = PaceUpdate(intensity, scale, decision.pause, decision.reason)
         return self._last
 
     def summary(self, finished_at: datetime) -> dict[str, Any]:

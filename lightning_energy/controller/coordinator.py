@@ -722,7 +722,7 @@ class EnergyController:
         idle_w = ledger.idle_power_w
         if idle_w is None:
             idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
-        return self._pacer.update(remaining, frontier, idle_w)
+        return self._pacer.update(remaining, frontier, idle_w, emitted_g=ledger.emissions_g)
 
     def _pace(self) -> None:
         """At a logging boundary: agree on the carbon pace and apply it (every rank)."""

@@ -191,7 +191,10 @@ def test_plan_matches_the_linear_program(seed: int) -> None:
     result = scipy_optimize.linprog(
         cost, A_ub=a_ub, b_ub=durations, A_eq=a_eq, b_eq=[steps], bounds=(0, None)
     )
-    lp_grams = result.fun + float(intensity @ durations) * idle_w / 3.6e6
+    # Idle power is paid until the last interval with work; the job is done after it.
+    working = np.flatnonzero(result.x.reshape(n_intervals, -1).sum(axis=1) > 1e-6)
+    until = working[-1] + 1
+    lp_grams = result.fun + float(intensity[:until] @ durations[:until]) * idle_w / 3.6e6
     assert plan.emissions_g == pytest.approx(lp_grams, rel=1e-7)
 
 

@@ -313,3 +313,41 @@ def test_the_example_pacing_config_moves_the_pace_and_a_loose_deadline_does_not(
     assert scales
     assert (len(scales) > 1) == moves
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: a short job that pauses on the simulated A40 emits ~6 % more than its "
+    "carbon-unaware run; the plan's model of it is still short of what the controller does",
+)
+def test_a_paused_job_emits_no_more_than_its_carbon_unaware_run(tmp_path: Path) -> None:
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a40",
+                "start": "2023-09-04T00:00:00Z",
+                "steps_per_epoch": 100,  # ~37 s steps: 1500 steps are ~16 h at full speed
+                "lease_dir": str(tmp_path / "leases"),
+            },
+            "power_limit": {"selector": "energy", "warmup_steps": 2, "settle_steps": 1},
+            "carbon": {
+                "provider": "trace",
+                "region": "DE",
+                "policy": "forecast",
+                "deadline": "40h",
+                "allow_pause": True,
+                "poll_interval_s": 3600,
+            },
+            "log_every_n_steps": 10,
+        }
+    )
+    controller = EnergyController(config, install_signal_handlers=False)
+    controller.setup()
+    controller.set_total_steps(1500)
+    _run(controller, 1500)
+    summary = controller.teardown()
+    carbon = summary.carbon
+    assert carbon is not None and carbon["deadline_met"] is True
+    assert any(d["purpose"] == "pause" for d in controller.decisions)
+    assert carbon["emissions_g"] <= carbon["carbon_unaware_emissions_g"]
