@@ -10,7 +10,7 @@ import importlib.util
 
 # An optional distribution and the package modules that import it at module level.
 _OPTIONAL_MODULES = {
-    "pytorch_lightning": ["lightning_energy/**/pytorch_lightning.py"],
+    "pytorch_lightning": ["lightning_energy/**/*pytorch_lightning.py"],
     "transformers": ["lightning_energy/**/transformers.py"],
 }
 
