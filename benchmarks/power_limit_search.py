@@ -6,6 +6,10 @@ that replays the trace with per-step noise on time and power. The loop is the co
 ask for a window, apply its limit, run its settle steps, read the GPU's energy counter and
 the virtual clock, run the measured steps, read them again, report time and energy per step.
 
+The simulated board is ideal (an energy counter that moves continuously, a limit that
+applies at once), for the search and the sweep alike: the statistics of the search are
+measured, not the board's counter period (the controller's window rule handles that).
+
 Candidate limits are the limits the trace measured for the workload (highest first), so no
 candidate is interpolated; a workload with fewer than two measured limits falls back to
 every 25 W from the GPU's highest limit down (``candidates_measured`` says which).
@@ -33,6 +37,9 @@ Usage::
     python benchmarks/power_limit_search.py                 # A40 and V100 traces
     python benchmarks/power_limit_search.py --seed 0 --seed 1 --json
     python benchmarks/power_limit_search.py --power-trace my_trace.csv --noise-std 0.05
+    python benchmarks/power_limit_search.py --seed 3 --json > seed3.json   # one seed per run,
+    python benchmarks/power_limit_search.py --merge seed0.json --merge seed3.json --json
+                                                            # then their totals together
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -218,6 +226,12 @@ def run_trace(trace_name: str, noise_std: float, seeds: Sequence[int]) -> list[R
                 # Every workload gets its own noise sequence (one seed would replay the same
                 # relative noise on every workload and correlate their outcomes).
                 seed=SEED_STRIDE * seed + index,
+                # An ideal board for the search and the sweep alike: the presets' 100 ms
+                # energy counter would make the controller stretch every window to 10 s
+                # (min_window_s) and their 50 ms set latency would outlast the settle steps
+                # of the fastest workloads; this measures the search's statistics only.
+                energy_counter_period_s=0.0,
+                setting_latency_s=0.0,
             )
             model = spec.model()
             assert isinstance(model, TraceModel)
@@ -284,6 +298,61 @@ def totals(rows: Sequence[Row]) -> dict[str, Any]:
     }
 
 
+class MergeError(ValueError):
+    """Runs given to ``--merge`` that cannot be reported together."""
+
+
+def merge_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[Row], float]:
+    """The config, rows and summed wall time of earlier ``--json`` runs taken together.
+
+    Rows are ordered as one run over all the seeds orders them (trace, workload, seed), so
+    the totals equal that run's.
+
+    Raises:
+        MergeError: a file cannot be read or is not such a run's output, the runs differ in
+            traces, noise or tolerance, or a seed appears in more than one run.
+    """
+    config: dict[str, Any] | None = None
+    runs: dict[int, list[Row]] = {}
+    seed_file: dict[int, Path] = {}
+    wall_s = 0.0
+    for path in paths:
+        try:
+            out = json.loads(path.read_text(encoding="utf-8"))
+            run_config = {key: out["config"][key] for key in ("traces", "noise_std", "tolerance")}
+            seeds = [int(seed) for seed in out["config"]["seeds"]]
+            rows = [
+                Row(**{**row, "reselect": tuple(tuple(g) for g in row["reselect"])})
+                for row in out["rows"]
+            ]
+            wall_s += float(out["totals"]["wall_s"])
+        except OSError as exc:
+            raise MergeError(f"cannot read {path}: {exc.strerror}") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MergeError(
+                f"{path} is not the output of power_limit_search.py --json ({exc!r})"
+            ) from exc
+        if config is None:
+            config = run_config
+        for key, value in run_config.items():
+            if value != config[key]:
+                raise MergeError(
+                    f"{path} has {key} {value}, the first file {config[key]}: "
+                    "merge only runs of the same traces, noise_std and tolerance"
+                )
+        for seed in seeds:
+            if seed in seed_file:
+                raise MergeError(f"seed {seed} is in both {seed_file[seed]} and {path}")
+            seed_file[seed] = path
+            runs[seed] = [r for r in rows if r.seed == seed]
+    assert config is not None  # argparse gives at least one path
+    rows = [r for seed in sorted(runs) for r in runs[seed]]
+    workloads = list(dict.fromkeys((r.trace, r.workload, r.batch_size) for r in rows))
+    position = {key: i for i, key in enumerate(workloads)}
+    rows.sort(key=lambda r: (position[(r.trace, r.workload, r.batch_size)], r.seed))
+    return {**config, "seeds": sorted(runs)}, rows, wall_s
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -292,19 +361,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shipped trace name (a40, v100) or Zeus-format CSV path; repeatable "
         "(default: a40 and v100)",
     )
-    parser.add_argument("--noise-std", type=float, default=0.03, help="relative noise per step")
+    parser.add_argument("--noise-std", type=float, help="relative noise per step (default 0.03)")
     parser.add_argument(
         "--seed", type=int, action="append", help="noise/optimizer seed; repeatable"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        help="JSON output of an earlier --json run; repeatable: report the rows of all of them "
+        "together (runs of the same traces and noise, no seed twice) instead of running",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    traces = args.power_trace or ["a40", "v100"]
-    seeds = args.seed or [0]
-    started = time.perf_counter()
-    rows = [row for name in traces for row in run_trace(name, args.noise_std, seeds)]
+    if args.merge:
+        given = [
+            flag
+            for flag, value in (
+                ("--power-trace", args.power_trace),
+                ("--noise-std", args.noise_std),
+                ("--seed", args.seed),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(f"--merge takes its settings from the files; drop {', '.join(given)}")
+        try:
+            config, rows, wall_s = merge_runs(args.merge)
+        except MergeError as exc:
+            parser.error(f"--merge: {exc}")
+    else:
+        traces = args.power_trace or ["a40", "v100"]
+        noise_std = 0.03 if args.noise_std is None else args.noise_std
+        seeds = args.seed or [0]
+        started = time.perf_counter()
+        rows = [row for name in traces for row in run_trace(name, noise_std, seeds)]
+        wall_s = time.perf_counter() - started
+        config = {"traces": traces, "noise_std": noise_std, "seeds": seeds, "tolerance": TOLERANCE}
     summary = totals(rows)
-    summary["wall_s"] = time.perf_counter() - started
-    config = {"traces": traces, "noise_std": args.noise_std, "seeds": seeds, "tolerance": TOLERANCE}
+    summary["wall_s"] = wall_s
     if args.json:
         # Gaps of choices that break a time constraint are Infinity (Python's json reads it).
         out = {"config": config, "rows": [r.__dict__ for r in rows], "totals": summary}
