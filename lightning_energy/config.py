@@ -156,6 +156,8 @@ class PowerLimitConfig:
         step_w: spacing of the default candidates, in watts.
         warmup_steps: steps before the first measurement.
         settle_steps: unmeasured steps after each power-limit change.
+        settle_s: unmeasured seconds after each power-limit change, besides
+            ``settle_steps`` (a board applies a new limit after tens to hundreds of ms).
     """
 
     enabled: bool = True
@@ -167,6 +169,7 @@ class PowerLimitConfig:
     step_w: float = 25.0
     warmup_steps: int = 10
     settle_steps: int = 2
+    settle_s: float = 0.5
 
     def make_selector(self) -> Selector:
         """Build the selector this section names (already validated)."""
@@ -615,6 +618,10 @@ def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
     if section.settle_steps < 0:
         problems.append(
             f"power_limit.settle_steps: {section.settle_steps} is not allowed; use >= 0"
+        )
+    if not 0 <= section.settle_s <= 60:
+        problems.append(
+            f"power_limit.settle_s: {section.settle_s} is not allowed; use seconds in [0, 60]"
         )
 
 

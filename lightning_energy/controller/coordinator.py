@@ -113,7 +113,9 @@ class EnergyController:
         self._device = device
         self._install_signal_handlers = install_signal_handlers
         self._session = ProfilingSession(
-            self.config.power_limit.make_selector(), self._new_optimizer
+            self.config.power_limit.make_selector(),
+            self._new_optimizer,
+            settle_s=self.config.power_limit.settle_s,
         )
         self._devices_closed = False
         self._is_setup = False
@@ -570,12 +572,12 @@ class EnergyController:
             self.setup()
         session = self._session
         if session.window is None and self._optimizing():
-            window = session.open_window()
+            window = session.open_window(self._clock())
             if window is None:
                 self._finish_profile()
             else:
                 self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
-        if session.start_measuring():
+        if session.start_measuring(self._clock()):
             self._ledger.readings.begin(WINDOW)
 
     def _step_end(self) -> None:

@@ -44,14 +44,23 @@ class ProfilingSession:
         selector: how the optimizer chooses among measured limits.
         build: makes the optimizer of a new workload (the coordinator knows the GPUs,
             their ranges and the ranks).
+        settle_s: seconds a window waits after it opened (its limit was set) before
+            measuring, besides its settle steps: a board applies a new limit only after
+            a while.
 
     Attributes:
         workload: the key of what is being trained.
         window: the window in progress (None: none).
     """
 
-    def __init__(self, selector: Selector, build: Callable[[], PowerLimitOptimizer]) -> None:
+    def __init__(
+        self,
+        selector: Selector,
+        build: Callable[[], PowerLimitOptimizer],
+        settle_s: float = 0.0,
+    ) -> None:
         self.selector = selector
+        self.settle_s = settle_s
         self._build = build
         self._optimizers: dict[str, PowerLimitOptimizer] = {}
         self._restored: dict[str, Any] = {}
@@ -61,6 +70,7 @@ class ProfilingSession:
     def new_run(self) -> None:
         """Forget the previous run's window; what was learnt about workloads is kept."""
         self.window: Window | None = None
+        self.window_opened_s = 0.0
         self.window_steps = 0
         self.window_steps_run = 0
         self.measuring = False
@@ -113,25 +123,28 @@ class ProfilingSession:
         """Whether a new window should open (none in progress, profile not complete)."""
         return self.window is None and not self.stopped and not self.optimizer().done
 
-    def open_window(self) -> Window | None:
-        """Start the optimizer's next window; None once the profile is complete."""
+    def open_window(self, now_s: float) -> Window | None:
+        """Start the optimizer's next window at ``now_s``; None once the profile is complete."""
         window = self.optimizer().next_window()
         if window is None:
             return None
         self.window = window
+        self.window_opened_s = now_s
         self.window_steps = 0
         self.window_steps_run = 0
         self.measuring = False
         return window
 
-    def start_measuring(self) -> bool:
-        """Whether the window has settled and measuring starts with this step."""
+    def start_measuring(self, now_s: float) -> bool:
+        """Whether the window has settled (its steps and seconds) and measuring starts
+        with the step starting at ``now_s``."""
         window = self.window
         if (
             window is None
             or self.measuring
             or not window.measure_steps
             or self.window_steps < window.settle_steps
+            or now_s - self.window_opened_s < self.settle_s
         ):
             return False
         self.measuring = True

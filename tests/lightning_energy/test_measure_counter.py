@@ -122,3 +122,34 @@ def test_a_window_that_reads_no_energy_goes_on_with_one_warning(
     assert all(m["energy_per_step_j"] > 0 for m in controller.profile())
     warnings = [r for r in caplog.records if "read no energy" in r.getMessage()]
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("settle_s", [0.0, 0.5])
+def test_a_window_waits_until_its_limit_has_landed(settle_s: float, tmp_path: Path) -> None:
+    """A board that applies a new limit 0.4 s after it was set, 20 ms steps: one settle
+    step would measure 0.4 s of every window at the previous limit (about 1.5 % off on
+    a 10 s window); waiting ``settle_s`` seconds as well measures the limit itself."""
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=0.02, setting_latency_s=0.4))
+    devices = DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: gpus[0].run_step() and None,
+    )
+    section = _section(tmp_path, 0.02)
+    section["power_limit"]["settle_s"] = settle_s
+    controller = EnergyController(
+        EnergyConfig.from_mapping(section), devices=devices, install_signal_handlers=False
+    )
+    while not controller.profile_done:
+        controller.on_step_start()
+        controller.on_step_end()
+    controller.teardown()
+    errors = [
+        abs(m["energy_per_step_j"] / _exact_energy_per_step_j(m["power_limit_w"], 0.02) - 1)
+        for m in controller.profile()
+    ]
+    if settle_s:
+        assert max(errors) < 0.005
+    else:
+        assert max(errors) > 0.01  # the rude board makes the missing wait visible
