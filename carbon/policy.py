@@ -24,7 +24,7 @@ Example:
     >>> from datetime import datetime, timedelta, timezone
     >>> now = datetime(2023, 1, 1, tzinfo=timezone.utc)
     >>> policy = make_policy("forecast", allow_pause=True)
-    >>> progress = JobProgress(remaining_steps=3600, now=now, deadline=now + timedelta(hours=3))
+    >>> progress = JobProgress(remaining_steps=2400, now=now, deadline=now + timedelta(hours=3))
     >>> frontier = [OperatingPoint(1.0, 300.0, "300 W"), OperatingPoint(1.2, 240.0, "200 W")]
     >>> dirty_then_clean = [IntensityPoint(now + timedelta(hours=h), v, PointKind.FORECAST, "x")
     ...                     for h, v in ((1, 500.0), (2, 50.0))]
