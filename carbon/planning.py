@@ -17,6 +17,12 @@ problem: the marginal cost of a step in interval ``t`` on hull segment ``j`` is
 formulation has the same optimum). :func:`plan_steps` implements it, with or without
 pausing allowed.
 
+A controller that holds one setting for a whole interval cannot time-share: each interval
+runs one operating point (or pauses), so the convex relaxation can promise savings no such
+run achieves. :func:`plan_intervals` plans that way: a dynamic program over the intervals
+whose choice in each is one efficient point or a pause, whose state is the remaining work
+(on a fine grid, interpolated), and whose deadline is a hard constraint.
+
 Example:
     >>> hull = frontier_from_profile([(1.0, 300.0), (1.2, 220.0), (1.1, 280.0), (2.0, 260.0)])
     >>> [p.time_per_step_s for p in hull]
@@ -42,6 +48,7 @@ from carbon.types import IntensityPoint, as_utc
 
 __all__ = [
     "IntensityOutlook",
+    "IntervalPlan",
     "OperatingPoint",
     "Schedule",
     "deadline_from_max_slowdown",
@@ -50,6 +57,7 @@ __all__ = [
     "executed_point",
     "fill_cheapest",
     "frontier_from_profile",
+    "plan_intervals",
     "plan_steps",
 ]
 
@@ -434,6 +442,157 @@ def _plan_without_pause(
     total, steps, energy = best
     pad = durations.size - steps.size
     return Schedule(np.pad(steps, (0, pad)), np.pad(energy, (0, pad)), total, True)
+
+
+@dataclass(frozen=True)
+class IntervalPlan:
+    """A least-carbon plan holding one setting per interval.
+
+    Attributes:
+        choices: per interval, the index of the operating point held (in the order given to
+            :func:`plan_intervals`), or -1 for a pause; intervals after the job is done
+            hold -1 too (nothing runs and nothing is charged there).
+        steps: steps done in each interval.
+        energy_j: energy used in each interval (idle power while paused before the job is
+            done included).
+        emissions_g: planned grams, ``sum(intensity * energy)``.
+        feasible: False when no such plan finishes the work by the end of the last interval.
+    """
+
+    choices: npt.NDArray[np.int64]
+    steps: FloatArray
+    energy_j: FloatArray
+    emissions_g: float
+    feasible: bool
+
+
+#: Remaining-work grid of :func:`plan_intervals` (points; fewer when there are fewer steps).
+PLAN_RESOLUTION = 1000
+
+
+def plan_intervals(
+    intensity_g_per_kwh: Sequence[float] | FloatArray,
+    duration_s: Sequence[float] | FloatArray,
+    remaining_steps: float,
+    points: Sequence[OperatingPoint],
+    *,
+    allow_pause: bool,
+    idle_power_w: float = 0.0,
+    resolution: int = PLAN_RESOLUTION,
+) -> IntervalPlan:
+    """Plan the least-carbon run when every interval holds one setting or a pause.
+
+    A dynamic program over the intervals, from the deadline backwards: the state is the
+    work left (``resolution`` grid points from 0 to ``remaining_steps``, linear in between),
+    and each interval either runs one of ``points`` for all of it (or until the job is done;
+    nothing is charged after that) or, when allowed, pauses at ``idle_power_w``. Work left
+    at the deadline costs far more than any run, so the deadline is kept whenever it can
+    be. The plan is then rolled forward from the exact remaining work.
+
+    Args:
+        intensity_g_per_kwh: carbon intensity of each interval.
+        duration_s: length of each interval (the last one ends at the deadline).
+        remaining_steps: steps still to do (>= 0).
+        points: the settings the controller can hold (e.g. :func:`efficient_points`).
+        allow_pause: whether the job may pause for an interval.
+        idle_power_w: power drawn while paused.
+        resolution: grid points for the work left.
+
+    Returns:
+        The plan; ``feasible`` is False when even full speed cannot do the work in time.
+
+    Raises:
+        CarbonConfigError: on mismatched lengths, no points or a resolution below 1.
+
+    Example:
+        >>> pts = [OperatingPoint(1.0, 300.0), OperatingPoint(1.2, 240.0)]
+        >>> plan_intervals([500.0, 100.0], [3600.0, 3600.0], 4000, pts, allow_pause=True).choices
+        array([1, 1])
+    """
+    intensity = np.asarray(intensity_g_per_kwh, dtype=np.float64)
+    durations = np.asarray(duration_s, dtype=np.float64)
+    if intensity.shape != durations.shape or intensity.ndim != 1:
+        raise CarbonConfigError(
+            "plan: intensity_g_per_kwh and duration_s must be 1-D and of the same length; "
+            f"got shapes {intensity.shape} and {durations.shape}"
+        )
+    if not points:
+        raise CarbonConfigError("plan: at least one operating point is needed; got none")
+    if resolution < 1:
+        raise CarbonConfigError(f"plan: resolution {resolution!r} is not allowed; use >= 1")
+    need = float(remaining_steps)
+    count = durations.size
+    rates = np.array([1.0 / p.time_per_step_s for p in points], dtype=np.float64)
+    powers = np.array([p.power_w for p in points], dtype=np.float64)
+    if need <= 0.0 or count == 0:
+        zeros = np.zeros(count, dtype=np.float64)
+        return IntervalPlan(np.full(count, -1), zeros, zeros.copy(), 0.0, need <= 0.0)
+    grid_size = int(min(resolution, max(math.ceil(need), 1)))
+    left = np.linspace(0.0, need, grid_size + 1)
+    scale = intensity / _J_PER_KWH
+    # Work left at the deadline: dearer per step than the dirtiest step of any plan.
+    penalty = 1e6 * max(float(scale.max()), 1e-12) * float(powers.max() / rates.min())
+    values = [penalty * left]
+    for t in range(count - 1, -1, -1):
+        best = _option_costs(
+            left, values[-1], left, scale[t], durations[t], rates, powers, allow_pause, idle_power_w
+        ).min(axis=0)
+        best[0] = 0.0
+        values.append(best)
+    values.reverse()
+    choices = np.full(count, -1, dtype=np.int64)
+    steps = np.zeros(count, dtype=np.float64)
+    energy = np.zeros(count, dtype=np.float64)
+    work = need
+    for t in range(count):
+        if work <= 0.0:
+            break
+        costs = _option_costs(
+            np.array([work]),
+            values[t + 1],
+            left,
+            scale[t],
+            durations[t],
+            rates,
+            powers,
+            allow_pause,
+            idle_power_w,
+        )[:, 0]
+        k = int(np.argmin(costs))
+        if k < rates.size:
+            run_s = min(float(durations[t]), work / rates[k])
+            choices[t], steps[t], energy[t] = k, rates[k] * run_s, powers[k] * run_s
+            work -= steps[t]
+        else:
+            energy[t] = idle_power_w * durations[t]
+    return IntervalPlan(
+        choices, steps, energy, float(intensity @ energy) / _J_PER_KWH, bool(work <= 1e-6 * need)
+    )
+
+
+def _option_costs(
+    work: FloatArray,
+    next_values: FloatArray,
+    grid: FloatArray,
+    scale: float,
+    duration_s: float,
+    rates: FloatArray,
+    powers: FloatArray,
+    allow_pause: bool,
+    idle_power_w: float,
+) -> FloatArray:
+    """Grams from the start of one interval on, per option (each point, then the pause when
+    allowed) and per amount of ``work`` left; ``next_values`` are those of the next
+    interval on ``grid``."""
+    done = rates * duration_s
+    finish = scale * powers[:, None] * work[None, :] / rates[:, None]
+    after = np.interp(work[None, :] - done[:, None], grid, next_values)
+    go_on = scale * powers[:, None] * duration_s + after
+    costs = np.where(work[None, :] <= done[:, None], finish, go_on)
+    if allow_pause:
+        pause = scale * idle_power_w * duration_s + np.interp(work, grid, next_values)
+        costs = np.vstack([costs, pause[None, :]])
+    return costs
 
 
 class IntensityOutlook:

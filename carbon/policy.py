@@ -13,7 +13,8 @@ then picks the least-energy setting that meets the target. Three policies, by na
   energy of going faster now, at the current intensity, costs less than doing that work
   later at the least-energy point; pause (when allowed) while now is clearly dirtier.
 - ``forecast``: plan every interval up to the deadline to emit the least carbon
-  (:func:`~carbon.planning.plan_steps`), re-planned at every call; a missing or short
+  (:func:`~carbon.planning.plan_intervals`: one setting or a pause per interval, as the
+  controller runs it), re-planned at every call; a missing or short
   forecast is continued by a daily-profile forecaster learnt from the intensities seen.
 
 Every policy keeps the deadline: it never lets the job fall so far behind that full speed
@@ -23,7 +24,7 @@ Example:
     >>> from datetime import datetime, timedelta, timezone
     >>> now = datetime(2023, 1, 1, tzinfo=timezone.utc)
     >>> policy = make_policy("forecast", allow_pause=True)
-    >>> progress = JobProgress(remaining_steps=3600, now=now, deadline=now + timedelta(hours=3))
+    >>> progress = JobProgress(remaining_steps=2400, now=now, deadline=now + timedelta(hours=3))
     >>> frontier = [OperatingPoint(1.0, 300.0, "300 W"), OperatingPoint(1.2, 240.0, "200 W")]
     >>> dirty_then_clean = [IntensityPoint(now + timedelta(hours=h), v, PointKind.FORECAST, "x")
     ...                     for h, v in ((1, 500.0), (2, 50.0))]
@@ -53,7 +54,7 @@ from carbon.planning import (
     efficient_points,
     executed_point,
     frontier_from_profile,
-    plan_steps,
+    plan_intervals,
 )
 from carbon.types import IntensityPoint, PointKind, as_utc
 
@@ -428,11 +429,10 @@ class ForecastPolicy(_BasePolicy):
     fitted on the intensities seen (:meth:`observe` and every call) and the forecast
     (:class:`~carbon.planning.IntensityOutlook`).
 
-    The current interval is planned as it will run: one setting held for all of it (one of
-    the efficient operating points, until done) or, when pausing is allowed, a pause at
-    ``idle_power_w``. Each choice is followed by the least-carbon plan for the rest
-    (:func:`~carbon.planning.plan_steps`, which fills the cleanest intervals with the most
-    efficient work first), and the cheapest pair is the plan.
+    Every interval is planned as it will run: one setting held for all of it (one of the
+    efficient operating points, until done) or, when pausing is allowed, a pause at
+    ``idle_power_w`` (charged until the job is done); the least-carbon such plan that keeps
+    the deadline (:func:`~carbon.planning.plan_intervals`) gives the choice for now.
 
     The plan must pay. At every call the policy weighs, under the same outlook, the plan's
     grams against keeping the steady least-energy pace from now, and the job's grams so
@@ -543,37 +543,23 @@ class ForecastPolicy(_BasePolicy):
     def _plan_interval(
         self, s: _Situation, intensity: FloatArray, durations: FloatArray
     ) -> tuple[float, bool, FloatArray] | None:
-        """The cheapest way to spend the current interval followed by the best plan for
-        the rest: (rate, pause, energy of each interval), None if nothing keeps the
-        deadline."""
-        span_s = float(durations[0])
-        options = [(s.r_eff, True, s.idle_power_w * span_s, 0.0)] if self.allow_pause else []
-        for point in s.points:
-            rate = 1.0 / point.time_per_step_s
-            run_s = min(span_s, s.steps / rate)
-            options.append((rate, False, point.power_w * run_s, rate * run_s))
-        best: tuple[float, tuple[float, bool, FloatArray]] | None = None
-        for rate, pause, now_j, now_steps in options:
-            left = s.steps - now_steps
-            if left <= 1e-6 * s.steps:
-                rest_j = np.zeros(durations.size - 1)
-            else:
-                rest = plan_steps(
-                    intensity[1:],
-                    durations[1:],
-                    left,
-                    s.hull,
-                    allow_pause=self.allow_pause,
-                    idle_power_w=s.idle_power_w,
-                )
-                if not rest.feasible:
-                    continue
-                rest_j = rest.energy_j
-            energy_j = np.concatenate([[now_j], rest_j])
-            grams = float(intensity @ energy_j)
-            if best is None or grams < best[0]:
-                best = (grams, (rate, pause, energy_j))
-        return None if best is None else best[1]
+        """The least-carbon run holding one efficient point or a pause in every interval
+        (:func:`~carbon.planning.plan_intervals`): (rate now, pause now, energy of each
+        interval), None if nothing keeps the deadline."""
+        plan = plan_intervals(
+            intensity,
+            durations,
+            s.steps,
+            s.points,
+            allow_pause=self.allow_pause,
+            idle_power_w=s.idle_power_w,
+        )
+        if not plan.feasible:
+            return None
+        choice = int(plan.choices[0])
+        if choice < 0:
+            return s.r_eff, True, plan.energy_j
+        return 1.0 / s.points[choice].time_per_step_s, False, plan.energy_j
 
     def _pessimistic(self, s: _Situation, edges: FloatArray, intensity: FloatArray) -> FloatArray:
         """The outlook with every interval past the forecast at the dirtiest value seen at

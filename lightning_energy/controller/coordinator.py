@@ -776,6 +776,10 @@ class EnergyController:
                 m: Measurement | None = ledger.next_interval(self._power_limit_w)
                 if m is not None:
                     idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
+                if idle_s > 0:  # job-wide idle power, as every rank idles alike
+                    # Measured from the first period on: the next decision weighs the pause
+                    # at the power it really draws, not at the guess it was started with.
+                    ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
                 update = self.collective.broadcast(self._pace_update())
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh
@@ -783,8 +787,6 @@ class EnergyController:
             wake, self._wake = self._wake, None
             wake.close()
             waiter.close()
-        if idle_s > 0:  # job-wide idle power, as every rank idles alike
-            ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
         self._apply(before, "resumed", purpose="resume")
 
     # ------------------------------------------------------------------ queries

@@ -143,11 +143,6 @@ def test_forecast_never_emits_more_than_carbon_unaware(
         assert all(ratio < 1.001 for _, ratio in worse)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: the rest of the plan is still planned with partial intervals (part work, "
-    "part pause); held one limit per hour, a short FR job that pauses first ends ~0.8 % worse",
-)
 @settings(max_examples=40, derandomize=True, deadline=None)
 @given(
     trace=st.sampled_from(sorted(SHIPPED_TRACES)),

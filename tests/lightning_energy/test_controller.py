@@ -12,6 +12,7 @@ import pytest
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.device.traces import TRACE_GPUS
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, NoPermissionError
 
 
@@ -315,13 +316,8 @@ def test_the_example_pacing_config_moves_the_pace_and_a_loose_deadline_does_not(
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: a short job that pauses on the simulated A40 emits ~6 % more than its "
-    "carbon-unaware run; the plan's model of it is still short of what the controller does",
-)
-def test_a_paused_job_emits_no_more_than_its_carbon_unaware_run(tmp_path: Path) -> None:
-    config = EnergyConfig.from_mapping(
+def _a40_pausing_config(tmp_path: Path) -> EnergyConfig:
+    return EnergyConfig.from_mapping(
         {
             "device": {
                 "backend": "simulated",
@@ -342,6 +338,43 @@ def test_a_paused_job_emits_no_more_than_its_carbon_unaware_run(tmp_path: Path) 
             "log_every_n_steps": 10,
         }
     )
+
+
+def test_a_pause_is_reweighed_at_the_idle_power_it_measures(tmp_path: Path) -> None:
+    # Before any pause the idle power is a guess; the first polling period of a pause
+    # measures it, and the next decision (still inside the pause) must use the measurement.
+    controller = EnergyController(_a40_pausing_config(tmp_path), install_signal_handlers=False)
+    controller.setup()
+    pacer = controller._pacer
+    assert pacer is not None
+    calls: list[tuple[float, bool]] = []
+    update = pacer.update
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = update(*args, **kwargs)
+        calls.append((args[2], result.pause))
+        return result
+
+    pacer.update = spy  # type: ignore[method-assign]
+    controller.set_total_steps(1500)
+    _run(controller, 1500)
+    controller.teardown()
+    first_pause = next(i for i, (_, pause) in enumerate(calls) if pause)
+    guess_w = calls[first_pause][0]
+    idle_w = TRACE_GPUS["a40"][2]  # what the simulated A40 draws idle
+    assert guess_w != pytest.approx(idle_w, rel=0.1)  # the guess is off on this GPU
+    assert calls[first_pause + 1][0] == pytest.approx(idle_w, rel=0.1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: the first pause is decided on a guessed idle power (15 % of the "
+    "least-power point, 17 W) while the simulated A40 idles at 30 W; re-weighed at 30 W after "
+    "its first hour the job resumes, but that hour leaves it ~1.7 % over the carbon-unaware "
+    "run (with 30 W known from the start it does not pause and ties that run)",
+)
+def test_a_paused_job_emits_no_more_than_its_carbon_unaware_run(tmp_path: Path) -> None:
+    config = _a40_pausing_config(tmp_path)
     controller = EnergyController(config, install_signal_handlers=False)
     controller.setup()
     controller.set_total_steps(1500)

@@ -107,15 +107,7 @@ def test_pausing_shifts_work_to_clean_hours_and_emits_less(tmp_path: Path) -> No
     "start",
     [
         "2023-01-16T00:00:00",
-        pytest.param(
-            "2023-03-06T00:00:00",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known: pauses planned with the day-ahead forecast leave the job "
-                "hours behind the carbon-unaware run, and its last steps fall in dirtier "
-                "hours (~2 % more)",
-            ),
-        ),
+        "2023-03-06T00:00:00",
         "2023-06-12T00:00:00",
     ],
 )
