@@ -30,7 +30,7 @@ Lightning entry point adds the callback by itself.
 
 The callback only translates hooks; :class:`~lightning_energy.recurring.RecurringRun`
 does the work. What happens in a run: at ``setup`` (before the dataloaders are built) rank
-0 opens the store, asks :class:`~lightning_energy.optimize.batch_size.BatchSizeOptimizer`
+0 opens the store, asks :class:`~lightning_energy.recurring.BatchSizeOptimizer`
 for the batch size and loads the power-limit profile saved for it; both are broadcast with
 the strategy's collectives and every rank sets ``batch_size`` on the datamodule, the module
 or its ``hparams``. After each validation, the job-wide energy (summed over ranks) and time (the

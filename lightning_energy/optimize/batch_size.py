@@ -24,52 +24,41 @@ The decisions are pure functions of the stored runs (:func:`pruning_state`,
 most the run in flight, and any decision can be replayed. Runs launched concurrently may
 explore the same batch size; the extra result is kept as an ordinary observation.
 
+The store-backed :class:`~lightning_energy.recurring.BatchSizeOptimizer` applies them to
+a job's history.
+
 Example:
-    >>> from lightning_energy.store import Store
-    >>> store = Store.open("sqlite://")
-    >>> spec = JobSpec(key="demo", gpu_model="NVIDIA A40", gpu_count=1,
-    ...                default_batch_size=64, batch_sizes=(32, 64, 128),
-    ...                target_metric=0.9, max_epochs=20, max_power_limit_w=300.0)
-    >>> optimizer = BatchSizeOptimizer(spec, store)
-    >>> optimizer.next_batch_size()
+    >>> pruning_state([32, 64, 128], 64, []).next_batch_size
     64
-    >>> _ = optimizer.record(Trial(batch_size=64, epochs=5, energy_j=9e5, time_s=3600.0,
-    ...                            converged=True, started_at=0.0, finished_at=3600.0))
-    >>> optimizer.next_batch_size()
+    >>> first = Observation(batch_size=64, cost=1.0, converged=True)
+    >>> pruning_state([32, 64, 128], 64, [first]).next_batch_size
     32
-    >>> store.close()
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from lightning_energy.errors import ConfigError
-from lightning_energy.optimize.cost import check_eta, zeus_cost
-from lightning_energy.store import JobId, Store, TrialRecord
+from lightning_energy.store import JobId, TrialRecord
 
 __all__ = [
-    "BatchSizeOptimizer",
     "BestChoice",
     "JobSpec",
     "Observation",
     "PruningState",
     "Trial",
     "best_choice",
+    "is_int",
+    "is_number",
     "pruning_state",
     "thompson_choice",
 ]
-
-log = logging.getLogger(__name__)
-
-#: Settings that define what a job's runs mean; a change makes old runs incomparable.
-_IDENTITY_SETTINGS = ("batch_sizes", "default_batch_size", "target_metric", "higher_is_better")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,10 +96,10 @@ class JobSpec:
             problems.append(f"key: {self.key!r} is not allowed; give a non-empty name")
         if not isinstance(self.gpu_model, str) or not self.gpu_model.strip():
             problems.append(f"gpu_model: {self.gpu_model!r} is not allowed; give the model name")
-        if not _is_int(self.gpu_count) or self.gpu_count < 1:
+        if not is_int(self.gpu_count) or self.gpu_count < 1:
             problems.append(f"gpu_count: {self.gpu_count!r} is not allowed; use an integer >= 1")
         sizes = tuple(self.batch_sizes) if not isinstance(self.batch_sizes, (str, bytes)) else ()
-        if not sizes or not all(_is_int(b) and b > 0 for b in sizes):
+        if not sizes or not all(is_int(b) and b > 0 for b in sizes):
             problems.append(
                 f"batch_sizes: {self.batch_sizes!r} is not allowed; give positive integers"
             )
@@ -119,13 +108,13 @@ class JobSpec:
         if self.default_batch_size not in sizes:
             problems.append(
                 f"default_batch_size: {self.default_batch_size!r} is not allowed; "
-                f"use one of batch_sizes {sorted(b for b in sizes if _is_int(b))}"
+                f"use one of batch_sizes {sorted(b for b in sizes if is_int(b))}"
             )
-        if not _is_number(self.target_metric) or not math.isfinite(self.target_metric):
+        if not is_number(self.target_metric) or not math.isfinite(self.target_metric):
             problems.append(f"target_metric: {self.target_metric!r} is not allowed; use a number")
-        if not _is_int(self.max_epochs) or self.max_epochs < 1:
+        if not is_int(self.max_epochs) or self.max_epochs < 1:
             problems.append(f"max_epochs: {self.max_epochs!r} is not allowed; use an integer >= 1")
-        if not _is_number(self.max_power_limit_w) or not self.max_power_limit_w > 0:
+        if not is_number(self.max_power_limit_w) or not self.max_power_limit_w > 0:
             problems.append(
                 f"max_power_limit_w: {self.max_power_limit_w!r} is not allowed; use watts > 0"
             )
@@ -163,7 +152,8 @@ class JobSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Trial:
-    """What one run measured, handed to :meth:`BatchSizeOptimizer.record`.
+    """What one run measured, handed to
+    :meth:`~lightning_energy.recurring.BatchSizeOptimizer.record`.
 
     Attributes:
         batch_size: the batch size used.
@@ -374,235 +364,11 @@ def best_choice(
     return min(choices, key=lambda choice: (choice.mean_cost, choice.batch_size))
 
 
-class BatchSizeOptimizer:
-    """Chooses each run's batch size from the job's history in a :class:`Store`.
-
-    Args:
-        job: the job.
-        store: where the history lives (shared by every run of the job).
-        eta: energy weight of the cost, 0 (time only) to 1 (energy only).
-        beta: a run is stopped once its cost exceeds ``beta`` x the cheapest converged run.
-        window: Thompson sampling uses each batch size's latest ``window`` runs (None: all).
-        seed: seeds the sampling; a decision depends only on it and the history.
-        pruning_rounds: rounds of the pruning phase.
-
-    Raises:
-        ConfigError: an invalid argument, or a job key already stored with other settings
-            (target, batch sizes...): its runs would not be comparable, use a new key.
-    """
-
-    def __init__(
-        self,
-        job: JobSpec,
-        store: Store,
-        *,
-        eta: float = 0.5,
-        beta: float = 2.0,
-        window: int | None = None,
-        seed: int = 0,
-        pruning_rounds: int = 2,
-    ) -> None:
-        problems = check_eta(eta)
-        if not _is_number(beta) or not beta >= 1.0:
-            problems.append(
-                f"beta: {beta!r} is not allowed; use a number >= 1 (math.inf disables it)"
-            )
-        if window is not None and (not _is_int(window) or window < 2):
-            problems.append(f"window: {window!r} is not allowed; use None or an integer >= 2")
-        if not _is_int(seed):
-            problems.append(f"seed: {seed!r} is not allowed; use an integer")
-        if not _is_int(pruning_rounds) or pruning_rounds < 1:
-            problems.append(f"pruning_rounds: {pruning_rounds!r} is not allowed; use >= 1")
-        if problems:
-            raise ConfigError(problems)
-        self.job = job
-        self.store = store
-        self.eta = float(eta)
-        self.beta = float(beta)
-        self.window = window
-        self.seed = seed
-        self.pruning_rounds = pruning_rounds
-        stored = store.register_job(job.job_id, job.settings())
-        fresh = job.settings()
-        mismatched = [
-            f"{name}: {fresh[name]!r} differs from {stored.get(name)!r} stored for job "
-            f"{job.job_id} in {store.url}; use a new job key for a new setup"
-            for name in _IDENTITY_SETTINGS
-            if stored.get(name) != fresh[name]
-        ]
-        if mismatched:
-            raise ConfigError(mismatched)
-        self._best_cost: float | None = None
-        self._best_loaded = False
-
-    # ------------------------------------------------------------------ decisions
-    def cost(self, energy_j: float, time_s: float) -> float:
-        """The Zeus cost of a run (or of a run so far) of this job."""
-        return zeus_cost(energy_j, time_s, eta=self.eta, max_power_w=self.job.max_power_w)
-
-    def next_batch_size(self) -> int:
-        """The batch size the next run should use."""
-        trials = self.store.trials(self.job.job_id)
-        observations = self._observations(trials)
-        self._update_best(observations)
-        state = pruning_state(
-            self.job.batch_sizes,
-            self.job.default_batch_size,
-            observations,
-            rounds=self.pruning_rounds,
-        )
-        if state.next_batch_size is not None:
-            log.info(
-                "%s: pruning round %d explores batch size %d",
-                self.job.job_id,
-                state.round + 1,
-                state.next_batch_size,
-            )
-            return state.next_batch_size
-        if not state.survivors:
-            log.warning(
-                "%s: no batch size reached the target %g during pruning; using the default %d "
-                "(is the target reachable within max_epochs=%d?)",
-                self.job.job_id,
-                self.job.target_metric,
-                self.job.default_batch_size,
-                self.job.max_epochs,
-            )
-            return self.job.default_batch_size
-        rng = np.random.default_rng([self.seed, len(trials)])
-        choice = thompson_choice(state.survivors, observations, rng, window=self.window)
-        log.info(
-            "%s: Thompson sampling over %s chose batch size %d",
-            self.job.job_id,
-            list(state.survivors),
-            choice,
-        )
-        return choice
-
-    @property
-    def phase(self) -> Literal["pruning", "thompson"]:
-        """``"pruning"`` while batch sizes are being pruned, then ``"thompson"``."""
-        observations = self._observations(self.store.trials(self.job.job_id))
-        state = pruning_state(
-            self.job.batch_sizes,
-            self.job.default_batch_size,
-            observations,
-            rounds=self.pruning_rounds,
-        )
-        return "pruning" if state.next_batch_size is not None else "thompson"
-
-    def best_cost(self) -> float | None:
-        """The cost of the cheapest converged run of the job (None: none yet)."""
-        if not self._best_loaded:
-            self._update_best(self._observations(self.store.trials(self.job.job_id)))
-        return self._best_cost
-
-    def should_stop_early(self, cost_so_far: float, *, epochs: int = 0) -> bool:
-        """Whether a run that has not reached the target yet should stop now.
-
-        Call it after each epoch's validation, once the metric has been checked.
-
-        Args:
-            cost_so_far: the run's cost up to now (:meth:`cost` of its energy and time).
-            epochs: epochs completed.
-
-        Returns:
-            True when ``epochs >= max_epochs`` or the cost exceeds ``beta`` x the cheapest
-            converged run known when the run's batch size was chosen (or recorded since).
-        """
-        if epochs >= self.job.max_epochs:
-            return True
-        best = self.best_cost()
-        return best is not None and cost_so_far > self.beta * best
-
-    def best(self) -> BestChoice | None:
-        """The cheapest batch size so far (by mean cost of its converged runs)."""
-        return best_choice(
-            self.store.trials(self.job.job_id),
-            cost=lambda trial: self.cost(trial.energy_j, trial.time_s),
-        )
-
-    # ------------------------------------------------------------------ recording
-    def record(self, trial: Trial) -> TrialRecord:
-        """Store a finished run (converged, stopped early or at ``max_epochs``).
-
-        Returns:
-            The stored record, with its cost and database id.
-
-        Raises:
-            ConfigError: a batch size outside the job's, or negative measurements.
-            StoreError: the store failed.
-        """
-        problems = []
-        if trial.batch_size not in self.job.batch_sizes:
-            problems.append(
-                f"batch_size: {trial.batch_size!r} is not one of the job's batch sizes "
-                f"{list(self.job.batch_sizes)}"
-            )
-        for name in ("energy_j", "time_s", "epochs"):
-            value = getattr(trial, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
-                problems.append(f"{name}: {value!r} is not allowed; use a finite number >= 0")
-        if problems:
-            raise ConfigError(problems)
-        cost = self.cost(trial.energy_j, trial.time_s)
-        stored = self.store.add_trial(
-            TrialRecord(
-                job=self.job.job_id,
-                batch_size=trial.batch_size,
-                power_limit_w=trial.power_limit_w,
-                epochs=trial.epochs,
-                energy_j=trial.energy_j,
-                time_s=trial.time_s,
-                cost=cost,
-                eta=self.eta,
-                converged=trial.converged,
-                started_at=trial.started_at,
-                finished_at=trial.finished_at,
-                metric=trial.metric,
-            )
-        )
-        if trial.converged and (self._best_cost is None or cost < self._best_cost):
-            self._best_cost = cost
-        log.info(
-            "%s: recorded batch size %d, %d epochs, %.0f J, %.0f s, cost %.0f, %s",
-            self.job.job_id,
-            trial.batch_size,
-            trial.epochs,
-            trial.energy_j,
-            trial.time_s,
-            cost,
-            "converged" if trial.converged else "not converged",
-        )
-        return stored
-
-    # ------------------------------------------------------------------ power profiles
-    def load_power_profile(self, batch_size: int) -> dict[str, Any] | None:
-        """The power-limit optimizer's saved state for this job at ``batch_size``."""
-        return self.store.load_power_profile(self.job.job_id, batch_size)
-
-    def save_power_profile(self, batch_size: int, state: dict[str, Any]) -> None:
-        """Save the power-limit optimizer's state so later runs skip profiling."""
-        self.store.save_power_profile(self.job.job_id, batch_size, state)
-
-    # ------------------------------------------------------------------ helpers
-    def _observations(self, trials: Sequence[TrialRecord]) -> list[Observation]:
-        sizes = set(self.job.batch_sizes)
-        return [
-            Observation(t.batch_size, self.cost(t.energy_j, t.time_s), t.converged)
-            for t in trials
-            if t.batch_size in sizes
-        ]
-
-    def _update_best(self, observations: Sequence[Observation]) -> None:
-        converged = [o.cost for o in observations if o.converged]
-        self._best_cost = min(converged) if converged else None
-        self._best_loaded = True
-
-
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (numpy's too), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a real number (numpy's too), not a bool."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
