@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from typing_extensions import Self
@@ -29,6 +29,7 @@ from lightning_energy.controller import (
     EnergyController,
     RunSummary,
 )
+from lightning_energy.errors import ConfigError
 
 __all__ = [
     "EnergyAdapter",
@@ -208,8 +209,14 @@ class EnergyAdapter:
         summary: the run summary once the run ended.
 
     Raises:
-        ConfigError: invalid configuration, raised here, before training starts.
+        ConfigError: invalid configuration, raised here, before training starts; in
+            strict mode also a ``perseus:`` or ``batch_size:`` section enabled for an
+            adapter that does not apply it.
     """
+
+    #: Whether the framework applies the ``perseus:`` and ``batch_size:`` sections (the
+    #: Lightning Trainer does, through its callbacks entry point and strategies).
+    applies_perseus_and_batch_size: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -231,11 +238,26 @@ class EnergyAdapter:
                 "report": report,
             },
         )
+        self._check_sections_applied()
         self.controller: EnergyController | None = None
         self.summary: RunSummary | None = None
         self._running = False
         self._main_process = True
         self._pending_state: dict[str, Any] | None = None
+
+    def _check_sections_applied(self) -> None:
+        """One warning (strict: a ConfigError) for enabled sections this framework ignores."""
+        enabled = [name for name in ("perseus", "batch_size") if getattr(self.config, name).enabled]
+        if not enabled or self.applies_perseus_and_batch_size:
+            return
+        message = (
+            f"{', '.join(name + ': enabled' for name in enabled)} is not applied by "
+            f"{type(self).__name__}: only the Lightning Trainer applies these sections "
+            "(docs/perseus.md, docs/batch-size.md); training runs without them"
+        )
+        if self.config.strict:
+            raise ConfigError([message], source=type(self).__name__)
+        log.warning("%s.", message)
 
     @property
     def running(self) -> bool:

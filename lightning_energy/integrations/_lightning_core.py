@@ -114,6 +114,8 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`.
     """
 
+    applies_perseus_and_batch_size = True
+
     @property
     @override
     def state_key(self) -> str:

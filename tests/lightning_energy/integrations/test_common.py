@@ -3,12 +3,16 @@ workload key."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from lightning_energy.config import EnergyConfig
+from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._common import (
+    EnergyAdapter,
     count_parameters,
     tensor_collective,
     workload_key,
@@ -44,3 +48,43 @@ def test_the_workload_key_keeps_the_form_checkpoints_were_saved_with() -> None:
         == "batch_size=4,gradient_accumulation_steps=2,params=18"
     )
     assert workload_key(batch_size=None, params=18) == "batch_size=None,params=18"
+
+
+def _adapters() -> dict[str, type[EnergyAdapter]]:
+    from lightning_energy.integrations.accelerate import AcceleratorEnergy
+    from lightning_energy.integrations.fabric import EnergyFabricCallback
+    from lightning_energy.integrations.lightning import EnergyCallback
+    from lightning_energy.integrations.transformers import EnergyTrainerCallback
+
+    return {
+        "Lightning": EnergyCallback,
+        "Fabric": EnergyFabricCallback,
+        "Accelerate": AcceleratorEnergy,
+        "Transformers": EnergyTrainerCallback,
+    }
+
+
+@pytest.mark.parametrize("framework", ["Lightning", "Fabric", "Accelerate", "Transformers"])
+def test_a_section_the_framework_does_not_apply_is_never_silently_ignored(
+    framework: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = _adapters()[framework]
+    config = {"perseus": {"enabled": True, "mode": "ddp"}}
+
+    def build(strict: bool) -> EnergyAdapter:
+        full = EnergyConfig.from_mapping({**config, "strict": strict})
+        if adapter.__name__ == "AcceleratorEnergy":
+            from accelerate import Accelerator
+
+            return adapter(Accelerator(cpu=True), full)  # type: ignore[call-arg]
+        return adapter(full)
+
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        build(strict=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if adapter.applies_perseus_and_batch_size:
+        assert not warnings
+        return
+    assert len(warnings) == 1 and "perseus: enabled is not applied" in warnings[0]
+    with pytest.raises(ConfigError, match="only the Lightning Trainer applies"):
+        build(strict=True)
