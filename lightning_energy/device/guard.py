@@ -517,7 +517,8 @@ class GPUGuard:
         """
         if not (math.isfinite(power_limit_w) and power_limit_w > 0):
             raise ConfigError(
-                f"power_limit_w={power_limit_w!r}: must be a finite number of watts > 0",
+                f"power_limit_w: {power_limit_w!r} is not allowed; "
+                "use a finite number of watts > 0",
                 source="GPUGuard",
             )
         with self._critical():

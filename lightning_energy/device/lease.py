@@ -143,14 +143,15 @@ def resolve_lease_dir(lease_dir: str | Path | None = None) -> Path:
     if lease_dir is not None:
         if not isinstance(lease_dir, (str, os.PathLike)):
             raise ConfigError(
-                f"lease_dir={lease_dir!r}: must be a directory path (a string), or unset for "
+                f"lease_dir: {lease_dir!r} is not allowed; "
+                "use a directory path (a string), or unset for "
                 f"{DEFAULT_LEASE_DIR}",
                 source="lease directory",
             )
         if not str(lease_dir).strip():
             raise ConfigError(
-                "lease_dir='': must name a directory (an empty path would be the current "
-                f"directory); leave it unset for {DEFAULT_LEASE_DIR}",
+                f"lease_dir: {str(lease_dir)!r} is not allowed; name a directory (an empty "
+                f"path would be the current directory), or leave it unset for {DEFAULT_LEASE_DIR}",
                 source="lease directory",
             )
         return Path(lease_dir).expanduser()

@@ -120,7 +120,8 @@ class EnergyTimeline:
     def __init__(self, counter_period_s: float) -> None:
         if not 0.0 <= counter_period_s < math.inf:
             raise ConfigError(
-                f"counter_period_s={counter_period_s!r}: must be a finite number of seconds >= 0"
+                f"counter_period_s: {counter_period_s!r} is not allowed; "
+                "use a finite number of seconds >= 0"
             )
         self.counter_period_s = float(counter_period_s)
         self._times: list[float] = []

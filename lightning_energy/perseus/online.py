@@ -265,11 +265,15 @@ class OnlinePerseus:
     ) -> None:
         problems = []
         if warmup_iterations < 0:
-            problems.append(f"warmup_iterations={warmup_iterations}: must be >= 0")
+            problems.append(f"warmup_iterations: {warmup_iterations} is not allowed; use >= 0")
         if iterations_per_clock < 1:
-            problems.append(f"iterations_per_clock={iterations_per_clock}: must be >= 1")
+            problems.append(
+                f"iterations_per_clock: {iterations_per_clock} is not allowed; use >= 1"
+            )
         if replan_every_iterations < 1:
-            problems.append(f"replan_every_iterations={replan_every_iterations}: must be >= 1")
+            problems.append(
+                f"replan_every_iterations: {replan_every_iterations} is not allowed; use >= 1"
+            )
         clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
         if len(set(clocks)) < 2:
             problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")

@@ -168,7 +168,7 @@ class PerseusPlanner:
         seed: int = 0,
     ) -> None:
         problems = [
-            f"{k}={v!r}: must be >= 0"
+            f"{k}: {v!r} is not allowed; use >= 0"
             for k, v in (("variants", variants), ("rounds", rounds))
             if v < 0
         ]
@@ -318,9 +318,9 @@ class PerseusPlanner:
         """
         problems = []
         if time_step_s is not None and not time_step_s > 0:
-            problems.append(f"time_step_s={time_step_s!r}: must be > 0")
+            problems.append(f"time_step_s: {time_step_s!r} is not allowed; use > 0")
         if anchors < 0:
-            problems.append(f"anchors={anchors!r}: must be >= 0")
+            problems.append(f"anchors: {anchors!r} is not allowed; use >= 0")
         if problems:
             raise ConfigError(problems, source="frontier")
         if self.exact:

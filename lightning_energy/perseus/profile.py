@@ -301,7 +301,9 @@ def _validate(entries: list[InstructionProfile], blocked_power_w: float) -> list
     """Every problem of a set of entries: duplicates, gaps, missing clocks, bad values."""
     problems: list[str] = []
     if not math.isfinite(blocked_power_w) or blocked_power_w < 0:
-        problems.append(f"blocked_power_w={blocked_power_w!r}: must be a finite power >= 0 W")
+        problems.append(
+            f"blocked_power_w: {blocked_power_w!r} is not allowed; use a finite power >= 0 W"
+        )
     if not entries:
         return [*problems, "no measurements"]
     by_key: dict[tuple[int, str], InstructionProfile] = {}

@@ -102,11 +102,11 @@ class StragglerEqualizer:
     ) -> None:
         problems = []
         if steps_per_clock < 1:
-            problems.append(f"steps_per_clock={steps_per_clock}: must be >= 1")
+            problems.append(f"steps_per_clock: {steps_per_clock} is not allowed; use >= 1")
         if window_steps < 1:
-            problems.append(f"window_steps={window_steps}: must be >= 1")
+            problems.append(f"window_steps: {window_steps} is not allowed; use >= 1")
         if not 0 <= margin < 0.5:
-            problems.append(f"margin={margin}: must be in [0, 0.5)")
+            problems.append(f"margin: {margin} is not allowed; use a value in [0, 0.5)")
         clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz, 3))
         if len(set(clocks)) < 2:
             problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")

@@ -100,7 +100,7 @@ def test_step_parameters_replace_the_measured_ones(tmp_path: Path) -> None:
     path = str(_write(tmp_path, VALID))
     model = SimulatedSpec(calibration=path, step_time_s=0.5, compute_bound_share=0.5).model()
     assert model.step_work() == (0.5, 0.5)
-    with pytest.raises(ConfigError, match=r"workload=.*only applies to trace GPUs"):
+    with pytest.raises(ConfigError, match=r"workload: .* is not allowed; it only applies to trace"):
         SimulatedSpec(calibration=path, workload="imagenet/resnet50")
 
 

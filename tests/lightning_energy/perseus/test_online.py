@@ -148,7 +148,7 @@ def test_replanning_is_checked_every_n_iterations_not_every_one(tmp_path: Path) 
 
 
 def test_replan_period_must_be_positive(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="replan_every_iterations=0"):
+    with pytest.raises(ConfigError, match="replan_every_iterations: 0 is not allowed"):
         _single_rank(tmp_path, replan_every_iterations=0)
 
 

@@ -52,7 +52,7 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "stage 1 forward: frequencies [1200, 1000] MHz missing" in message
     assert "time=-0.1" in message and "energy=0.0" in message
     assert "stage 3 backward: missing" in message
-    assert "blocked_power_w=-5.0" in message
+    assert "blocked_power_w: -5.0 is not allowed" in message
 
 
 def test_csv_errors(tmp_path: Path) -> None:
