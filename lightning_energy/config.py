@@ -157,7 +157,8 @@ class PowerLimitConfig:
         warmup_steps: steps before the first measurement.
         settle_steps: unmeasured steps after each power-limit change.
         settle_s: unmeasured seconds after each power-limit change, besides
-            ``settle_steps`` (a board applies a new limit after tens to hundreds of ms).
+            ``settle_steps`` (a board applies a new limit after tens to hundreds of ms;
+            set it when ``settle_steps`` steps are shorter than that).
     """
 
     enabled: bool = True
@@ -169,7 +170,7 @@ class PowerLimitConfig:
     step_w: float = 25.0
     warmup_steps: int = 10
     settle_steps: int = 2
-    settle_s: float = 0.5
+    settle_s: float = 0.0
 
     def make_selector(self) -> Selector:
         """Build the selector this section names (already validated)."""
