@@ -42,6 +42,10 @@ from carbon.types import IntensityPoint, Reading, ReadingStatus
 
 __all__ = ["CarbonMonitor"]
 
+#: Runs of the polling job that may be in flight or queued at once (one hung poll, the
+#: rest returning at once because the poll lock is taken).
+_MAX_QUEUED_RUNS = 16
+
 logger = logging.getLogger(__name__)
 
 #: The longest ``Retry-After`` the monitor waits for before polling again (one day).
@@ -155,16 +159,22 @@ class CarbonMonitor:
         with self._lifecycle_lock:
             if self._scheduler is not None:
                 return self
-            # Two workers and two instances: a run due while a poll is still going finds
-            # the poll lock taken and returns at once (see _poll_job), so the scheduler
-            # never has a run to skip and log.
+            # Two workers, and room for runs queued behind a hung poll: a run due while a
+            # poll is still going finds the poll lock taken and returns at once (see
+            # _poll_job). Those runs count as running instances until a worker takes
+            # them, which can lag behind a short interval on a busy machine; with room
+            # for _MAX_QUEUED_RUNS the scheduler has no run to skip and log.
             scheduler = BackgroundScheduler(
                 executors={
                     "default": ThreadPoolExecutor(
                         2, pool_kwargs={"thread_name_prefix": "carbon-monitor"}
                     )
                 },
-                job_defaults={"coalesce": True, "max_instances": 2, "misfire_grace_time": None},
+                job_defaults={
+                    "coalesce": True,
+                    "max_instances": _MAX_QUEUED_RUNS,
+                    "misfire_grace_time": None,
+                },
                 timezone=timezone.utc,
             )
             scheduler.add_job(
