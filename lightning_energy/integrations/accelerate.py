@@ -42,7 +42,6 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import torch
@@ -287,10 +286,15 @@ class AcceleratorEnergy(EnergyAdapter):
         Returns:
             The run summary (None when inactive).
         """
+        return self._finish()
+
+    @override
+    def _finish(self) -> RunSummary | None:
+        """Unhook, then end the run normally and log its summary to the trackers."""
         if not self.running:
             return self.summary
         self._unhook()
-        summary = self._finish()
+        summary = super()._finish()
         if summary is not None and self.controller is not None:
             self.accelerator.log(summary_values(summary), step=self.controller.steps)
         return summary
@@ -301,19 +305,6 @@ class AcceleratorEnergy(EnergyAdapter):
         if self.running:
             self._unhook()
         return super()._abort(failure)
-
-    @override
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Close the attachment, or abort the run when the block raised."""
-        if exc_type is None:
-            self.close()
-        else:
-            self._abort(exc_type.__name__)
 
     # ------------------------------------------------------------------ checkpoints
     @override
