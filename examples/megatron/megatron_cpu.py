@@ -1,0 +1,136 @@
+"""Megatron-Core pipelines on CPU: a shim for its hard-coded CUDA calls, and a tiny model.
+
+Megatron-Core runs its pipeline schedules on CPU with gloo once a few CUDA-only calls are
+redirected: ``torch.zeros(..., device="cuda")`` and ``tensor.cuda()`` for the token
+counters of the schedules, ``torch.cuda.current_device()`` for the receive buffers of the
+point-to-point communication, and ``torch.cuda.synchronize()`` after batched sends and
+receives. :func:`cuda_calls_on_cpu` redirects them while a block runs. It belongs to the
+example and the tests (no GPU there); lightning-energy itself never patches Megatron.
+
+The model is a stack of ``Linear + Tanh`` stages, one per pipeline stage (model chunk),
+each a ``MegatronModule`` that takes its input from the previous stage through
+``set_input_tensor``, as Megatron's models do.
+
+Example (every rank, inside an initialised gloo process group)::
+
+    with cuda_calls_on_cpu():
+        model, config = build_chunks(pipeline_ranks=2, virtual_stages=1)
+        forward_backward = get_forward_backward_func()
+        forward_backward(forward_step_func=forward_step, data_iterator=data(config, 4),
+                         model=model, num_microbatches=4, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+#: Sequence length, micro-batch size and hidden size of the tiny model.
+SEQ_LENGTH = 4
+MICRO_BATCH_SIZE = 2
+HIDDEN_SIZE = 8
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu() -> Iterator[None]:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU while the block runs.
+
+    ``torch.zeros``/``torch.empty`` with ``device="cuda"`` and ``Tensor.cuda()`` give CPU
+    tensors, ``torch.cuda.current_device()`` names the CPU and ``torch.cuda.synchronize()``
+    does nothing (gloo's sends and receives are complete once waited for). Everything is
+    put back at the end, also when the block raises.
+    """
+    saved = (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize)
+    zeros = torch.zeros
+
+    def cpu_zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return zeros(*args, device="cpu" if _is_cuda(device) else device, **kwargs)
+
+    def cpu_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.zeros = cpu_zeros  # type: ignore[assignment]
+    torch.Tensor.cuda = cpu_tensor  # type: ignore[method-assign,assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize) = saved  # type: ignore[assignment]
+
+
+def _is_cuda(device: Any) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+class LinearStage(MegatronModule):
+    """One pipeline stage: ``tanh(linear(x))`` over ``[seq, batch, hidden]`` activations.
+
+    The first stage reads the micro-batch; the others the activation Megatron hands over
+    with :meth:`set_input_tensor`.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder
+        self.linear = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
+        self.input_tensor = input_tensor[0]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = inputs if self.input_tensor is None else self.input_tensor
+        return torch.tanh(self.linear(x))
+
+
+def build_chunks(pipeline_ranks: int, virtual_stages: int) -> tuple[list[LinearStage], Any]:
+    """This rank's model chunks (``virtual_stages`` of them) and their config.
+
+    Parameters are seeded by stage, so a stage's weights do not depend on how many ranks
+    the pipeline has.
+    """
+    config = TransformerConfig(
+        num_layers=pipeline_ranks * virtual_stages,
+        hidden_size=HIDDEN_SIZE,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=pipeline_ranks,
+        virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+    )
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for chunk in range(virtual_stages):
+        torch.manual_seed(1000 + chunk * pipeline_ranks + rank)
+        chunks.append(LinearStage(config))
+    return chunks, config
+
+
+def batches(num_microbatches: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, targets)`` micro-batches, the same on every rank for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_microbatches):
+        shape = (SEQ_LENGTH, MICRO_BATCH_SIZE, HIDDEN_SIZE)
+        yield torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def _loss(target: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    loss = torch.nn.functional.mse_loss(output, target)
+    return loss, {"loss": loss.detach()}
+
+
+def forward_step(
+    data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], model: LinearStage
+) -> tuple[torch.Tensor, Any]:
+    """Megatron's ``forward_step_func``: the stage's output and the loss of the batch."""
+    inputs, target = next(data_iterator)
+    return model(inputs), partial(_loss, target)
