@@ -1,0 +1,185 @@
+"""MegatronEnergy with real Megatron-Core pipelines: 2 gloo processes on CPU, simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.pipeline_parallel import schedules
+
+from lightning_energy.errors import ConfigError
+from lightning_energy.integrations.megatron import MegatronEnergy, megatron_schedule
+from lightning_energy.perseus.schedule import one_f_one_b
+
+ROOT = Path(__file__).resolve().parents[3]
+MEGATRON_012_ENV = "MEGATRON_CORE_012_PATH"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_workers(tmp_path: Path, pythonpath: str | None = None) -> list[dict[str, Any]]:
+    """Both ranks of megatron_worker; fails with their output if one fails or hangs."""
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
+    port = str(free_port())
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tests.lightning_energy.integrations.megatron_worker",
+                        str(rank),
+                        port,
+                        str(tmp_path),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(codes):
+        output = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
+        pytest.fail(f"megatron_worker failed with exit codes {codes}:\n{output}")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_runs(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        for name in ("1f1b", "interleaved"):
+            run = result[name]
+            # What the adapter fed Perseus is the schedule built from Megatron-Core's table,
+            # iteration after iteration, and the schedule held (Perseus still profiling).
+            iterations = len(run["observed"]) - 1
+            assert run["fed"] == run["expected"] * iterations, (rank, name)
+            assert run["phase"] == "profiling", (rank, name)
+            # ... and it is what Megatron-Core ran: forwards of that chunk and micro-batch,
+            # backwards at the same places.
+            observed = [
+                "B" if call[0] == "B" else f"F{call[1] * 2 + rank}.{call[2]}"
+                for call in run["observed"][-1]
+            ]
+            assert observed == [i if i[0] == "F" else "B" for i in run["expected"]], (rank, name)
+            # Clocks were locked while it ran and are restored at the end (close / with).
+            assert run["locked_during"] is not None, (rank, name)
+            assert run["locked_after"] is None, (rank, name)
+            assert run["hooks_removed"] and run["summary"], (rank, name)
+        # Interleaved: two model chunks a rank, stage = chunk * 2 + rank.
+        assert {i.split(".")[0][1:] for i in result["interleaved"]["expected"]} == {
+            str(rank),
+            str(rank + 2),
+        }
+        change = result["shape_change"]
+        assert change["error"] is not None and "num_microbatches=2" in change["error"]
+        assert change["locked_after"] is None and not change["running"]
+        failure = result["failure"]
+        assert failure["error"] == "boom"
+        assert failure["locked_during"] is not None
+        assert failure["locked_after"] is None
+        assert failure["hooks_removed"] and failure["summary"]
+
+
+@pytest.mark.slow
+def test_two_process_pipelines_run_the_schedule_and_restore(tmp_path: Path) -> None:
+    check_runs(run_workers(tmp_path))
+
+
+@pytest.mark.slow
+def test_two_process_pipelines_on_megatron_core_0_12(tmp_path: Path) -> None:
+    path = os.environ.get(MEGATRON_012_ENV)
+    if not path:
+        pytest.skip(f"{MEGATRON_012_ENV} is not set (a directory with megatron-core 0.12)")
+    ranks = run_workers(tmp_path, pythonpath=path)
+    assert all(r["version"].startswith("0.12.") for r in ranks), [r["version"] for r in ranks]
+    check_runs(ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 3, 8])
+def test_1f1b_from_megatron_tables_is_synchronous_1f1b(ranks: int, microbatches: int) -> None:
+    schedule = megatron_schedule("1f1b", pipeline_ranks=ranks, num_microbatches=microbatches)
+    assert schedule.device_orders == one_f_one_b(ranks, microbatches).device_orders
+
+
+def test_bad_input_is_reported_before_any_gpu_is_touched(tmp_path: Path) -> None:
+    energy = MegatronEnergy({"device": {"backend": "simulated", "gpu": "a100"}})
+    with pytest.raises(ConfigError, match="forward_backward_pipelining_with_interleaving"):
+        energy.wrap(schedules.forward_backward_no_pipelining)
+    with pytest.raises(ConfigError, match="is not allowed"):
+        energy.wrap(lambda **kwargs: None)
+    with pytest.raises(ConfigError) as info:
+        megatron_schedule("gpipe", pipeline_ranks=1, num_microbatches=0, virtual_stages=0)
+    assert len(info.value.problems) == 4
+    assert "use ['1f1b', 'interleaved_1f1b']" in str(info.value)
+    # Without torch.distributed and parallel_state: a clear error, nothing opened.
+    wrapped = energy.wrap(schedules.forward_backward_pipelining_without_interleaving)
+    with pytest.raises(ConfigError, match="parallel_state must be initialised"):
+        wrapped(model=[], num_microbatches=4, forward_step_func=None, data_iterator=None)
+    assert energy.pipeline is None and not energy.running
+
+
+@pytest.mark.slow
+def test_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "examples" / "megatron" / "train.py"),
+            "--iterations",
+            "5",
+            "--microbatches",
+            "4",
+            "--stage-times-s",
+            "0.05:0.1,0.1:0.2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout
+    result = json.loads(lines[0])
+    assert result["engine"] == "megatron-core"
+    assert (result["stages"], result["microbatches"]) == (2, 4)
+    assert result["time_ratio"] == pytest.approx(
+        result["iteration_time_s_plan"] / result["iteration_time_s_max"]
+    )
+    # The light first stage runs below the maximum clock: less energy, no slowdown.
+    assert result["time_ratio"] <= 1.0 + 1e-3
+    assert result["energy_saving"] > 0.02
+    assert result["energy_saving"] == pytest.approx(
+        1 - result["energy_j_plan"] / result["energy_j_max"]
+    )
