@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 #: The Megatron-Core functions :meth:`MegatronEnergy.wrap` takes, and their schedules.
 SCHEDULE_FUNCTIONS = {
     "forward_backward_pipelining_without_interleaving": "1f1b",
-    "forward_backward_pipelining_with_interleaving": "interleaved_1f1b",
+    "forward_backward_pipelining_with_interleaving": "megatron_interleaved_1f1b",
 }
 
 
@@ -62,7 +62,7 @@ def _warmup_microbatches(
 ) -> int:
     """Forwards a rank runs before its first backward (``get_pp_rank_microbatches``)."""
     warmup = pipeline_ranks - rank - 1
-    if name == "interleaved_1f1b":
+    if name == "megatron_interleaved_1f1b":
         warmup = warmup * 2 + (virtual_stages - 1) * group_size
     return min(warmup, total)
 
@@ -93,10 +93,13 @@ def megatron_schedule(
     Each rank's order is Megatron-Core's: ``get_schedule_table`` (which model chunk and
     micro-batch the k-th forward runs) turned into a rank's forward/backward order by
     ``convert_schedule_table_to_order`` with the rank's warmup forwards. Model chunk ``v``
-    on pipeline rank ``r`` is stage ``v * pipeline_ranks + r``.
+    on pipeline rank ``r`` is stage ``v * pipeline_ranks + r``. Megatron-Core's 1F1B runs
+    the orders of :func:`~lightning_energy.perseus.schedule.one_f_one_b` (hence the same
+    name); its interleaved orders are its own, under a name of their own, so a plan for
+    ``torch.distributed.pipelining``'s interleaved 1F1B is never applied to them.
 
     Args:
-        name: ``"1f1b"`` or ``"interleaved_1f1b"``.
+        name: ``"1f1b"`` or ``"megatron_interleaved_1f1b"``.
         pipeline_ranks: the pipeline-parallel size.
         num_microbatches: micro-batches per iteration.
         virtual_stages: model chunks per rank (interleaved only).

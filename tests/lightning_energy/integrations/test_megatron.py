@@ -134,7 +134,7 @@ def test_bad_input_is_reported_before_any_gpu_is_touched(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as info:
         megatron_schedule("gpipe", pipeline_ranks=1, num_microbatches=0, virtual_stages=0)
     assert len(info.value.problems) == 4
-    assert "use ['1f1b', 'interleaved_1f1b']" in str(info.value)
+    assert "use ['1f1b', 'megatron_interleaved_1f1b']" in str(info.value)
     # Without torch.distributed and parallel_state: a clear error, nothing opened.
     wrapped = energy.wrap(schedules.forward_backward_pipelining_without_interleaving)
     with pytest.raises(ConfigError, match="parallel_state must be initialised"):
