@@ -1,6 +1,7 @@
 """Train a tiny Megatron-Core pipeline while Perseus plans per-instruction GPU clocks.
 
-One process per pipeline rank, on CPU with simulated GPUs (energy.yaml):
+One process per pipeline rank, on CPU with simulated GPUs (energy.yaml next to this script,
+or the file named by LIGHTNING_ENERGY_CONFIG, or --config):
 
     torchrun --nproc_per_node 2 examples/megatron/train.py
     torchrun --nproc_per_node 2 examples/megatron/train.py --virtual-stages 2
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.integrations.megatron import MegatronEnergy
 
 DEFAULT_STAGE_TIMES_S = (0.05, 0.1)
@@ -71,7 +74,9 @@ def parse_args() -> argparse.Namespace:
         "--virtual-stages", type=int, default=1, help="model chunks per rank (>1: interleaved)"
     )
     parser.add_argument(
-        "--config", default=str(Path(__file__).with_name("energy.yaml")), help="energy YAML"
+        "--config",
+        default=os.environ.get(CONFIG_ENV_VAR) or str(Path(__file__).with_name("energy.yaml")),
+        help=f"energy YAML (default: ${CONFIG_ENV_VAR}, else energy.yaml next to this script)",
     )
     args = parser.parse_args()
     for name in ("iterations", "microbatches", "virtual_stages"):
