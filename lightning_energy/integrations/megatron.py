@@ -176,7 +176,9 @@ class MegatronEnergy(PipelineEngineAdapter):
     as the original, once per training iteration. The ``perseus:`` section applies
     (``plan``, online profiling, ``target_time_s``...); the schedule, micro-batches and
     virtual stages are Megatron-Core's, not the section's. ``forward_only`` calls
-    (evaluation) run untouched. End the run with :meth:`close` or a ``with`` block.
+    (evaluation) run untouched. The first call opens the run (its schedule: that call's
+    micro-batches and model chunks); end it with :meth:`close` or a ``with`` block (also
+    on an exception inside a call). A call after the end opens a new run.
 
     Args:
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
@@ -212,7 +214,7 @@ class MegatronEnergy(PipelineEngineAdapter):
         )
         self.stage_times_s = stage_times_s
         self.total_steps = total_steps
-        self._shape: tuple[int, int] | None = None  # (micro-batches, virtual stages)
+        self._shape = (0, 0)  # the open run's (micro-batches, model chunks)
         self._chunks: list[Any] = []
         self._pipeline_rank = 0
         self._pipeline_ranks = 1
@@ -267,8 +269,12 @@ class MegatronEnergy(PipelineEngineAdapter):
         chunks: list[Any] = list(model) if isinstance(model, list) else [model]
         given = kwargs.get("num_microbatches")
         num_microbatches = given if isinstance(given, int) else 0
+        # Newer Megatron-Core may take the pipeline group in p2p_communicator.
+        group = getattr(kwargs.get("p2p_communicator"), "pp_group", None)
         problems = []
-        if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        if not dist.is_initialized() or (
+            group is None and not parallel_state.model_parallel_is_initialized()
+        ):
             problems.append(
                 "torch.distributed and Megatron-Core's parallel_state must be initialised "
                 "before the first forward_backward call"
@@ -277,13 +283,14 @@ class MegatronEnergy(PipelineEngineAdapter):
             problems.append(f"num_microbatches: {given!r} is not allowed; use >= 1")
         if problems:
             raise ConfigError(problems, source="MegatronEnergy")
+        if group is None:
+            group = parallel_state.get_pipeline_model_parallel_group()
         config = get_model_config(chunks[0])
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             problems.append(
                 "overlap_moe_expert_parallel_comm: True is not allowed; use False (the "
                 "combined 1F1B schedule runs a forward and a backward as one instruction)"
             )
-        group = parallel_state.get_pipeline_model_parallel_group()
         ranks, world = dist.get_world_size(group), dist.get_world_size()
         if ranks != world:
             problems.append(
@@ -292,18 +299,17 @@ class MegatronEnergy(PipelineEngineAdapter):
             )
         if problems:
             raise ConfigError(problems, source="MegatronEnergy")
+        self._chunks = chunks
         shape = (num_microbatches, len(chunks))
-        if self._shape is not None:
+        if self.running:
             if shape != self._shape:
                 raise ConfigError(
                     f"num_microbatches={shape[0]} with {shape[1]} model chunks is not "
-                    f"allowed; use the run's first values ({self._shape[0]} and "
+                    f"allowed; use the run's values ({self._shape[0]} and "
                     f"{self._shape[1]}): one run plans one schedule",
                     source="MegatronEnergy",
                 )
-            self._chunks = chunks
             return
-        self._chunks = chunks
         self._pipeline_rank, self._pipeline_ranks = dist.get_rank(group), ranks
         schedule = megatron_schedule(
             name,

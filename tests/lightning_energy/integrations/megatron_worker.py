@@ -173,7 +173,8 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def run_shape_change(out_dir: Path) -> dict[str, Any]:
-    """A second call with other micro-batch counts: a clear error, the GPU restored."""
+    """A second call with other micro-batch counts: a clear error, the GPU restored; the
+    call after that opens a new run."""
     model, _ = init(1)
     energy = MegatronEnergy(config(out_dir))
     forward_backward = energy.wrap(schedules.get_forward_backward_func())
@@ -192,7 +193,27 @@ def run_shape_change(out_dir: Path) -> dict[str, Any]:
         )
     except ConfigError as exc:
         error = str(exc)
-    return {"error": error, "locked_after": gpu.locked_clocks_mhz(), "running": energy.running}
+    locked_after = gpu.locked_clocks_mhz()
+    running = energy.running
+    # The next call opens a new run, with its own schedule.
+    forward_backward(
+        forward_step_func=mc.forward_step,
+        data_iterator=mc.batches(2, 0),
+        model=model,
+        num_microbatches=2,
+        seq_length=mc.SEQ_LENGTH,
+        micro_batch_size=mc.MICRO_BATCH_SIZE,
+    )
+    assert energy.pipeline is not None
+    reopened = energy.pipeline.schedule.num_microbatches
+    energy.close()
+    return {
+        "error": error,
+        "locked_after": locked_after,
+        "running": running,
+        "reopened_microbatches": reopened,
+        "hooks_removed": schedules.forward_step.__module__ == schedules.__name__,
+    }
 
 
 def run_failure(out_dir: Path, rank: int) -> dict[str, Any]:

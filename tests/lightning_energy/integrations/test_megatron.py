@@ -96,6 +96,7 @@ def check_runs(ranks: list[dict[str, Any]]) -> None:
         change = result["shape_change"]
         assert change["error"] is not None and "num_microbatches=2" in change["error"]
         assert change["locked_after"] is None and not change["running"]
+        assert change["reopened_microbatches"] == 2 and change["hooks_removed"]
         failure = result["failure"]
         assert failure["error"] == "boom"
         assert failure["locked_during"] is not None
