@@ -6,7 +6,7 @@ or the file named by LIGHTNING_ENERGY_CONFIG, or --config):
     torchrun --nproc_per_node 2 examples/megatron/train.py
     torchrun --nproc_per_node 2 examples/megatron/train.py --virtual-stages 2
     torchrun --nproc_per_node 4 examples/megatron/train.py \\
-        --stage-times-s 0.05:0.1,0.05:0.1,0.05:0.1,0.1:0.2
+        --stage-times-s 0.1:0.2,0.1:0.2,0.1:0.2,0.2:0.4
 
 The script runs ``--iterations`` iterations at the maximum clocks (Perseus' warm-up),
 lets Perseus profile online and plan (as many iterations as the profile needs), then runs
@@ -36,7 +36,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.integrations.megatron import MegatronEnergy
 
-DEFAULT_STAGE_TIMES_S = (0.05, 0.1)
+DEFAULT_STAGE_TIMES_S = (0.1, 0.2)
 #: Iterations Perseus may take to profile before the script gives up.
 MAX_PROFILE_ITERATIONS = 5000
 
