@@ -60,8 +60,9 @@ def config(out_dir: Path) -> dict[str, Any]:
 
 
 class Observer:
-    """What Megatron-Core ran, seen from inside the adapter's hooks: ``("F", chunk,
-    micro-batch)`` for a forward, ``("B",)`` for a backward."""
+    """What Megatron-Core ran: ``("F", chunk, micro-batch)`` for a forward, ``("B",)`` for
+    a backward. Installed before each call, it sees every call only if the adapter wraps
+    the functions it finds at call time (not those of import time)."""
 
     def __init__(self, chunks: list[Any]) -> None:
         self.chunks = chunks
