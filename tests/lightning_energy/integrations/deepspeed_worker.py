@@ -1,0 +1,264 @@
+"""One rank of a 2-process gloo DeepSpeed pipeline on simulated GPUs (test_deepspeed.py).
+
+Run as ``python -m tests.lightning_energy.integrations.deepspeed_worker OUT_DIR`` with the
+torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). On one
+engine it runs, in order:
+
+1. ``online``: Perseus attached from a YAML mapping; warm-up, online profiling, then
+   planned iterations on an imbalanced pipeline (the last stage is heavier). Per
+   iteration: the phase, the simulated time and energy, and the instructions the engine
+   executed, recorded independently of the adapter (the n-th forward or backward of an
+   iteration is micro-batch n in DeepSpeed, with its buffer). Then ``close()``, the GPU's
+   settings afterwards and whether the engine was unhooked.
+2. ``bad``: the ConfigErrors of a ``perseus:`` section DeepSpeed cannot run and of an
+   engine with data parallelism.
+3. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
+   ``train_batch``; the clocks while it raised and the GPU's settings afterwards.
+
+Results go to ``OUT_DIR/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import deepspeed.ops
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.device import open_devices
+from lightning_energy.errors import ConfigError
+from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, attach_energy
+
+MICRO_BATCHES = 4
+#: [forward, backward] seconds at the maximum clock per stage: the last stage is heavier.
+#: Instructions far longer than the A100's 50 ms clock-setting latency.
+STAGE_TIMES_S = [[0.2, 0.4], [0.3, 0.6]]
+PLANNED_ITERATIONS = 10
+
+
+def energy_config(out_dir: Path, **perseus: Any) -> dict[str, Any]:
+    """Simulated A100s whose settings live in files (observable from outside the run)."""
+    return {
+        "device": {
+            "backend": "simulated",
+            "gpu": "a100",
+            "start": "2026-06-01T00:00:00",
+            "state_dir": str(out_dir / "gpu_state"),
+            "lease_dir": str(out_dir / "leases"),
+        },
+        "power_limit": {"enabled": False},
+        "perseus": {
+            "enabled": True,
+            "mode": "pipeline",
+            "profile_clocks_mhz": [1410, 1200, 990],
+            "warmup_iterations": 2,
+            **perseus,
+        },
+    }
+
+
+class Tripwire(torch.nn.Module):
+    """Identity; raises on the ``fail_at``-th call once armed (a failing model layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at: int | None = None
+        self.calls = 0
+        self.on_fail: Callable[[], None] = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail_at is not None:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                self.on_fail()
+                raise RuntimeError("layer failed mid-batch")
+        return x
+
+
+def build_engine(num_stages: int, tripwire: Tripwire) -> Any:
+    """Two layers per stage: a linear layer and ``tripwire`` (on every stage)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), tripwire, torch.nn.Linear(8, 8), tripwire]
+    module = PipelineModule(
+        layers=layers,
+        num_stages=num_stages,
+        loss_fn=torch.nn.MSELoss(),
+        partition_method="uniform",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": MICRO_BATCHES,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=list(module.parameters()), config=config
+    )
+    return engine
+
+
+def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    while True:
+        yield torch.randn(2, 8, generator=generator), torch.randn(2, 8, generator=generator)
+
+
+def record_executed(engine: Any, executed: list[tuple[str, int]]) -> dict[Any, Any]:
+    """Record every forward and backward pass ``engine`` runs (instance-level map)."""
+    instruction_map = dict(engine._INSTRUCTION_MAP)
+    for command, kind in ((ForwardPass, "forward"), (BackwardPass, "backward")):
+        original = instruction_map[command]
+
+        def run(self: Any, buffer_id: int, _kind: str = kind, _original: Any = original) -> Any:
+            executed.append((_kind, buffer_id))
+            return _original(self, buffer_id)
+
+        instruction_map[command] = run
+    engine._INSTRUCTION_MAP = instruction_map
+    return instruction_map
+
+
+def as_instructions(executed: list[tuple[str, int]], stage: int, buffers: int) -> list[str]:
+    """DeepSpeed runs forwards, and backwards, in micro-batch order, micro-batch m in
+    buffer ``m % buffers``: name each executed pass by its micro-batch."""
+    seen = {"forward": 0, "backward": 0}
+    names = []
+    for kind, buffer_id in executed:
+        microbatch = seen[kind]
+        seen[kind] += 1
+        assert buffer_id == microbatch % buffers, (kind, microbatch, buffer_id)
+        names.append(f"{kind[0].upper()}{stage}.{microbatch}")
+    return names
+
+
+def gpu_settings(out_dir: Path, local_rank: int) -> list[Any]:
+    """This rank's GPU settings as another process would read them (the state files)."""
+    spec = EnergyConfig.from_mapping(energy_config(out_dir)).device.simulated_spec()
+    devices = open_devices("simulated", simulated=spec, local_rank=local_rank)
+    try:
+        limit_w, clocks = devices.gpus[0].settings()
+        return [limit_w, None if clocks is None else list(clocks)]
+    finally:
+        devices.close()
+
+
+def hooked(engine: Any, recorder: dict[Any, Any] | None = None) -> list[str]:
+    """The engine's instance attributes the adapter sets, other than the test's recorder."""
+    names = ("_INSTRUCTION_MAP", "_train_schedule", "train_batch")
+    return [n for n in names if n in vars(engine) and vars(engine)[n] is not recorder]
+
+
+def run_online(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
+    executed: list[tuple[str, int]] = []
+    recorder = record_executed(engine, executed)
+    energy = attach_energy(engine, energy_config(out_dir), stage_times_s=STAGE_TIMES_S)
+    pipeline = energy.pipeline
+    assert pipeline is not None and pipeline.online is not None
+    gpu = pipeline.rank.gpu
+    buffers = engine._train_schedule().num_pipe_buffers()
+    data = batches()
+    iterations = []
+    planned = 0
+    with energy:
+        while planned < PLANNED_ITERATIONS:
+            phase = pipeline.online.phase
+            executed.clear()
+            start_s = gpu.now_s()
+            engine.train_batch(data)
+            planned += phase == "planned"
+            iterations.append(
+                {
+                    "phase": phase,
+                    "time_s": gpu.now_s() - start_s,
+                    "end_j": gpu.energy_j(),
+                    "executed": as_instructions(executed, engine.stage_id, buffers),
+                }
+            )
+        plan = pipeline.runtime.plan
+        assert plan is not None
+        if engine.global_rank == 0:
+            plan.save(out_dir / "plan.json")
+    after = gpu_settings(out_dir, local_rank)
+    still_hooked = hooked(engine, recorder)
+    del vars(engine)["_INSTRUCTION_MAP"]  # the recorder: the class's map again
+    engine.train_batch(data)  # training goes on, unhooked
+    return {
+        "iterations": iterations,
+        "schedule": [[str(i) for i in order] for order in energy.schedule.device_orders],
+        "settings_after": after,
+        "still_hooked": still_hooked,
+        "plan_clocks": sorted({f for _, f in plan.device_plan(engine.stage_id)}),
+    }
+
+
+def error_text(call: Callable[[], Any]) -> str | None:
+    try:
+        energy = call()
+    except ConfigError as exc:
+        return str(exc)
+    energy.close()
+    return None
+
+
+def run_bad(engine: Any, out_dir: Path) -> dict[str, Any]:
+    data_parallel = build_engine(1, Tripwire())  # one stage on both ranks: data parallel 2
+    return {
+        "gpipe": error_text(
+            lambda: attach_energy(engine, energy_config(out_dir, schedule="gpipe"))
+        ),
+        "data_parallel": error_text(lambda: attach_energy(data_parallel, energy_config(out_dir))),
+        "hooked_after_errors": hooked(engine),
+    }
+
+
+def run_failure(engine: Any, tripwire: Tripwire, out_dir: Path, local_rank: int) -> dict[str, Any]:
+    config = energy_config(out_dir, plan=str(out_dir / "plan.json"))
+    energy: DeepSpeedEnergy = attach_energy(engine, config, stage_times_s=STAGE_TIMES_S)
+    data = batches()
+    engine.train_batch(data)
+    during: list[Any] = []
+    tripwire.on_fail = lambda: during.append(gpu_settings(out_dir, local_rank))
+    # Rank 0 fails in its forward of micro-batch 2, rank 1 in micro-batch 1: every send
+    # before has its receive, so neither rank is left waiting for the other.
+    tripwire.fail_at = 3 if engine.stage_id == 0 else 2
+    tripwire.calls = 0
+    raised = None
+    try:
+        engine.train_batch(data)
+    except RuntimeError as exc:
+        raised = str(exc)
+    return {
+        "raised": raised,
+        "settings_during": during[0] if during else None,
+        "settings_after": gpu_settings(out_dir, local_rank),
+        "hooked_after": hooked(engine),
+        "running_after": energy.running,
+    }
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    tripwire = Tripwire()
+    engine = build_engine(2, tripwire)
+    results = {"initial_settings": gpu_settings(out_dir, local_rank)}
+    results["online"] = run_online(engine, out_dir, local_rank)
+    results["bad"] = run_bad(engine, out_dir)
+    torch.distributed.barrier()  # rank 0 wrote the plan
+    results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

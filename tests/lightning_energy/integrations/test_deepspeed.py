@@ -1,0 +1,171 @@
+"""Perseus on DeepSpeed's PipelineEngine: a real 2-process gloo pipeline on CPU with
+simulated A100s (deepspeed_worker.py), the schedule built from DeepSpeed's own
+TrainSchedule, bad input, and the example script."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_energy.errors import ConfigError
+from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, train_schedule
+from lightning_energy.perseus import one_f_one_b
+
+from . import deepspeed_worker
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(command: list[str], world: int, log_dir: Path) -> None:
+    """Run ``command`` once per rank with torchrun's environment; fail with the ranks'
+    output if one fails or hangs."""
+    port = str(free_port())
+    logs = [log_dir / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for rank, log in enumerate(logs):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        env.pop("LIGHTNING_ENERGY_CONFIG", None)
+        with log.open("w") as out:
+            procs.append(
+                subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            )
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(codes):
+        output = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
+        pytest.fail(f"{command} failed with exit codes {codes}:\n{output}")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("deepspeed")
+    module = "tests.lightning_energy.integrations.deepspeed_worker"
+    run_ranks([sys.executable, "-m", module, str(out)], 2, out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# ------------------------------------------------------------------ the schedule
+@given(stages=st.integers(1, 8), micro_batches=st.integers(1, 24))
+def test_the_schedule_of_train_schedule_is_synchronous_1f1b(
+    stages: int, micro_batches: int
+) -> None:
+    schedule = train_schedule(micro_batches, stages)
+    assert schedule.device_orders == one_f_one_b(stages, micro_batches).device_orders
+    assert (schedule.num_stages, schedule.num_microbatches) == (stages, micro_batches)
+
+
+def test_the_engine_executes_the_schedule_built_from_train_schedule(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for stage, result in enumerate(ranks):
+        expected = result["online"]["schedule"][stage]
+        iterations = result["online"]["iterations"]
+        assert [it["executed"] for it in iterations] == [expected] * len(iterations)
+        assert len(expected) == 2 * deepspeed_worker.MICRO_BATCHES
+    # Perseus saw the same order: it never switched itself off, so every phase was reached.
+    assert ranks[0]["online"]["iterations"][-1]["phase"] == "planned"
+
+
+# ------------------------------------------------------------ online planning
+def test_online_profiling_then_a_plan_saves_energy_at_no_slowdown(
+    ranks: list[dict[str, Any]],
+) -> None:
+    iterations = [r["online"]["iterations"] for r in ranks]
+    phases = [it["phase"] for it in iterations[0]]
+    assert phases[0] == "warmup" and "profiling" in phases
+    planned = phases.index("planned")
+    assert phases[planned:] == ["planned"] * deepspeed_worker.PLANNED_ITERATIONS
+
+    def per_iteration(first: int, last: int) -> tuple[float, float]:
+        """Time and both GPUs' energy per iteration over iterations first..last."""
+        time_s = sum(it["time_s"] for it in iterations[0][first : last + 1])
+        energy_j = sum(its[last]["end_j"] - its[first - 1]["end_j"] for its in iterations)
+        return time_s / (last - first + 1), energy_j / (last - first + 1)
+
+    max_time_s, max_energy_j = per_iteration(1, phases.index("profiling") - 1)
+    # The first planned iteration lands the new clocks; then the plan holds.
+    plan_time_s, plan_energy_j = per_iteration(planned + 1, len(phases) - 1)
+    assert plan_time_s <= max_time_s * 1.01
+    assert plan_energy_j < max_energy_j
+    # The light first stage runs below the maximum clock for some instructions.
+    assert min(ranks[0]["online"]["plan_clocks"]) < 1410
+
+
+# ------------------------------------------------------------------- restore
+def test_clocks_and_power_limit_are_restored_after_a_normal_end(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        assert result["online"]["settings_after"] == result["initial_settings"]
+        assert result["online"]["settings_after"][1] is None
+        assert result["online"]["still_hooked"] == []
+
+
+def test_an_exception_in_train_batch_restores_the_gpu_and_propagates(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        failure = result["failure"]
+        assert failure["raised"] == "layer failed mid-batch"
+        assert failure["settings_after"] == result["initial_settings"]
+        assert failure["hooked_after"] == []
+        assert failure["running_after"] is False
+    # The plan was in force when the layer raised: the light stage's clock was locked.
+    assert ranks[0]["failure"]["settings_during"][1] is not None
+
+
+# ------------------------------------------------------------------ bad input
+def test_what_deepspeed_cannot_run_is_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        bad = result["bad"]
+        assert "perseus.schedule: 'gpipe' is not allowed" in bad["gpipe"]
+        assert "'1f1b'" in bad["gpipe"]
+        assert "data parallel size: 2 is not allowed; use 1" in bad["data_parallel"]
+        assert bad["hooked_after_errors"] == []
+
+
+def test_an_engine_that_is_not_a_pipeline_engine_is_refused(tmp_path: Path) -> None:
+    config = {"device": {"backend": "simulated", "gpu": "a100"}}
+    with pytest.raises(ConfigError, match="Linear is not allowed; use the PipelineEngine"):
+        DeepSpeedEnergy(torch.nn.Linear(2, 2), config)
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(0, 4), (2, 0)])
+def test_train_schedule_counts_below_one_are_refused(stages: int, micro_batches: int) -> None:
+    with pytest.raises(ConfigError, match="is not allowed; use an integer >= 1"):
+        train_schedule(micro_batches, stages)
