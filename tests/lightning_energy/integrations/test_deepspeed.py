@@ -169,3 +169,37 @@ def test_an_engine_that_is_not_a_pipeline_engine_is_refused(tmp_path: Path) -> N
 def test_train_schedule_counts_below_one_are_refused(stages: int, micro_batches: int) -> None:
     with pytest.raises(ConfigError, match="is not allowed; use an integer >= 1"):
         train_schedule(micro_batches, stages)
+
+
+# -------------------------------------------------------------------- example
+def test_the_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(
+    tmp_path: Path,
+) -> None:
+    script = ROOT / "examples" / "deepspeed" / "train.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(free_port()), str(script)]
+    command += ["--iterations", "36", "--stage-times-s", "0.2:0.4,0.3:0.6"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    env.pop("LIGHTNING_ENERGY_CONFIG", None)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout[-4000:]
+    result = lines[0]
+    assert (result["engine"], result["stages"], result["microbatches"]) == ("deepspeed", 2, 4)
+    # At the maximum clock an iteration is the longest path through DeepSpeed's schedule.
+    times = {(0, "forward"): 0.2, (0, "backward"): 0.4, (1, "forward"): 0.3, (1, "backward"): 0.6}
+    schedule = train_schedule(4, 2)
+    longest_s = schedule.longest_path([times[(i.stage, i.kind)] for i in schedule.nodes])
+    assert result["iteration_time_s_max"] == pytest.approx(longest_s, rel=1e-6)
+    # energy_saving and time_ratio are what the per-iteration figures say.
+    assert result["time_ratio"] == pytest.approx(
+        result["iteration_time_s_plan"] / result["iteration_time_s_max"]
+    )
+    assert result["energy_saving"] == pytest.approx(
+        1 - result["energy_j_plan"] / result["energy_j_max"]
+    )
+    assert result["energy_saving"] > 0
+    assert result["time_ratio"] <= 1 + 1e-9  # the plan's target: no slowdown
