@@ -30,6 +30,7 @@ from lightning_energy.controller.events import (
     End,
     Event,
     Interruption,
+    PaceTarget,
     Pause,
     StepEnd,
     StepResult,
@@ -121,6 +122,7 @@ class EnergyController:
         self._is_setup = False
         self._torn_down = False
         self._total_steps: int | None = None
+        self._pace_target: PaceTarget | None = None
         self._new_run()
 
     def _new_run(self) -> None:
@@ -709,13 +711,22 @@ class EnergyController:
         """Declare how many training steps the job will run (carbon pacing needs it)."""
         self._total_steps = total_steps
 
+    def pace_with(self, target: PaceTarget | None) -> None:
+        """Let the carbon pace move ``target`` (Perseus' iteration time) instead of the
+        power limit; every rank registers the same kind of target (None: the power limit
+        again). Call it before training starts."""
+        self._pace_target = target
+
     def _pace_update(self) -> PaceUpdate | None:
         """Rank 0: the pacing decision until the next boundary."""
         if self._pacer is None:
             return None
         ledger = self._ledger
-        profile = self._session.profile_by_limit()
-        frontier = [(t, e, f"{p:g} W") for p, (t, e) in sorted(profile.items(), reverse=True)]
+        if self._pace_target is not None:
+            frontier = self._pace_target.pace_frontier()
+        else:
+            profile = self._session.profile_by_limit()
+            frontier = [(t, e, f"{p:g} W") for p, (t, e) in sorted(profile.items(), reverse=True)]
         if frontier and self._total_steps is not None:
             self._pacer.fix_deadline(self._total_steps, min(t for t, _, _ in frontier))
         remaining = None
@@ -733,8 +744,19 @@ class EnergyController:
             return
         ledger = self._ledger
         ledger.intensity = update.intensity_g_per_kwh
+        if update.scale is None or not self._job_changes_settings():
+            return
+        if self._pace_target is not None:
+            if update.scale != ledger.scale:
+                ledger.scale = update.scale
+                target_s = self._pace_target.apply_pace(update.scale)
+                reason = f"carbon pace x{update.scale:.3f}: {update.reason}"
+                ledger.decide("target_time_s", target_s, reason, purpose="pace")
+            if update.pause:
+                self._pause(update)
+            return
         profile = self._session.profile_by_limit()
-        if update.scale is None or not profile or not self._job_changes_settings():
+        if not profile:
             return
         if update.scale != ledger.scale:
             ledger.scale = update.scale
@@ -755,8 +777,9 @@ class EnergyController:
         """
         assert self._guard is not None and self.config.carbon is not None
         ledger = self._ledger
-        lo, _ = self._power_limit_range()
-        before = self._power_limit_w
+        lo, hi = self._power_limit_range()
+        # A job that never set a limit (Perseus plans clocks instead) resumes at the cap.
+        before = self._power_limit_w if self._power_limit_w is not None else hi
         self._apply(lo, f"paused: {first.reason}", purpose="pause")
         wait_s = self.config.carbon.poll_interval_s
         update: PaceUpdate | None = first

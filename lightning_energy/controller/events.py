@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 if TYPE_CHECKING:
     from lightning_energy.controller.ledger import RunSummary
@@ -30,6 +30,7 @@ __all__ = [
     "End",
     "Event",
     "Interruption",
+    "PaceTarget",
     "Pause",
     "StepEnd",
     "StepResult",
@@ -41,8 +42,9 @@ class Decision(TypedDict):
     """One setting the controller chose, and why (as written to reports).
 
     Keys: ``step`` (training steps seen), ``time_s`` (device-clock seconds since setup),
-    ``kind`` (``power_limit``, ``observe-only``, ``enforced_power_limit``), ``purpose``
-    (``profile``, ``choice``, ``pause``, ``resume`` or None), ``value`` (watts, or None)
+    ``kind`` (``power_limit``, ``observe-only``, ``enforced_power_limit``,
+    ``target_time_s``), ``purpose`` (``profile``, ``choice``, ``pause``, ``resume``,
+    ``pace`` or None), ``value`` (watts; seconds per step for ``target_time_s``; or None)
     and ``reason``.
     """
 
@@ -52,6 +54,26 @@ class Decision(TypedDict):
     purpose: str | None
     value: float | None
     reason: str
+
+
+class PaceTarget(Protocol):
+    """What the carbon pace moves instead of the power limit (Perseus' iteration time).
+
+    A job that plans its own clocks registers one with
+    :meth:`EnergyController.pace_with <lightning_energy.controller.EnergyController.pace_with>`;
+    the pacing policy then weighs the target's time-energy frontier, and every rank hands
+    it the agreed scale.
+    """
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """Rank 0: ``(seconds, joules, label)`` of one step of the whole job at each
+        setting it can run, fastest first (empty while unknown)."""
+        ...
+
+    def apply_pace(self, scale: float) -> float | None:
+        """Run at ``scale`` times the fastest step time from now on (every rank); the
+        target time per step in seconds, when this rank knows it."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -214,9 +214,10 @@ class EnergyAdapter:
             adapter that does not apply it.
     """
 
-    #: Whether the framework applies the ``perseus:`` and ``batch_size:`` sections (the
-    #: Lightning Trainer does, through its callbacks entry point and strategies).
-    applies_perseus_and_batch_size: ClassVar[bool] = False
+    #: Which of the ``perseus:`` and ``batch_size:`` sections the framework applies (the
+    #: Lightning Trainer both, through its callbacks entry point and strategies; the
+    #: pipeline engines ``perseus:``).
+    applied_sections: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -247,13 +248,18 @@ class EnergyAdapter:
 
     def _check_sections_applied(self) -> None:
         """One warning (strict: a ConfigError) for enabled sections this framework ignores."""
-        enabled = [name for name in ("perseus", "batch_size") if getattr(self.config, name).enabled]
-        if not enabled or self.applies_perseus_and_batch_size:
+        enabled = [
+            name
+            for name in ("perseus", "batch_size")
+            if getattr(self.config, name).enabled and name not in self.applied_sections
+        ]
+        if not enabled:
             return
         message = (
             f"{', '.join(name + ': enabled' for name in enabled)} is not applied by "
-            f"{type(self).__name__}: only the Lightning Trainer applies these sections "
-            "(docs/perseus.md, docs/batch-size.md); training runs without them"
+            f"{type(self).__name__}: the Lightning Trainer applies these sections, the "
+            "DeepSpeed and Megatron-Core adapters perseus: (docs/perseus.md, "
+            "docs/batch-size.md); training runs without them"
         )
         if self.config.strict:
             raise ConfigError([message], source=type(self).__name__)

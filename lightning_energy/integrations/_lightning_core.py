@@ -114,7 +114,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`.
     """
 
-    applies_perseus_and_batch_size = True
+    applied_sections = frozenset({"perseus", "batch_size"})
 
     @property
     @override

@@ -470,7 +470,7 @@ class OnlinePerseus:
             self.enabled = False
             self.runtime.controller.reset()
             return
-        self.runtime.set_plan(Plan.from_json(text))
+        self.runtime.set_plan(Plan.from_json(text, schedule=self.runtime.schedule))
         self._planned = True
         self._planned_at = self.iteration
 
@@ -489,7 +489,7 @@ class OnlinePerseus:
             return
         self._target_s = change[0]
         text = self._plan_text() if self._rank() == 0 else None
-        self.runtime.set_plan(Plan.from_json(self._broadcast(text)))
+        self.runtime.set_plan(Plan.from_json(self._broadcast(text), schedule=self.runtime.schedule))
         log.info("Perseus: re-planned for target iteration time %s s.", self._target_s)
 
 

@@ -1,16 +1,23 @@
 """Pipeline-parallel training at per-instruction clocks, one pipeline rank per process.
 
+:class:`RankPipeline` is this rank's Perseus over any pipeline engine: the engine's adapter
+calls it around every iteration and every forward and backward, and it applies the planned
+clocks and plans: from a plan file, or online
+(:class:`~lightning_energy.perseus.online.OnlinePerseus`). An engine that runs its own
+schedule (DeepSpeed, Megatron-Core) describes it with :func:`schedule_from_orders`.
+
 :class:`PipelineRun` builds a ``torch.distributed.pipelining`` schedule (GPipe, 1F1B or
-interleaved 1F1B) over the stages a module declares (:class:`PipelineModule`), wraps this
-rank's stages so every forward and backward runs at its planned clock, and plans: from a
-plan file, or online (:class:`~lightning_energy.perseus.online.OnlinePerseus`). A framework
-adapter builds it once the process group exists, calls :meth:`PipelineRun.step` for each
-batch and :meth:`PipelineRun.close` at the end.
+interleaved 1F1B) over the stages a module declares (:class:`PipelineModule`) on a
+:class:`RankPipeline`. A framework adapter builds it once the process group exists, calls
+:meth:`PipelineRun.step` for each batch and :meth:`PipelineRun.close` at the end.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -21,6 +28,7 @@ from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.plan import Plan
+from lightning_energy.perseus.profile import BACKWARD, FORWARD
 from lightning_energy.perseus.runtime import (
     ClockController,
     PerseusPipelineStage,
@@ -28,13 +36,22 @@ from lightning_energy.perseus.runtime import (
     PipelineSimulation,
     StageWork,
 )
-from lightning_energy.perseus.schedule import PipelineSchedule, build_schedule
+from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
 
 if TYPE_CHECKING:
     from lightning_energy.config import PerseusConfig
     from lightning_energy.perseus.rank_gpu import RankGPU
 
-__all__ = ["PipelineModule", "PipelineRun", "checked_stages", "pipeline_schedule"]
+__all__ = [
+    "PipelineModule",
+    "PipelineRun",
+    "RankPipeline",
+    "checked_stages",
+    "pipeline_schedule",
+    "schedule_from_orders",
+]
+
+log = logging.getLogger(__name__)
 
 _SCHEDULE_CLASSES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -90,8 +107,265 @@ def checked_stages(module: Any, schedule: PipelineSchedule, owner: str) -> list[
     return stages
 
 
+def schedule_from_orders(
+    name: str,
+    device_orders: Sequence[Sequence[Instruction]],
+    *,
+    num_microbatches: int,
+) -> PipelineSchedule:
+    """A schedule from the per-device instruction orders an engine executes.
+
+    Stage ``s`` runs on device ``s % len(device_orders)`` (the placement of
+    ``torch.distributed.pipelining``, Megatron-Core and DeepSpeed, virtual stages too).
+
+    Args:
+        name: the schedule's name (plans record it).
+        device_orders: for each device (pipeline rank), its forwards and backwards in the
+            order the engine runs them.
+        num_microbatches: microbatches per iteration.
+
+    Raises:
+        ConfigError: every problem found: an instruction missing or repeated, an unknown
+            kind, a stage on another device, a backward before its forward, or orders that
+            deadlock against the stage dependencies.
+
+    Example:
+        >>> from lightning_energy.perseus.schedule import one_f_one_b
+        >>> orders = one_f_one_b(2, 3).device_orders
+        >>> schedule_from_orders("engine", orders, num_microbatches=3).num_stages
+        2
+        >>> schedule_from_orders("engine", [orders[0], orders[1][1:]], num_microbatches=3)
+        Traceback (most recent call last):
+        ...
+        lightning_energy.errors.ConfigError: invalid configuration in ...: F1.0 is missing
+    """
+    devices = len(device_orders)
+    if devices < 1 or num_microbatches < 1:
+        raise ConfigError(
+            f"schedule {name!r}: {devices} devices and {num_microbatches} microbatches; "
+            "use >= 1 of each"
+        )
+    stages = {inst.stage for order in device_orders for inst in order}
+    num_stages = max(stages) + 1 if stages else 0
+    problems: list[str] = []
+    if num_stages % devices:
+        problems.append(
+            f"{num_stages} stages do not divide evenly over {devices} devices "
+            "(stage s runs on device s % devices)"
+        )
+    counts = Counter(inst for order in device_orders for inst in order)
+    for device, order in enumerate(device_orders):
+        seen: set[Instruction] = set()
+        for inst in order:
+            if inst.kind not in (FORWARD, BACKWARD):
+                problems.append(f"{inst}: kind {inst.kind!r}; use {FORWARD!r} or {BACKWARD!r}")
+            elif not 0 <= inst.microbatch < num_microbatches:
+                problems.append(f"{inst}: microbatch out of range 0..{num_microbatches - 1}")
+            elif inst.stage % devices != device:
+                problems.append(f"{inst} runs on device {device}, not {inst.stage % devices}")
+            elif (
+                inst.kind == BACKWARD
+                and counts[replace(inst, kind=FORWARD)]
+                and (replace(inst, kind=FORWARD) not in seen)
+            ):
+                problems.append(f"{inst} runs before its forward")
+            seen.add(inst)
+    for stage in range(num_stages):
+        for m in range(num_microbatches):
+            for kind in (FORWARD, BACKWARD):
+                inst = Instruction(stage, m, kind)
+                if counts[inst] == 0:
+                    problems.append(f"{inst} is missing")
+                elif counts[inst] > 1:
+                    problems.append(f"{inst} runs {counts[inst]} times")
+    if problems:
+        raise ConfigError(problems[:8], source=f"schedule {name!r}")
+    schedule = PipelineSchedule(
+        name,
+        num_stages,
+        num_microbatches,
+        devices,
+        tuple(tuple(order) for order in device_orders),
+    )
+    schedule.topological_order  # noqa: B018  (raises ConfigError on a deadlock)
+    return schedule
+
+
+class RankPipeline:
+    """This rank's Perseus over any pipeline engine.
+
+    The engine's adapter calls :meth:`iteration_start`, :meth:`before` and :meth:`after`
+    around every forward and backward this rank runs, and :meth:`iteration_end`; clocks
+    follow the plan file of the ``perseus:`` section, or the plan of online profiling.
+    The first iterations' executed order is checked against the schedule: a mismatch
+    (the engine runs another schedule than it was described by) resets the clocks and
+    switches Perseus off with one warning (strict: a ``ConfigError``), since a plan for
+    another order could slow the pipeline down.
+
+    Args:
+        rank: this rank's GPU and guard.
+        section: the ``perseus:`` settings.
+        schedule: the pipeline's schedule (the engine's own order).
+        global_rank: this rank's device in the schedule.
+        stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
+            of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
+        strict: raise instead of warning when the executed order is not the schedule's.
+        plan_clocks: False: only run (and, on simulated GPUs, simulate) the pipeline and
+            leave the clocks alone.
+
+    Raises:
+        ConfigError: ``global_rank`` outside the schedule, or a plan file for another
+            schedule.
+        ProfileError: an unreadable plan file.
+    """
+
+    def __init__(
+        self,
+        rank: RankGPU,
+        section: PerseusConfig,
+        schedule: PipelineSchedule,
+        *,
+        global_rank: int,
+        stage_times_s: Sequence[Sequence[float]] | None = None,
+        strict: bool = False,
+        plan_clocks: bool = True,
+    ) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.strict = strict
+        gpu = rank.gpu
+        simulation = None
+        if (simulated := as_simulated(gpu)) is not None:
+            times = stage_times_s or [[0.02, 0.04]] * schedule.num_stages
+            if len(times) != schedule.num_stages:
+                raise ConfigError(
+                    f"stage_times_s: {len(times)} stages given, the schedule has "
+                    f"{schedule.num_stages}"
+                )
+            works = {
+                (s, kind): StageWork(times[s][k], section.compute_bound_share)
+                for s in range(schedule.num_stages)
+                if schedule.device_of(s) == global_rank
+                for k, kind in enumerate((FORWARD, BACKWARD))
+            }
+            simulation = PipelineSimulation(simulated, works, group=rank.group)
+        self.runtime = PipelineRuntime(
+            schedule,
+            global_rank,
+            ClockController(rank.guard, gpu=gpu),
+            simulation=simulation,
+            record=False,
+        )
+        self._expected = schedule.device_orders[global_rank]
+        self._executed: list[Instruction] = []
+        self._checked = False
+        self._planning = plan_clocks
+        self.online: OnlinePerseus | None = None
+        if not plan_clocks:
+            return
+        if section.plan is not None:
+            self.runtime.set_plan(Plan.load(section.plan, schedule=schedule))
+            return
+        self.online = OnlinePerseus(
+            self.runtime,
+            gpu,
+            supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
+            profile_clocks_mhz=section.profile_clocks_mhz,
+            warmup_iterations=section.warmup_iterations,
+            iterations_per_clock=section.iterations_per_clock,
+            target_time_s=section.target_time_s,
+            replan_every_iterations=section.replan_every_iterations,
+            group=rank.group,
+            clock=rank.clock,
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether clocks follow a plan or profiling (False once switched off)."""
+        return self._planning and (self.online is None or self.online.enabled)
+
+    def set_target_time(self, target_s: float | None) -> None:
+        """Re-plan for ``target_s`` at the next check (rank 0's value counts)."""
+        if self.online is not None:
+            self.online.set_target_time(target_s)
+
+    def iteration_start(self) -> None:
+        """An iteration starts (before its first instruction)."""
+        self._executed.clear()
+        if self.online is not None:
+            self.online.on_iteration_start()
+
+    def before(self, inst: Instruction) -> None:
+        """``inst`` is about to run on this rank: set its clock.
+
+        Raises:
+            ConfigError: ``inst`` does not run on this rank in the schedule.
+        """
+        self._executed.append(inst)
+        self.runtime.before(inst)
+
+    def after(self, inst: Instruction) -> None:
+        """``inst`` ran on this rank."""
+        self.runtime.after(inst)
+
+    def iteration_end(self) -> None:
+        """An iteration ended (after its last instruction); plans after profiling.
+
+        Raises:
+            ConfigError: strict mode, and the executed order is not the schedule's.
+        """
+        if self._planning and not self._checked:
+            self._check_order()
+        if self.online is not None:
+            self.online.on_iteration_end()
+        else:
+            self.runtime.end_iteration()
+
+    def _check_order(self) -> None:
+        """Agree (every rank, once) whether each rank ran its schedule's order."""
+        self._checked = True
+        executed = tuple(self._executed)
+        problem = None if executed == self._expected else self._order_problem(executed)
+        problems = [problem]
+        if dist.is_initialized():
+            problems = [None] * dist.get_world_size(self.rank.group)
+            dist.all_gather_object(problems, problem, group=self.rank.group)
+        found = [p for p in problems if p is not None]
+        if not found:
+            return
+        message = "; ".join(found) + ": the engine's schedule is not the one Perseus planned for"
+        if self.strict:
+            raise ConfigError(message)
+        log.warning("Perseus switched off: %s; GPU clocks reset.", message)
+        self._planning = False
+        self.runtime.clear_plan()
+        self.runtime.measure_with(None)
+        if self.online is not None:
+            self.online.enabled = False
+        self.runtime.controller.reset()
+
+    def _order_problem(self, executed: tuple[Instruction, ...]) -> str:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(executed, self._expected, strict=False)) if a != b),
+            min(len(executed), len(self._expected)),
+        )
+        ran = str(executed[first]) if first < len(executed) else "nothing"
+        planned = str(self._expected[first]) if first < len(self._expected) else "nothing"
+        return (
+            f"pipeline rank {self.runtime.rank} ran {ran} where the {self.schedule.name!r} "
+            f"schedule runs {planned} (position {first})"
+        )
+
+    def close(self) -> None:
+        """Reset the clocks, then release the GPU when this rank opened it."""
+        try:
+            self.runtime.close()
+        finally:
+            self.rank.close()
+
+
 class PipelineRun:
-    """This rank's part of a Perseus pipeline.
+    """This rank's part of a ``torch.distributed.pipelining`` pipeline under Perseus.
 
     Args:
         rank: this rank's GPU and guard.
@@ -122,29 +396,16 @@ class PipelineRun:
     ) -> None:
         schedule = pipeline_schedule(section, world_size)
         stages = checked_stages(module, schedule, owner)
-        self.rank = rank
-        gpu = rank.gpu
-        simulation = None
-        if (simulated := as_simulated(gpu)) is not None:
-            times = stage_times_s or [[0.02, 0.04]] * schedule.num_stages
-            works = {
-                (s, kind): StageWork(times[s][k], section.compute_bound_share)
-                for s in range(schedule.num_stages)
-                if schedule.device_of(s) == global_rank
-                for k, kind in enumerate(("forward", "backward"))
-            }
-            simulation = PipelineSimulation(simulated, works, group=rank.group)
-        self.runtime = PipelineRuntime(
-            schedule,
-            global_rank,
-            ClockController(rank.guard, gpu=gpu),
-            simulation=simulation,
-            record=False,
+        self.pipeline = RankPipeline(
+            rank, section, schedule, global_rank=global_rank, stage_times_s=stage_times_s
         )
+        self.rank = rank
+        self.runtime = self.pipeline.runtime
+        self.online = self.pipeline.online
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == global_rank]
         pipeline_stages = [
             PerseusPipelineStage(
-                stages[s], s, schedule.num_stages, root_device, runtime=self.runtime
+                stages[s], s, schedule.num_stages, root_device, runtime=self.pipeline
             )
             for s in local
         ]
@@ -155,43 +416,22 @@ class PipelineRun:
             n_microbatches=section.microbatches,
             loss_fn=module.pipeline_loss,
         )
-        self.online: OnlinePerseus | None = None
-        if section.plan is not None:
-            self.runtime.set_plan(Plan.load(section.plan))
-            return
-        self.online = OnlinePerseus(
-            self.runtime,
-            gpu,
-            supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
-            profile_clocks_mhz=section.profile_clocks_mhz,
-            warmup_iterations=section.warmup_iterations,
-            iterations_per_clock=section.iterations_per_clock,
-            target_time_s=section.target_time_s,
-            replan_every_iterations=section.replan_every_iterations,
-            group=rank.group,
-            clock=rank.clock,
-        )
 
     def set_target_time(self, target_s: float | None) -> None:
         """Re-plan for ``target_s`` at the next iteration (rank 0's value counts)."""
-        if self.online is not None:
-            self.online.set_target_time(target_s)
+        self.pipeline.set_target_time(target_s)
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One pipeline step (every microbatch's forward and backward) at the planned
         clocks; returns the mean microbatch loss (the same on every rank)."""
-        if self.online is not None:
-            self.online.on_iteration_start()
+        self.pipeline.iteration_start()
         losses: list[torch.Tensor] = []
         step_args = (inputs,) if self._has_first else ()
         step_kwargs: dict[str, Any] = {}
         if self._has_last:
             step_kwargs = {"target": target, "losses": losses}
         self._pipe.step(*step_args, **step_kwargs)
-        if self.online is not None:
-            self.online.on_iteration_end()
-        else:
-            self.runtime.end_iteration()
+        self.pipeline.iteration_end()
         loss = torch.stack(losses).mean().detach().cpu() if losses else torch.zeros(())
         if dist.is_initialized():
             last = self.runtime.schedule.device_of(self.runtime.schedule.num_stages - 1)
@@ -200,7 +440,4 @@ class PipelineRun:
 
     def close(self) -> None:
         """Reset the clocks, then release the GPU when this run opened it."""
-        try:
-            self.runtime.close()
-        finally:
-            self.rank.close()
+        self.pipeline.close()

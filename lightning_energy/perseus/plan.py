@@ -160,11 +160,19 @@ class Plan:
             raise
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+    def from_dict(
+        cls, data: Mapping[str, Any], *, schedule: PipelineSchedule | None = None
+    ) -> Plan:
         """Rebuild a plan from :meth:`to_dict` data.
 
+        Args:
+            data: the plan's data.
+            schedule: the schedule the plan must be for (an engine's own schedule, which
+                its name alone cannot rebuild); None: rebuilt from the plan's name.
+
         Raises:
-            ProfileError: wrong format or version, or a malformed field.
+            ProfileError: wrong format or version, a malformed field, or a plan for
+                another schedule than ``schedule``.
         """
         if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
             raise ProfileError(f"not a plan: the 'format' field must be {PLAN_FORMAT!r}")
@@ -174,12 +182,22 @@ class Plan:
             )
         try:
             spec = data["schedule"]
-            schedule = build_schedule(
-                str(spec["name"]),
-                int(spec["num_stages"]),
-                int(spec["num_microbatches"]),
-                virtual_stages=int(spec.get("virtual_stages", 1)),
-            )
+            name = str(spec["name"])
+            counts = (int(spec["num_stages"]), int(spec["num_microbatches"]))
+            virtual = int(spec.get("virtual_stages", 1))
+            if schedule is None:
+                schedule = build_schedule(name, *counts, virtual_stages=virtual)
+            elif (name, *counts, virtual) != (
+                schedule.name,
+                schedule.num_stages,
+                schedule.num_microbatches,
+                schedule.virtual_stages,
+            ):
+                raise ProfileError(
+                    f"the plan is for {name} with {counts[0]} stages and {counts[1]} "
+                    f"microbatches, the pipeline runs {schedule.name} with "
+                    f"{schedule.num_stages} and {schedule.num_microbatches}"
+                )
             freqs: dict[Instruction, int] = {}
             for row in data["frequencies_mhz"]:
                 stage = int(row["stage"])
@@ -207,8 +225,9 @@ class Plan:
         return cls(schedule, tuple(freqs[inst] for inst in schedule.nodes), metadata)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Parse a JSON plan (data only; nothing is executed).
+    def from_json(cls, text: str, *, schedule: PipelineSchedule | None = None) -> Plan:
+        """Parse a JSON plan (data only; nothing is executed); ``schedule`` as in
+        :meth:`from_dict`.
 
         Raises:
             ProfileError: not JSON, or not a valid plan.
@@ -220,8 +239,10 @@ class Plan:
         return cls.from_dict(data)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan written by :meth:`save`.
+    def load(
+        cls, path: str | os.PathLike[str], *, schedule: PipelineSchedule | None = None
+    ) -> Plan:
+        """Read a plan written by :meth:`save`; ``schedule`` as in :meth:`from_dict`.
 
         Raises:
             ProfileError: unreadable or invalid.
@@ -230,7 +251,7 @@ class Plan:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ProfileError(f"cannot read the plan {path}: {exc}") from exc
-        return cls.from_json(text)
+        return cls.from_json(text, schedule=schedule)
 
 
 def evaluate(plan: Plan, profile: PipelineProfile) -> PlanEvaluation:

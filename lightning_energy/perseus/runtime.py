@@ -61,6 +61,7 @@ __all__ = [
     "BLOCKED_LABEL",
     "ClockController",
     "ExecutedInstruction",
+    "InstructionHooks",
     "InstructionMeter",
     "Marker",
     "PerseusPipelineStage",
@@ -552,6 +553,11 @@ class PipelineRuntime:
         self._plan = plan
         self._fixed_mhz = None
 
+    def clear_plan(self) -> None:
+        """Leave the clocks alone from the next instruction on (no plan, no fixed clock)."""
+        self._plan = None
+        self._fixed_mhz = None
+
     def set_fixed_clock(self, freq_mhz: int | None) -> None:
         """Run every instruction at ``freq_mhz`` (profiling); None: back to the plan."""
         self._fixed_mhz = freq_mhz
@@ -701,6 +707,19 @@ class InstructionMeter:
         return now - t0, energy_j - e0
 
 
+class InstructionHooks(Protocol):
+    """What runs around every instruction: a :class:`PipelineRuntime`, or a
+    :class:`~lightning_energy.perseus.pipeline_run.RankPipeline` over one."""
+
+    def before(self, inst: Instruction) -> None:
+        """``inst`` is about to run on this rank."""
+        ...
+
+    def after(self, inst: Instruction) -> None:
+        """``inst`` ran on this rank."""
+        ...
+
+
 class PerseusPipelineStage(PipelineStage):
     """A ``PipelineStage`` whose forwards and backwards run at the planned clocks.
 
@@ -712,7 +731,7 @@ class PerseusPipelineStage(PipelineStage):
         stage_index: the stage (virtual stage for interleaved schedules).
         num_stages: all stages of the pipeline.
         device: the stage's device.
-        runtime: this rank's :class:`PipelineRuntime`.
+        runtime: what runs around each instruction (a :class:`PipelineRuntime`).
         **kwargs: passed to ``PipelineStage`` (``input_args``, ``group``, ...).
     """
 
@@ -723,7 +742,7 @@ class PerseusPipelineStage(PipelineStage):
         num_stages: int,
         device: torch.device,
         *,
-        runtime: PipelineRuntime,
+        runtime: InstructionHooks,
         **kwargs: Any,
     ) -> None:
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)

@@ -1,0 +1,306 @@
+"""What the pipeline-engine adapters (DeepSpeed, Megatron-Core) share.
+
+An engine that runs its own pipeline schedule gets one adapter per process: it describes
+the engine's schedule (:func:`~lightning_energy.perseus.pipeline_run.schedule_from_orders`),
+then translates the engine's hooks into the calls of :class:`PipelineEngineAdapter`: one
+iteration per training step, and every forward and backward of this rank in between. The
+adapter holds the job's one :class:`~lightning_energy.controller.EnergyController` (energy,
+carbon, the report) and a :class:`~lightning_energy.perseus.pipeline_run.RankPipeline` that
+changes clocks through the controller's guard, under its lease.
+
+With ``perseus: {enabled: true}`` Perseus plans the clocks (from ``perseus.plan`` or online)
+and the controller does not profile power limits (both at once would confound each other's
+measurements); a ``carbon:`` section then moves Perseus' target iteration time. Without it
+the pipeline only runs at the clocks it found, and the power limit is optimised as for any
+other framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import (
+    EnergyController,
+    RunSummary,
+    StepEnd,
+    StepResult,
+    StepStart,
+)
+from lightning_energy.device import DeviceSet, open_devices
+from lightning_energy.errors import EnergyError
+from lightning_energy.integrations._common import EnergyAdapter
+from lightning_energy.perseus.pipeline_run import RankPipeline
+from lightning_energy.perseus.rank_gpu import open_rank_gpu
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+
+__all__ = ["PerseusPace", "PipelineEngineAdapter"]
+
+log = logging.getLogger(__name__)
+
+#: Weight of the newest step in the running mean of the time a step spends outside the
+#: pipeline schedule (optimizer, data loading).
+_OVERHEAD_WEIGHT = 0.2
+
+#: Iteration times the pace's frontier is sampled at, from no slowdown to the energy optimum.
+_PACE_POINTS = 12
+
+
+class PerseusPace:
+    """The carbon pace's handle on Perseus: the planner's time-energy frontier and its target.
+
+    A step is one iteration of the pipeline plus the time it spends outside the schedule
+    (optimizer step, data loading), measured while the plan runs; the frontier's times
+    include it, so the pace's deadline arithmetic counts whole steps.
+
+    Args:
+        pipeline: this rank's pipeline (its online planner lives on rank 0).
+    """
+
+    def __init__(self, pipeline: RankPipeline) -> None:
+        self.pipeline = pipeline
+        self.overhead_s = 0.0
+        self._frontier: list[tuple[float, float, str]] = []
+        self._planner: Any = None
+
+    def observe_step(self, duration_s: float) -> None:
+        """A step of ``duration_s`` seconds (device clock) ran under the plan in force."""
+        plan = self.pipeline.runtime.plan
+        if plan is None or not plan.metadata or "iteration_time_s" not in plan.metadata:
+            return
+        extra = max(duration_s - plan.metadata["iteration_time_s"], 0.0)
+        self.overhead_s += _OVERHEAD_WEIGHT * (extra - self.overhead_s)
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """Rank 0, once planned: ``(step s, step J, label)`` from no slowdown to the
+        energy optimum (computed once per planner)."""
+        online = self.pipeline.online
+        planner = None if online is None or not self.pipeline.active else online.planner
+        if planner is None:
+            return []
+        if planner is not self._planner:
+            self._planner = planner
+            t_min, t_opt = planner.min_iteration_time_s, planner.energy_optimal_time_s()
+            step = max((t_opt - t_min) / _PACE_POINTS, t_min * 1e-3)
+            frontier = planner.frontier(time_step_s=step)
+            self._frontier = [
+                (p.iteration_time_s, p.energy_j, f"plan {p.iteration_time_s * 1e3:.1f} ms")
+                for p in frontier
+            ]
+        return [(t + self.overhead_s, e, label) for t, e, label in self._frontier]
+
+    def apply_pace(self, scale: float) -> float | None:
+        """Plan for ``scale`` times the fastest step (rank 0's target counts); the target
+        step time on rank 0, None elsewhere."""
+        online = self.pipeline.online
+        if online is None or online.planner is None:
+            if online is not None:
+                online.set_target_time(None)  # only rank 0's value is broadcast
+            return None
+        target_step_s = scale * (online.planner.min_iteration_time_s + self.overhead_s)
+        online.set_target_time(max(target_step_s - self.overhead_s, 0.0))
+        return target_step_s
+
+
+class PipelineEngineAdapter(EnergyAdapter):
+    """A pipeline engine's job: one energy controller and this rank's Perseus pipeline.
+
+    Subclasses translate their engine's hooks: :meth:`_begin_pipeline` once the process
+    group and the engine exist, :meth:`_iteration_start` / :meth:`_iteration_end` around
+    every training step, :meth:`_before` / :meth:`_after` around every forward and backward
+    of this rank, and :meth:`_finish` / :meth:`_abort` at the end (the ``with`` block does
+    both).
+
+    Args:
+        config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
+            reads the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        device: the ``device:`` section (overrides the file's).
+        carbon: the ``carbon:`` section (overrides the file's).
+        perseus: the ``perseus:`` section (overrides the file's).
+        strict: raise instead of observing when GPU settings cannot be changed, and when
+            the engine's executed order is not the schedule's.
+        report: write the run report (JSON) to this path at the end of training.
+
+    Raises:
+        ConfigError: invalid configuration (before any GPU is touched).
+    """
+
+    applied_sections: ClassVar[frozenset[str]] = frozenset({"perseus"})
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
+        *,
+        device: dict[str, Any] | None = None,
+        carbon: dict[str, Any] | None = None,
+        perseus: dict[str, Any] | None = None,
+        strict: bool | None = None,
+        report: str | None = None,
+    ) -> None:
+        super().__init__(config, device=device, carbon=carbon, strict=strict, report=report)
+        if perseus:
+            self.config = self.config.merged({"perseus": perseus})
+        if self.config.perseus.enabled and self.config.power_limit.enabled:
+            # Perseus plans the clocks; power-limit windows would confound its profile.
+            self.config = dataclasses.replace(
+                self.config,
+                power_limit=dataclasses.replace(self.config.power_limit, enabled=False),
+            )
+        self._pipeline: RankPipeline | None = None
+        self._pace: PerseusPace | None = None
+        self._devices: DeviceSet | None = None
+        self._step_start_s: float | None = None
+
+    @property
+    def pipeline(self) -> RankPipeline | None:
+        """This rank's pipeline while a run is open (None before and after)."""
+        return self._pipeline
+
+    def _begin_pipeline(
+        self,
+        *,
+        schedule: PipelineSchedule,
+        global_rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        workload: str,
+        total_steps: int | None = None,
+        stage_times_s: Sequence[Sequence[float]] | None = None,
+    ) -> None:
+        """Open this rank's GPU, take the lease, set up the controller and the pipeline
+        (every rank, once the process group exists).
+
+        Args:
+            schedule: the engine's schedule.
+            global_rank: this process's global rank (its pipeline rank).
+            world_size: the number of processes.
+            local_rank: this process's rank on its node.
+            device: the engine's device (a CUDA device picks the GPU by UUID).
+            workload: the workload key (:func:`~._common.workload_key`).
+            total_steps: the training steps the job will run (carbon pacing needs it).
+            stage_times_s: simulated GPUs: ``[forward, backward]`` seconds of one
+                microbatch on each stage at the maximum clock.
+
+        Raises:
+            ConfigError: a bad section, a plan file for another schedule, or the stage
+                times of another number of stages.
+            EnergyError: a run is already open; in strict mode, a GPU that cannot be
+                controlled.
+        """
+        if self.running:
+            raise EnergyError(f"{type(self).__name__}: a run is already open")
+        dev = self.config.device
+        # The pipeline simulates each instruction's work: no whole-step simulation.
+        devices = dataclasses.replace(
+            open_devices(
+                dev.backend, simulated=dev.simulated_spec(), local_rank=local_rank, device=device
+            ),
+            run_step=None,
+        )
+        self._devices = devices
+        try:
+            controller = EnergyController(
+                self.config,
+                devices=devices,
+                local_rank=local_rank,
+                device=device,
+                install_signal_handlers=threading.current_thread() is threading.main_thread(),
+            )
+            self._begin_run(controller, main_process=global_rank == 0)
+            controller.set_workload(workload)
+            controller.set_total_steps(total_steps)
+            guard = controller.guard
+            assert guard is not None  # set up
+            rank = open_rank_gpu(
+                self.config, local_rank=local_rank, device=device, shared=(devices, guard)
+            )
+            perseus = self.config.perseus
+            self._pipeline = RankPipeline(
+                rank,
+                perseus,
+                schedule,
+                global_rank=global_rank,
+                stage_times_s=stage_times_s,
+                strict=self.config.strict,
+                plan_clocks=perseus.enabled,
+            )
+            if perseus.enabled:
+                self._pace = PerseusPace(self._pipeline)
+                controller.pace_with(self._pace)
+        except BaseException as exc:
+            self._abort(type(exc).__name__)
+            raise
+        log.debug("pipeline of %d processes set up on rank %d", world_size, global_rank)
+
+    def _require(self) -> RankPipeline:
+        if self._pipeline is None or self.controller is None:
+            raise EnergyError(f"{type(self).__name__}: no run is open")
+        return self._pipeline
+
+    def _iteration_start(self) -> None:
+        """A training step starts (before its first instruction)."""
+        pipeline = self._require()
+        assert self.controller is not None
+        self.controller.handle(StepStart())
+        pipeline.iteration_start()
+        self._step_start_s = pipeline.rank.clock()
+
+    def _before(self, inst: Instruction) -> None:
+        """``inst`` is about to run on this rank."""
+        self._require().before(inst)
+
+    def _after(self, inst: Instruction) -> None:
+        """``inst`` ran on this rank."""
+        self._require().after(inst)
+
+    def _iteration_end(self) -> StepResult:
+        """A training step ended (after the optimizer step): plan, pace, account."""
+        pipeline = self._require()
+        assert self.controller is not None
+        pipeline.iteration_end()
+        if self._pace is not None and self._step_start_s is not None:
+            self._pace.observe_step(pipeline.rank.clock() - self._step_start_s)
+        return self.controller.handle(StepEnd())
+
+    def _close_pipeline(self) -> None:
+        pipeline, self._pipeline = self._pipeline, None
+        self._pace = None
+        if pipeline is not None:
+            pipeline.close()
+
+    def _close_devices(self) -> None:
+        devices, self._devices = self._devices, None
+        if devices is not None:
+            devices.close()
+
+    def _finish(self) -> RunSummary | None:
+        """End the run normally (every rank): clocks reset, GPUs restored, report."""
+        try:
+            self._close_pipeline()
+        finally:
+            try:
+                summary = super()._finish()
+            finally:
+                self._close_devices()
+        return summary
+
+    def _abort(self, failure: str) -> RunSummary | None:
+        """End the run on an exception: clocks reset, GPUs restored, no collective."""
+        try:
+            self._close_pipeline()
+        except Exception:  # restoring the power limit and the report still matter
+            log.exception("Resetting the pipeline's GPU clocks failed")
+        try:
+            return super()._abort(failure)
+        finally:
+            self._close_devices()
