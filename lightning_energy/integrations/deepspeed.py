@@ -155,6 +155,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         engine: the job's ``PipelineEngine``.
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None reads
             the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        total_steps: the ``train_batch`` calls the job will run (a carbon deadline needs it).
         stage_times_s: simulated GPUs only: ``[forward, backward]`` seconds at the maximum
             clock of one micro-batch on each stage (None: 20 ms and 40 ms everywhere).
         **sections: ``device``, ``carbon``, ``perseus``, ``strict``, ``report``
@@ -175,6 +176,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         engine: Any,
         config: ConfigLike | None = None,
         *,
+        total_steps: int | None = None,
         stage_times_s: Sequence[Sequence[float]] | None = None,
         **sections: Any,
     ) -> None:
@@ -197,6 +199,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         self.engine = engine
         self.schedule = train_schedule(engine.micro_batches, engine.num_stages)
         self._stage_times_s = stage_times_s
+        self._total_steps = total_steps
         self._executing: tuple[TrainSchedule, int] | None = None
         self._shadowed: dict[str, Any] = {}
         self._hooked = False
@@ -224,6 +227,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
                 micro_batches=engine.micro_batches,
                 stages=engine.num_stages,
             ),
+            total_steps=self._total_steps,
             stage_times_s=self._stage_times_s,
         )
         self._hook()
@@ -317,6 +321,7 @@ def attach_energy(
     engine: Any,
     config: ConfigLike | None = None,
     *,
+    total_steps: int | None = None,
     stage_times_s: Sequence[Sequence[float]] | None = None,
     **sections: Any,
 ) -> DeepSpeedEnergy:
@@ -331,6 +336,7 @@ def attach_energy(
             parallel sizes of 1, DeepSpeed's ``TrainSchedule``).
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None reads
             the file named by ``LIGHTNING_ENERGY_CONFIG``, else uses defaults.
+        total_steps: the ``train_batch`` calls the job will run (a carbon deadline needs it).
         stage_times_s: simulated GPUs only: ``[forward, backward]`` seconds at the maximum
             clock of one micro-batch on each stage.
         **sections: ``device``, ``carbon``, ``perseus``, ``strict`` or ``report``
@@ -344,6 +350,8 @@ def attach_energy(
             configuration.
         EnergyError: strict mode, when the GPU cannot be controlled.
     """
-    energy = DeepSpeedEnergy(engine, config, stage_times_s=stage_times_s, **sections)
+    energy = DeepSpeedEnergy(
+        engine, config, total_steps=total_steps, stage_times_s=stage_times_s, **sections
+    )
     energy.start()
     return energy

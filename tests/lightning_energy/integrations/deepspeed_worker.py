@@ -35,6 +35,7 @@ from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import open_devices
+from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, attach_energy
 
@@ -43,6 +44,8 @@ MICRO_BATCHES = 4
 #: Instructions far longer than the A100's 50 ms clock-setting latency.
 STAGE_TIMES_S = [[0.2, 0.4], [0.3, 0.6]]
 PLANNED_ITERATIONS = 10
+#: A day of the German grid trace whose pace is slower than full speed.
+PACED_START = "2023-04-17T00:00:00Z"
 
 
 def energy_config(out_dir: Path, **perseus: Any) -> dict[str, Any]:
@@ -145,7 +148,9 @@ def gpu_settings(out_dir: Path, local_rank: int) -> list[Any]:
     spec = EnergyConfig.from_mapping(energy_config(out_dir)).device.simulated_spec()
     devices = open_devices("simulated", simulated=spec, local_rank=local_rank)
     try:
-        limit_w, clocks = devices.gpus[0].settings()
+        gpu = as_simulated(devices.gpus[0])
+        assert gpu is not None
+        limit_w, clocks = gpu.settings()
         return [limit_w, None if clocks is None else list(clocks)]
     finally:
         devices.close()
@@ -220,6 +225,39 @@ def run_bad(engine: Any, out_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_paced(engine: Any, out_dir: Path) -> dict[str, Any]:
+    """Online planning under a carbon pace (a replayed grid trace): the pace's target
+    iteration time reaches Perseus."""
+    config = energy_config(out_dir, replan_every_iterations=1)
+    config["device"]["start"] = PACED_START
+    config["log_every_n_steps"] = 2  # the pace moves at logging boundaries
+    config["carbon"] = {
+        "provider": "trace",
+        "region": "DE",
+        "policy": "forecast",
+        "max_slowdown": 1.3,
+        "allow_pause": False,
+        "poll_interval_s": 3600,
+    }
+    energy = attach_energy(engine, config, total_steps=200, stage_times_s=STAGE_TIMES_S)
+    pipeline = energy.pipeline
+    assert pipeline is not None and pipeline.online is not None
+    online, gpu = pipeline.online, pipeline.rank.gpu
+    data = batches()
+    iterations = []
+    with energy:
+        planned = 0
+        while planned < PLANNED_ITERATIONS:
+            phase = online.phase
+            start_s = gpu.now_s()
+            engine.train_batch(data)
+            planned += phase == "planned"
+            iterations.append(
+                {"phase": phase, "time_s": gpu.now_s() - start_s, "target_s": online.target_time_s}
+            )
+    return {"iterations": iterations}
+
+
 def run_failure(engine: Any, tripwire: Tripwire, out_dir: Path, local_rank: int) -> dict[str, Any]:
     config = energy_config(out_dir, plan=str(out_dir / "plan.json"))
     energy: DeepSpeedEnergy = attach_energy(engine, config, stage_times_s=STAGE_TIMES_S)
@@ -252,9 +290,10 @@ def main() -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     tripwire = Tripwire()
     engine = build_engine(2, tripwire)
-    results = {"initial_settings": gpu_settings(out_dir, local_rank)}
+    results: dict[str, Any] = {"initial_settings": gpu_settings(out_dir, local_rank)}
     results["online"] = run_online(engine, out_dir, local_rank)
     results["bad"] = run_bad(engine, out_dir)
+    results["paced"] = run_paced(engine, out_dir)
     torch.distributed.barrier()  # rank 0 wrote the plan
     results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

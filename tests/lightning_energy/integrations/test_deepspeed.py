@@ -126,6 +126,23 @@ def test_online_profiling_then_a_plan_saves_energy_at_no_slowdown(
     assert min(ranks[0]["online"]["plan_clocks"]) < 1410
 
 
+def test_a_carbon_pace_moves_perseus_target_iteration_time(ranks: list[dict[str, Any]]) -> None:
+    iterations = ranks[0]["paced"]["iterations"]
+    no_slowdown_s = iterations[1]["time_s"]  # all clocks at the maximum
+    paced = [it for it in iterations if it["target_s"] is not None]
+    assert paced, "the carbon pace never reached Perseus"
+    # The dirty grid slows the job down: a target above the fastest iteration, which the
+    # re-planned iterations follow.
+    assert all(it["target_s"] > no_slowdown_s for it in paced)
+    assert paced[-1]["time_s"] > no_slowdown_s
+    # Within the clock-setting latency (50 ms on the simulated A100) of the target.
+    assert paced[-1]["time_s"] == pytest.approx(paced[-1]["target_s"], rel=0.02)
+    # Every rank runs the same target (rank 0's).
+    assert [it["target_s"] for it in ranks[1]["paced"]["iterations"]] == [
+        it["target_s"] for it in iterations
+    ]
+
+
 # ------------------------------------------------------------------- restore
 def test_clocks_and_power_limit_are_restored_after_a_normal_end(
     ranks: list[dict[str, Any]],
