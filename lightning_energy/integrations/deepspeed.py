@@ -290,6 +290,9 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
     def _train_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.running:
             return original(*args, **kwargs)
+        if self.engine.micro_batches != self.schedule.num_microbatches:
+            self._schedule_changed()
+            return original(*args, **kwargs)
         try:
             self._iteration_start()
             loss = original(*args, **kwargs)
@@ -299,6 +302,21 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
             self._abort(type(exc).__name__)
             raise
         return loss
+
+    def _schedule_changed(self) -> None:
+        """The engine's micro-batch count changed (``set_train_batch_size``): the plan and
+        the schedule no longer hold. End the run as :meth:`close` does (every rank changes
+        its batch size: the totals' collective holds), with one warning; strict mode
+        raises."""
+        message = (
+            f"the engine now runs {self.engine.micro_batches} micro-batches per batch, "
+            f"Perseus' schedule has {self.schedule.num_microbatches}: call attach_energy "
+            "again after set_train_batch_size"
+        )
+        self._finish()
+        if self.config.strict:
+            raise ConfigError(message, source="attach_energy")
+        log.warning("Perseus and energy measurement stopped: %s.", message)
 
     # -------------------------------------------------------------- lifecycle
     @override

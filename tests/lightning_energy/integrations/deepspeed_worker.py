@@ -214,6 +214,24 @@ def error_text(call: Callable[[], Any]) -> str | None:
     return None
 
 
+def run_batch_size_change(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
+    """The micro-batch count changes after attach: the run ends, training goes on."""
+    energy = attach_energy(engine, energy_config(out_dir), stage_times_s=STAGE_TIMES_S)
+    data = batches()
+    engine.train_batch(data)
+    engine.set_train_batch_size(engine.train_batch_size() * 2)
+    try:
+        loss = engine.train_batch(data)
+    finally:
+        engine.set_train_batch_size(engine.train_batch_size() // 2)
+    return {
+        "loss_finite": bool(torch.isfinite(loss)),
+        "running": energy.running,
+        "hooked": hooked(engine),
+        "settings_after": gpu_settings(out_dir, local_rank),
+    }
+
+
 def run_bad(engine: Any, out_dir: Path) -> dict[str, Any]:
     data_parallel = build_engine(1, Tripwire())  # one stage on both ranks: data parallel 2
     return {
@@ -293,6 +311,7 @@ def main() -> None:
     results: dict[str, Any] = {"initial_settings": gpu_settings(out_dir, local_rank)}
     results["online"] = run_online(engine, out_dir, local_rank)
     results["bad"] = run_bad(engine, out_dir)
+    results["batch_size_change"] = run_batch_size_change(engine, out_dir, local_rank)
     results["paced"] = run_paced(engine, out_dir)
     torch.distributed.barrier()  # rank 0 wrote the plan
     results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)

@@ -176,6 +176,17 @@ def test_what_deepspeed_cannot_run_is_a_clear_error(ranks: list[dict[str, Any]])
         assert bad["hooked_after_errors"] == []
 
 
+def test_a_changed_micro_batch_count_ends_the_run_and_training_goes_on(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        changed = result["batch_size_change"]
+        assert changed["loss_finite"] is True
+        assert changed["running"] is False
+        assert changed["hooked"] == []
+        assert changed["settings_after"] == result["initial_settings"]
+
+
 def test_an_engine_that_is_not_a_pipeline_engine_is_refused(tmp_path: Path) -> None:
     config = {"device": {"backend": "simulated", "gpu": "a100"}}
     with pytest.raises(ConfigError, match="Linear is not allowed; use the PipelineEngine"):
