@@ -22,7 +22,7 @@ DeepSpeed classes are left alone):
 * the instructions: the engine's ``_INSTRUCTION_MAP`` gets an instance-level copy whose
   forward and backward passes run between the pipeline's ``before`` / ``after``; the
   micro-batch of each comes from the schedule step the engine is executing, so the order
-  checked at the end of every iteration is the order the engine actually ran;
+  Perseus checks after the first iteration is the order the engine actually ran;
 * the iterations: ``train_batch`` is one iteration (a controller step too);
 * the end: :meth:`DeepSpeedEnergy.close` or the end of the ``with`` block restores the
   clocks and power limits and writes the report; an exception raised by ``train_batch``

@@ -12,7 +12,11 @@ engine it runs, in order:
    settings afterwards and whether the engine was unhooked.
 2. ``bad``: the ConfigErrors of a ``perseus:`` section DeepSpeed cannot run and of an
    engine with data parallelism.
-3. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
+3. ``batch_size_change``: a second attach refused; the micro-batch count changed after
+   attach ends the run while training goes on.
+4. ``paced``: online planning under a carbon pace replayed from a grid trace; the target
+   iteration time Perseus was given at each iteration.
+5. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
    ``train_batch``; the clocks while it raised and the GPU's settings afterwards.
 
 Results go to ``OUT_DIR/rank<R>.json``.
@@ -188,6 +192,7 @@ def run_online(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
                     "executed": as_instructions(executed, engine.stage_id, buffers),
                 }
             )
+        active = pipeline.active  # False had the order Perseus was fed not matched
         plan = pipeline.runtime.plan
         assert plan is not None
         if engine.global_rank == 0:
@@ -199,6 +204,7 @@ def run_online(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
     return {
         "iterations": iterations,
         "schedule": [[str(i) for i in order] for order in energy.schedule.device_orders],
+        "perseus_active": active,
         "settings_after": after,
         "still_hooked": still_hooked,
         "plan_clocks": sorted({f for _, f in plan.device_plan(engine.stage_id)}),
@@ -215,8 +221,10 @@ def error_text(call: Callable[[], Any]) -> str | None:
 
 
 def run_batch_size_change(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
-    """The micro-batch count changes after attach: the run ends, training goes on."""
+    """Attached twice: refused. The micro-batch count changes after attach: the run ends,
+    training goes on."""
     energy = attach_energy(engine, energy_config(out_dir), stage_times_s=STAGE_TIMES_S)
+    twice = error_text(lambda: attach_energy(engine, energy_config(out_dir)))
     data = batches()
     engine.train_batch(data)
     engine.set_train_batch_size(engine.train_batch_size() * 2)
@@ -225,6 +233,7 @@ def run_batch_size_change(engine: Any, out_dir: Path, local_rank: int) -> dict[s
     finally:
         engine.set_train_batch_size(engine.train_batch_size() // 2)
     return {
+        "attached_twice": twice,
         "loss_finite": bool(torch.isfinite(loss)),
         "running": energy.running,
         "hooked": hooked(engine),

@@ -97,8 +97,8 @@ def test_the_engine_executes_the_schedule_built_from_train_schedule(
         iterations = result["online"]["iterations"]
         assert [it["executed"] for it in iterations] == [expected] * len(iterations)
         assert len(expected) == 2 * deepspeed_worker.MICRO_BATCHES
-    # Perseus saw the same order: it never switched itself off, so every phase was reached.
-    assert ranks[0]["online"]["iterations"][-1]["phase"] == "planned"
+    # What the hooks fed Perseus is that order too: its check never switched it off.
+    assert all(result["online"]["perseus_active"] for result in ranks)
 
 
 # ------------------------------------------------------------ online planning
@@ -181,6 +181,7 @@ def test_a_changed_micro_batch_count_ends_the_run_and_training_goes_on(
 ) -> None:
     for result in ranks:
         changed = result["batch_size_change"]
+        assert "energy optimisation is already attached to this engine" in changed["attached_twice"]
         assert changed["loss_finite"] is True
         assert changed["running"] is False
         assert changed["hooked"] == []
