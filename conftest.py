@@ -12,6 +12,7 @@ import importlib.util
 _OPTIONAL_MODULES = {
     "pytorch_lightning": ["lightning_energy/**/*pytorch_lightning.py"],
     "transformers": ["lightning_energy/**/transformers.py"],
+    "deepspeed": ["lightning_energy/integrations/deepspeed.py"],
 }
 
 collect_ignore_glob = [

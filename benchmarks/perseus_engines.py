@@ -178,9 +178,10 @@ def table(rows: dict[str, dict[str, Any]]) -> Iterator[str]:
         )
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["--pipelining"]:
-        _pipelining(sys.argv[2:])
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pipelining"]:
+        _pipelining(argv[1:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
@@ -190,7 +191,7 @@ def main() -> None:
     parser.add_argument("--gpu", choices=["a100", "h100"], default="a100")
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.stage_times_s = args.stage_times_s or default_stage_times(args.stages)
     rows = {name: run_engine(name, args) for name in args.engines}
     if args.json:
