@@ -10,8 +10,8 @@ engine it runs, in order:
    executed, recorded independently of the adapter (the n-th forward or backward of an
    iteration is micro-batch n in DeepSpeed, with its buffer). Then ``close()``, the GPU's
    settings afterwards and whether the engine was unhooked.
-2. ``bad``: the ConfigErrors of a ``perseus:`` section DeepSpeed cannot run and of an
-   engine with data parallelism.
+2. ``bad``: the ConfigErrors of a ``perseus:`` section DeepSpeed cannot run (given, and
+   from the file ``LIGHTNING_ENERGY_CONFIG`` names) and of an engine with data parallelism.
 3. ``batch_size_change``: a second attach refused; the micro-batch count changed after
    attach ends the run while training goes on.
 4. ``paced``: online planning under a carbon pace replayed from a grid trace; the target
@@ -34,6 +34,7 @@ from typing import Any
 import deepspeed
 import deepspeed.ops
 import torch
+import yaml
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
@@ -241,9 +242,22 @@ def run_batch_size_change(engine: Any, out_dir: Path, local_rank: int) -> dict[s
     }
 
 
+def attach_from_env(engine: Any, out_dir: Path) -> str | None:
+    """attach_energy(engine) with LIGHTNING_ENERGY_CONFIG naming a YAML file of a
+    ``perseus:`` section DeepSpeed cannot run: its error shows the file was read."""
+    path = out_dir / f"env_energy_{engine.global_rank}.yaml"
+    path.write_text(yaml.safe_dump(energy_config(out_dir, schedule="gpipe")))
+    os.environ["LIGHTNING_ENERGY_CONFIG"] = str(path)
+    try:
+        return error_text(lambda: attach_energy(engine))
+    finally:
+        del os.environ["LIGHTNING_ENERGY_CONFIG"]
+
+
 def run_bad(engine: Any, out_dir: Path) -> dict[str, Any]:
     data_parallel = build_engine(1, Tripwire())  # one stage on both ranks: data parallel 2
     return {
+        "gpipe_from_env": attach_from_env(engine, out_dir),
         "gpipe": error_text(
             lambda: attach_energy(engine, energy_config(out_dir, schedule="gpipe"))
         ),

@@ -170,8 +170,9 @@ def test_an_exception_in_train_batch_restores_the_gpu_and_propagates(
 def test_what_deepspeed_cannot_run_is_a_clear_error(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         bad = result["bad"]
-        assert "perseus.schedule: 'gpipe' is not allowed" in bad["gpipe"]
-        assert "'1f1b'" in bad["gpipe"]
+        for key in ("gpipe", "gpipe_from_env"):
+            assert "perseus.schedule: 'gpipe' is not allowed" in bad[key]
+            assert "'1f1b'" in bad[key]
         assert "data parallel size: 2 is not allowed; use 1" in bad["data_parallel"]
         assert bad["hooked_after_errors"] == []
 
