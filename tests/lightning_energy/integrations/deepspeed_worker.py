@@ -14,9 +14,10 @@ engine it runs, in order:
    from the file ``LIGHTNING_ENERGY_CONFIG`` names) and of an engine with data parallelism.
 3. ``batch_size_change``: a second attach refused; the micro-batch count changed after
    attach ends the run while training goes on.
-4. ``paced``: online planning under a carbon pace replayed from a grid trace; the target
+4. ``observed``: ``perseus.enabled: false``: the clocks after each iteration, the summary.
+5. ``paced``: online planning under a carbon pace replayed from a grid trace; the target
    iteration time Perseus was given at each iteration.
-5. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
+6. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
    ``train_batch``; the clocks while it raised and the GPU's settings afterwards.
 
 Results go to ``OUT_DIR/rank<R>.json``.
@@ -266,6 +267,22 @@ def run_bad(engine: Any, out_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_observed(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
+    """``perseus.enabled: false``: energy measured and reported, clocks never touched."""
+    config = energy_config(out_dir, enabled=False)
+    config["report"] = str(out_dir / "observed_report.json")
+    energy = attach_energy(engine, config, stage_times_s=STAGE_TIMES_S)
+    data = batches()
+    clocks = []
+    with energy:
+        for _ in range(3):
+            engine.train_batch(data)
+            clocks.append(gpu_settings(out_dir, local_rank)[1])
+    summary = energy.summary
+    assert summary is not None
+    return {"clocks": clocks, "steps": summary.steps, "energy_j": summary.energy_j}
+
+
 def run_paced(engine: Any, out_dir: Path) -> dict[str, Any]:
     """Online planning under a carbon pace (a replayed grid trace): the pace's target
     iteration time reaches Perseus."""
@@ -335,6 +352,7 @@ def main() -> None:
     results["online"] = run_online(engine, out_dir, local_rank)
     results["bad"] = run_bad(engine, out_dir)
     results["batch_size_change"] = run_batch_size_change(engine, out_dir, local_rank)
+    results["observed"] = run_observed(engine, out_dir, local_rank)
     results["paced"] = run_paced(engine, out_dir)
     torch.distributed.barrier()  # rank 0 wrote the plan
     results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)

@@ -72,11 +72,17 @@ def run_ranks(command: list[str], world: int, log_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the 2-process worker ran (results, reports, GPU state files)."""
     out = tmp_path_factory.mktemp("deepspeed")
     module = "tests.lightning_energy.integrations.deepspeed_worker"
     run_ranks([sys.executable, "-m", module, str(out)], 2, out)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(ranks_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads((ranks_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 # ------------------------------------------------------------------ the schedule
@@ -141,6 +147,20 @@ def test_a_carbon_pace_moves_perseus_target_iteration_time(ranks: list[dict[str,
     assert [it["target_s"] for it in ranks[1]["paced"]["iterations"]] == [
         it["target_s"] for it in iterations
     ]
+
+
+def test_with_perseus_off_energy_is_measured_and_reported_and_clocks_untouched(
+    ranks: list[dict[str, Any]], ranks_dir: Path
+) -> None:
+    for result in ranks:
+        observed = result["observed"]
+        assert observed["clocks"] == [None, None, None]
+        assert observed["steps"] == 3
+        assert observed["energy_j"] > 0
+    # Rank 0's report: the job's energy is both ranks' (gathered at close()).
+    summary = json.loads((ranks_dir / "observed_report.json").read_text())["summary"]
+    assert summary["steps"] == 3
+    assert summary["job_energy_j"] == pytest.approx(sum(r["observed"]["energy_j"] for r in ranks))
 
 
 # ------------------------------------------------------------------- restore
