@@ -167,8 +167,8 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
 
     Raises:
         ConfigError: ``engine`` is not a ``PipelineEngine``, runs another schedule than
-            ``TrainSchedule``, has data or tensor parallelism, or the ``perseus:`` section
-            asks for another schedule or virtual stages.
+            ``TrainSchedule``, has data or tensor parallelism, or an enabled ``perseus:``
+            section asks for another schedule or virtual stages.
     """
 
     def __init__(
@@ -184,12 +184,12 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         _check_engine(engine)
         section = self.config.perseus
         problems = []
-        if section.schedule != "1f1b":
+        if section.enabled and section.schedule != "1f1b":
             problems.append(
                 f"perseus.schedule: {section.schedule!r} is not allowed; use '1f1b' (DeepSpeed's "
                 "TrainSchedule)"
             )
-        if section.virtual_stages != 1:
+        if section.enabled and section.virtual_stages != 1:
             problems.append(
                 f"perseus.virtual_stages: {section.virtual_stages!r} is not allowed; use 1 "
                 "(DeepSpeed runs one stage per rank)"
@@ -218,7 +218,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         self._begin_pipeline(
             schedule=self.schedule,
             global_rank=engine.global_rank,
-            world_size=engine.world_size,
+            world_size=engine.grid.world_size,
             local_rank=engine.local_rank,
             device=torch.device(engine.device),
             workload=workload_key(
@@ -277,7 +277,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
     def _instruction_hook(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def run(engine: Any, buffer_id: int) -> Any:
             executing = self._executing
-            if executing is None or self.pipeline is None:  # eval_batch, or Perseus off
+            if executing is None or self.pipeline is None:  # eval_batch, or no run open
                 return original(engine, buffer_id)
             inst = _instruction(executing[0], executing[1], kind)
             self._before(inst)
