@@ -214,6 +214,8 @@ class Plan:
                             )
                         freqs[Instruction(stage, m, kind)] = value
             metadata = {str(k): float(v) for k, v in dict(data.get("metadata") or {}).items()}
+        except ProfileError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed plan: {exc!r}") from exc
         missing = [str(inst) for inst in schedule.nodes if inst not in freqs]
@@ -236,7 +238,7 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"plan is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(data, schedule=schedule)
 
     @classmethod
     def load(
