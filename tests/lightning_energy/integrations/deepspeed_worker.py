@@ -37,6 +37,7 @@ import deepspeed.ops
 import torch
 import yaml
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
 from lightning_energy.config import EnergyConfig
@@ -46,6 +47,10 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, attach_energy
 
 MICRO_BATCHES = 4
+#: The DeepSpeed class's own attributes (an attachment changes one engine, never these).
+CLASS_INSTRUCTION_MAP = dict(PipelineEngine._INSTRUCTION_MAP)
+CLASS_TRAIN_BATCH = vars(PipelineEngine)["train_batch"]
+CLASS_TRAIN_SCHEDULE = vars(PipelineEngine)["_train_schedule"]
 #: [forward, backward] seconds at the maximum clock per stage: the last stage is heavier.
 #: Instructions far longer than the A100's 50 ms clock-setting latency.
 STAGE_TIMES_S = [[0.2, 0.4], [0.3, 0.6]]
@@ -195,6 +200,11 @@ def run_online(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
                 }
             )
         active = pipeline.active  # False had the order Perseus was fed not matched
+        class_untouched = (
+            PipelineEngine._INSTRUCTION_MAP == CLASS_INSTRUCTION_MAP
+            and vars(PipelineEngine)["train_batch"] is CLASS_TRAIN_BATCH
+            and vars(PipelineEngine)["_train_schedule"] is CLASS_TRAIN_SCHEDULE
+        )
         plan = pipeline.runtime.plan
         assert plan is not None
         if engine.global_rank == 0:
@@ -207,6 +217,7 @@ def run_online(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
         "iterations": iterations,
         "schedule": [[str(i) for i in order] for order in energy.schedule.device_orders],
         "perseus_active": active,
+        "class_untouched": class_untouched,
         "settings_after": after,
         "still_hooked": still_hooked,
         "plan_clocks": sorted({f for _, f in plan.device_plan(engine.stage_id)}),

@@ -105,6 +105,8 @@ def test_the_engine_executes_the_schedule_built_from_train_schedule(
         assert len(expected) == 2 * deepspeed_worker.MICRO_BATCHES
     # What the hooks fed Perseus is that order too: its check never switched it off.
     assert all(result["online"]["perseus_active"] for result in ranks)
+    # Hooked on the engine instance: the DeepSpeed class (every other engine) unchanged.
+    assert all(result["online"]["class_untouched"] for result in ranks)
 
 
 # ------------------------------------------------------------ online planning
