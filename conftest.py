@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 
-# An optional distribution and the package modules that import it at module level.
+# An optional distribution and the modules that import it at module level.
 _OPTIONAL_MODULES = {
     "pytorch_lightning": ["lightning_energy/**/*pytorch_lightning.py"],
     "transformers": ["lightning_energy/**/transformers.py"],
+    "deepspeed": [
+        "lightning_energy/integrations/deepspeed.py",
+        "tests/lightning_energy/integrations/deepspeed_worker.py",
+    ],
 }
 
 collect_ignore_glob = [
