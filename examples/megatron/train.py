@@ -6,16 +6,18 @@ or the file named by LIGHTNING_ENERGY_CONFIG, or --config):
     torchrun --nproc_per_node 2 examples/megatron/train.py
     torchrun --nproc_per_node 2 examples/megatron/train.py --virtual-stages 2
     torchrun --nproc_per_node 4 examples/megatron/train.py \\
-        --stage-times-s 0.1:0.2,0.1:0.2,0.1:0.2,0.2:0.4
+        --stage-times-s 0.2:0.4,0.2:0.4,0.2:0.4,0.3:0.6
 
-The script runs ``--iterations`` iterations at the maximum clocks (Perseus' warm-up),
-lets Perseus profile online and plan (as many iterations as the profile needs), then runs
-``--iterations`` iterations with the plan. Rank 0 prints one JSON line: the iteration time
-and the energy of one iteration (all ranks together) at all-max clocks and with the plan,
-their ratio and the energy saved. With ``--virtual-stages`` above 1 Megatron-Core runs its
-interleaved 1F1B schedule, else 1F1B. ``--stage-times-s`` gives each stage's forward and
-backward time of one micro-batch at the maximum clock (all ``ranks x virtual stages``
-stages, in stage order; default: balanced).
+``--iterations`` forward-backward calls (one training iteration each) run: Perseus first
+runs ``perseus.warmup_iterations`` of them at the maximum clock, profiles a few clocks
+online, then applies its plan. Rank 0 prints one JSON line: the iteration time and the
+energy of all GPUs per iteration at the maximum clock (``*_max``, the warm-up) and with the
+plan (``*_plan``), their ratio and the energy saving; the first iteration of each phase is
+left out (the clocks of the phase before are still landing). With ``--virtual-stages``
+above 1 Megatron-Core runs its interleaved 1F1B schedule, else 1F1B. ``--stage-times-s``
+gives each stage's forward and backward time of one micro-batch at the maximum clock (all
+``ranks x virtual stages`` stages, in stage order; default: 0.2:0.4 everywhere). Every
+GPU setting is restored at the end.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.integrations.megatron import MegatronEnergy
 
-DEFAULT_STAGE_TIMES_S = (0.1, 0.2)
-#: Iterations Perseus may take to profile before the script gives up.
-MAX_PROFILE_ITERATIONS = 5000
+DEFAULT_STAGE_TIMES_S = (0.2, 0.4)
 
 
 def stage_times(text: str) -> list[list[float]]:
@@ -61,15 +61,15 @@ def stage_times(text: str) -> list[list[float]]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--iterations", type=int, default=10, help="iterations measured at max clocks and plan"
+        "--iterations", type=int, default=40, help="forward-backward calls (iterations)"
     )
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per iteration")
     parser.add_argument(
         "--stage-times-s",
         type=stage_times,
-        help="F:B seconds at the maximum clock, one pair per stage (default: balanced)",
+        help="F:B seconds at the maximum clock, one pair per stage (default: 0.2:0.4 each)",
     )
-    parser.add_argument("--gpu", default="a100", help="simulated GPU preset (a100, h100)")
+    parser.add_argument("--gpu", choices=["a100", "h100"], default="a100", help="simulated GPU")
     parser.add_argument(
         "--virtual-stages", type=int, default=1, help="model chunks per rank (>1: interleaved)"
     )
@@ -87,6 +87,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def per_iteration(records: list[list[dict[str, Any]]], phase: str) -> tuple[float, float]:
+    """``(seconds, joules of all ranks)`` per iteration of ``phase``, its first left out.
+
+    Raises:
+        SystemExit: fewer than two iterations of ``phase`` to measure.
+    """
+    indices = [i for i, record in enumerate(records[0]) if record["phase"] == phase][1:]
+    if len(indices) < 2:
+        raise SystemExit(
+            f"--iterations: too few to measure the {phase!r} phase; run more (it needs "
+            "perseus.warmup_iterations, the online profile and a few planned iterations)"
+        )
+    before, last = indices[0] - 1, indices[-1]
+    count = last - before
+    time_s = records[0][last]["end_s"] - records[0][before]["end_s"]
+    energy_j = sum(rank[last]["end_j"] - rank[before]["end_j"] for rank in records)
+    return time_s / count, energy_j / count
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -102,23 +121,17 @@ def main() -> None:
         pipeline_model_parallel_size=ranks,
         virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
     )
-    energy = MegatronEnergy(
-        args.config,
-        device={"gpu": args.gpu},
-        # The warm-up at full clock is the all-max measurement (plus one to align ranks).
-        perseus={"warmup_iterations": args.iterations + 1},
-        stage_times_s=times,
-    )
+    # The one line: Perseus on Megatron-Core's schedule (the GPU model overrides the file's).
+    energy = MegatronEnergy(args.config, device={"gpu": args.gpu}, stage_times_s=times)
+    records: list[dict[str, Any]] = []
     with megatron_cpu.cuda_calls_on_cpu(), energy:
         model, _ = megatron_cpu.build_chunks(ranks, virtual)
         optimizer = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=0.01)
         forward_backward = energy.wrap(get_forward_backward_func())
-        seed = 0
-
-        def iteration() -> None:
-            nonlocal seed
-            seed += 1
-            data: Any = [megatron_cpu.batches(args.microbatches, seed) for _ in model]
+        for iteration in range(args.iterations):
+            data = [megatron_cpu.batches(args.microbatches, seed=iteration) for _ in model]
+            pipeline = energy.pipeline  # opened by the first call
+            phase = pipeline.online.phase if pipeline and pipeline.online else "warmup"
             forward_backward(
                 forward_step_func=megatron_cpu.forward_step,
                 data_iterator=data if virtual > 1 else data[0],
@@ -129,42 +142,24 @@ def main() -> None:
             )
             optimizer.step()
             optimizer.zero_grad()
-
-        def window() -> tuple[float, float]:
-            """``(seconds, joules of all ranks)`` of ``--iterations`` iterations."""
             pipeline = energy.pipeline
-            assert pipeline is not None
+            if pipeline is None or pipeline.online is None:
+                raise SystemExit(f"{args.config}: set perseus.enabled: true, without a plan file")
             gpu = pipeline.rank.gpu
-            start_s, start_j = gpu.now_s(), gpu.energy_j()
-            for _ in range(args.iterations):
-                iteration()
-            energy_j = torch.tensor([gpu.energy_j() - start_j], dtype=torch.float64)
-            dist.all_reduce(energy_j)
-            return gpu.now_s() - start_s, float(energy_j.item())
-
-        iteration()  # the first iteration aligns the ranks' clocks
-        max_s, max_j = window()
-        online = energy.pipeline.online if energy.pipeline is not None else None
-        if online is None:
-            raise SystemExit(f"{args.config}: set perseus.enabled: true without a plan file")
-        for _ in range(MAX_PROFILE_ITERATIONS):
-            if online.phase != "profiling":
-                break
-            iteration()
-        if online.phase != "planned":
-            raise SystemExit(f"Perseus did not plan (phase {online.phase!r})")
-        iteration()  # the plan's first clock changes land
-        plan_s, plan_j = window()
+            records.append({"phase": phase, "end_s": gpu.now_s(), "end_j": gpu.energy_j()})
+    gathered: list[Any] = [None] * ranks
+    dist.all_gather_object(gathered, records)
     if dist.get_rank() == 0:
-        n = args.iterations
+        max_s, max_j = per_iteration(gathered, "warmup")
+        plan_s, plan_j = per_iteration(gathered, "planned")
         result = {
             "engine": "megatron-core",
             "stages": stages,
             "microbatches": args.microbatches,
-            "iteration_time_s_max": max_s / n,
-            "energy_j_max": max_j / n,
-            "iteration_time_s_plan": plan_s / n,
-            "energy_j_plan": plan_j / n,
+            "iteration_time_s_max": max_s,
+            "energy_j_max": max_j,
+            "iteration_time_s_plan": plan_s,
+            "energy_j_plan": plan_j,
             "time_ratio": plan_s / max_s,
             "energy_saving": 1.0 - plan_j / max_j,
         }

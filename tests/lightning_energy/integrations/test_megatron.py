@@ -156,13 +156,13 @@ def test_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(tmp_path:
             "--nproc_per_node",
             "2",
             str(ROOT / "examples" / "megatron" / "train.py"),
+            # Warm-up, 3 profiled clocks of 20 s simulated time each, planned iterations.
             "--iterations",
-            "3",
+            "24",
             "--microbatches",
             "4",
-            # Long instructions: few iterations fill each clock's 20 s profile window.
             "--stage-times-s",
-            "0.1:0.2,0.2:0.4",
+            "0.2:0.4,0.4:0.8",
         ],
         cwd=tmp_path,
         env=env,
