@@ -16,6 +16,7 @@ _OPTIONAL_MODULES = {
         "lightning_energy/integrations/deepspeed.py",
         "tests/lightning_energy/integrations/deepspeed_worker.py",
     ],
+    "megatron": ["tests/lightning_energy/integrations/megatron_worker.py"],
 }
 
 collect_ignore_glob = [
