@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -47,8 +46,6 @@ from lightning_energy.perseus.profile import BACKWARD, FORWARD
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
 
 __all__ = ["SCHEDULE_FUNCTIONS", "MegatronEnergy", "megatron_schedule"]
-
-log = logging.getLogger(__name__)
 
 #: The Megatron-Core functions :meth:`MegatronEnergy.wrap` takes, and their schedules.
 SCHEDULE_FUNCTIONS = {

@@ -34,6 +34,14 @@ ITERATIONS = 3
 ROOT = Path(__file__).resolve().parents[3]
 
 
+#: Megatron-Core's own step functions, before any hook.
+STEPS = (schedules.forward_step, schedules.backward_step)
+
+
+def hooks_removed() -> bool:
+    return (schedules.forward_step, schedules.backward_step) == STEPS
+
+
 def _load_cpu_harness() -> Any:
     path = ROOT / "examples" / "megatron" / "megatron_cpu.py"
     spec = importlib.util.spec_from_file_location("megatron_cpu", path)
@@ -168,7 +176,7 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
         "phase": phase,
         "locked_during": locked_during,
         "locked_after": gpu.locked_clocks_mhz(),
-        "hooks_removed": schedules.forward_step.__module__ == schedules.__name__,
+        "hooks_removed": hooks_removed(),
         "summary": energy.summary is not None,
     }
 
@@ -213,7 +221,7 @@ def run_shape_change(out_dir: Path) -> dict[str, Any]:
         "locked_after": locked_after,
         "running": running,
         "reopened_microbatches": reopened,
-        "hooks_removed": schedules.forward_step.__module__ == schedules.__name__,
+        "hooks_removed": hooks_removed(),
     }
 
 
@@ -255,7 +263,7 @@ def run_failure(out_dir: Path, rank: int) -> dict[str, Any]:
         "error": error,
         "locked_during": locked_during,
         "locked_after": gpu.locked_clocks_mhz(),
-        "hooks_removed": schedules.forward_step.__module__ == schedules.__name__,
+        "hooks_removed": hooks_removed(),
         "summary": energy.summary is not None,
     }
 
