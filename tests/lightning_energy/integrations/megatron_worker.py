@@ -1,9 +1,10 @@
 """One rank of a 2-process gloo Megatron-Core pipeline on simulated GPUs (test_megatron.py).
 
-Runs, in one process group: a 1F1B run ended by ``close()``, an interleaved run (2 model
-chunks a rank) ended by its ``with`` block, a run whose ``num_microbatches`` changes, and
-a run that fails mid-iteration (rank 0 in its second forward, rank 1 in its first, so no
-rank waits for the other). For each it writes what ran and what the GPU was left with to
+Runs, in one process group: a 1F1B run with an evaluation call, ended by ``close()``; an
+interleaved run (2 model chunks a rank) ended by its ``with`` block; a run refused for an
+unsupported option, then whose ``num_microbatches`` changes; and a run that fails
+mid-iteration (rank 0 in its second forward, rank 1 in its first, so no rank waits for
+the other). For each it writes what ran and what the GPU was left with to
 ``rank<r>.json``.
 
 Usage: ``python -m tests.lightning_energy.integrations.megatron_worker RANK PORT OUT_DIR``
@@ -160,9 +161,22 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
         assert energy.pipeline is not None and energy.pipeline.online is not None
         phase = energy.pipeline.online.phase
 
+    evaluation: dict[str, Any] = {}
     if virtual == 1:
         iterate()
         locked_during = gpu.locked_clocks_mhz() if gpu is not None else None
+        # Evaluation (forward_only) runs untouched: nothing fed, not an iteration.
+        fed_before = len(fed)
+        losses = forward_backward(
+            forward_step_func=mc.forward_step,
+            data_iterator=data(1, 99),
+            model=model,
+            num_microbatches=MICROBATCHES,
+            seq_length=mc.SEQ_LENGTH,
+            micro_batch_size=mc.MICRO_BATCH_SIZE,
+            forward_only=True,
+        )
+        evaluation = {"fed": len(fed) - fed_before, "losses": len(losses)}
         energy.close()
     else:
         with energy:
@@ -178,15 +192,26 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
         "locked_after": gpu.locked_clocks_mhz(),
         "hooks_removed": hooks_removed(),
         "summary": energy.summary is not None,
+        "evaluation": evaluation,
     }
 
 
 def run_shape_change(out_dir: Path) -> dict[str, Any]:
-    """A second call with other micro-batch counts: a clear error, the GPU restored; the
-    call after that opens a new run."""
-    model, _ = init(1)
+    """A schedule Perseus cannot follow is refused before any GPU is opened; a second call
+    with other micro-batch counts is a clear error, the GPU restored; the call after that
+    opens a new run."""
+    model, megatron_config = init(1)
     energy = MegatronEnergy(config(out_dir))
     forward_backward = energy.wrap(schedules.get_forward_backward_func())
+    # A schedule Perseus cannot follow: refused before any GPU is opened.
+    megatron_config.overlap_moe_expert_parallel_comm = True
+    unsupported = None
+    try:
+        step(forward_backward, model, 1, seed=0)
+    except ConfigError as exc:
+        unsupported = str(exc)
+    unsupported_opened = energy.pipeline is not None or energy.running
+    megatron_config.overlap_moe_expert_parallel_comm = False
     step(forward_backward, model, 1, seed=0)
     assert energy.pipeline is not None
     gpu = energy.pipeline.rank.gpu
@@ -217,6 +242,8 @@ def run_shape_change(out_dir: Path) -> dict[str, Any]:
     reopened = energy.pipeline.schedule.num_microbatches
     energy.close()
     return {
+        "unsupported": unsupported,
+        "unsupported_opened": unsupported_opened,
         "error": error,
         "locked_after": locked_after,
         "running": running,

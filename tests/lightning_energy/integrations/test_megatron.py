@@ -93,7 +93,10 @@ def check_runs(ranks: list[dict[str, Any]]) -> None:
             str(rank),
             str(rank + 2),
         }
+        assert result["1f1b"]["evaluation"] == {"fed": 0, "losses": 4 if rank == 1 else 0}
         change = result["shape_change"]
+        assert "overlap_moe_expert_parallel_comm: True is not allowed" in change["unsupported"]
+        assert not change["unsupported_opened"]
         assert change["error"] is not None and "num_microbatches=2" in change["error"]
         assert change["locked_after"] is None and not change["running"]
         assert change["reopened_microbatches"] == 2 and change["hooks_removed"]
