@@ -117,7 +117,7 @@ def test_two_process_pipelines_on_megatron_core_0_12(tmp_path: Path) -> None:
     path = os.environ.get(MEGATRON_012_ENV)
     if not path:
         pytest.skip(f"{MEGATRON_012_ENV} is not set (a directory with megatron-core 0.12)")
-    ranks = run_workers(tmp_path, pythonpath=path)
+    ranks = run_workers(tmp_path, pythonpath=str(Path(path).resolve()))
     assert all(r["version"].startswith("0.12.") for r in ranks), [r["version"] for r in ranks]
     check_runs(ranks)
 
