@@ -129,7 +129,7 @@ def test_1f1b_from_megatron_tables_is_synchronous_1f1b(ranks: int, microbatches:
     assert schedule.device_orders == one_f_one_b(ranks, microbatches).device_orders
 
 
-def test_bad_input_is_reported_before_any_gpu_is_touched(tmp_path: Path) -> None:
+def test_bad_input_is_reported_before_any_gpu_is_touched() -> None:
     energy = MegatronEnergy({"device": {"backend": "simulated", "gpu": "a100"}})
     with pytest.raises(ConfigError, match="forward_backward_pipelining_with_interleaving"):
         energy.wrap(schedules.forward_backward_no_pipelining)
