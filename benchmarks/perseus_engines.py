@@ -7,11 +7,11 @@ few clocks, then the plan for no slowdown). Each engine is a command run under `
 with one CLI (``--iterations``, ``--microbatches``, ``--stage-times-s``, ``--gpu``) that
 prints one JSON line (``iteration_time_s_max``, ``energy_j_max``, ``iteration_time_s_plan``,
 ``energy_j_plan``, ``time_ratio``, ``energy_saving``): adding an engine is one more entry of
-:data:`ENGINES` (Megatron-Core: ``examples/megatron/train.py``).
+:data:`ENGINES`.
 
 ``torch.distributed.pipelining`` runs through :class:`~lightning_energy.perseus.pipeline_run.
-PipelineRun` (this file, ``--pipelining``, is its runner); DeepSpeed through its example,
-``examples/deepspeed/train.py``.
+PipelineRun` (this file, ``--pipelining``, is its runner); DeepSpeed and Megatron-Core
+through their examples, ``examples/deepspeed/train.py`` and ``examples/megatron/train.py``.
 
 Usage::
 
@@ -38,6 +38,7 @@ CONFIG = ROOT / "examples" / "deepspeed" / "energy.yaml"
 ENGINES: dict[str, list[str]] = {
     "torch.distributed.pipelining": ["benchmarks/perseus_engines.py", "--pipelining"],
     "deepspeed": ["examples/deepspeed/train.py"],
+    "megatron-core": ["examples/megatron/train.py"],
 }
 
 FEATURES = 16
