@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,24 +23,17 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, train_schedule
 from lightning_energy.perseus import one_f_one_b
 
+from .. import processes
+from ..processes import ROOT, free_port
 from . import deepspeed_worker
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(command: list[str], world: int, log_dir: Path) -> None:
-    """Run ``command`` once per rank with torchrun's environment; fail with the ranks'
-    output if one fails or hangs."""
+    """Run ``command`` once per rank with torchrun's environment (see
+    :func:`processes.run_ranks`)."""
     port = str(free_port())
-    logs = [log_dir / f"rank{r}.log" for r in range(world)]
-    procs = []
-    for rank, log in enumerate(logs):
+    envs = []
+    for rank in range(world):
         env = {
             **os.environ,
             "RANK": str(rank),
@@ -55,20 +47,8 @@ def run_ranks(command: list[str], world: int, log_dir: Path) -> None:
             "PYTHONPATH": str(ROOT),
         }
         env.pop("LIGHTNING_ENERGY_CONFIG", None)
-        with log.open("w") as out:
-            procs.append(
-                subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-            )
-    try:
-        codes = [proc.wait(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(codes):
-        output = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
-        pytest.fail(f"{command} failed with exit codes {codes}:\n{output}")
+        envs.append(env)
+    processes.run_ranks([command] * world, log_dir, envs=envs)
 
 
 @pytest.fixture(scope="module")

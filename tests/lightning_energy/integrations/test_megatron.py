@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,51 +19,20 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.megatron import MegatronEnergy, megatron_schedule
 from lightning_energy.perseus.schedule import one_f_one_b
 
-ROOT = Path(__file__).resolve().parents[3]
+from .. import processes
+from ..processes import ROOT, free_port
+
 MEGATRON_012_ENV = "MEGATRON_CORE_012_PATH"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_workers(tmp_path: Path, pythonpath: str | None = None) -> list[dict[str, Any]]:
-    """Both ranks of megatron_worker; fails with their output if one fails or hangs."""
+    """Both ranks of megatron_worker (see :func:`processes.run_ranks`); their results."""
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
     port = str(free_port())
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "tests.lightning_energy.integrations.megatron_worker",
-                        str(rank),
-                        port,
-                        str(tmp_path),
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    try:
-        codes = [proc.wait(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(codes):
-        output = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
-        pytest.fail(f"megatron_worker failed with exit codes {codes}:\n{output}")
+    module = "tests.lightning_energy.integrations.megatron_worker"
+    commands = [[sys.executable, "-m", module, str(r), port, str(tmp_path)] for r in range(2)]
+    processes.run_ranks(commands, tmp_path, envs=[env, env])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -16,46 +14,19 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
 from lightning_energy.perseus.runtime import ClockController, PipelineRuntime, simulated_profile
 
+from .. import processes
 from . import pipeline_worker
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(module: str, rank_args: list[list[str]], log_dir: Path) -> None:
-    """Run ``python -m module *args`` once per rank; fail (killing the others) if one
-    fails or hangs, with the ranks' output in the message."""
-    root = Path(__file__).resolve().parents[3]
-    logs = [log_dir / f"rank{r}.log" for r in range(len(rank_args))]
-    procs = []
-    for args, log in zip(rank_args, logs, strict=True):
-        with log.open("w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", module, *args],
-                    cwd=root,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    try:
-        codes = [proc.wait(timeout=240) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(codes):
-        output = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-        pytest.fail(f"{module} failed with exit codes {codes}:\n{output}")
+    """Run ``python -m module *args`` once per rank (see :func:`processes.run_ranks`)."""
+    commands = [[sys.executable, "-m", module, *args] for args in rank_args]
+    processes.run_ranks(commands, log_dir, timeout_s=240)
 
 
 @pytest.mark.slow
 def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
-    port = str(free_port())
+    port = str(processes.free_port())
     run_ranks(
         "tests.lightning_energy.perseus.pipeline_worker",
         [[str(r), "2", port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
