@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -61,3 +62,9 @@ def run_ranks(
     if any(codes):
         output = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
         pytest.fail(f"{list(commands[0])} failed with exit codes {codes}:\n{output}")
+
+
+def run_module_ranks(module: str, rank_args: Sequence[Sequence[str]], log_dir: Path) -> None:
+    """Run ``python -m module *args`` once per rank, as :func:`run_ranks`."""
+    commands = [[sys.executable, "-m", module, *args] for args in rank_args]
+    run_ranks(commands, log_dir, timeout_s=240)

@@ -18,7 +18,7 @@ from lightning_energy.collectives import GatherCollective
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.job import Capability, RankInfo, agree, job_totals, node_name, shared_gpus
-from tests.lightning_energy.perseus.test_runtime import free_port, run_ranks
+from tests.lightning_energy.processes import free_port, run_module_ranks
 
 WORKER = "tests.lightning_energy.job_worker"
 
@@ -132,7 +132,7 @@ def test_objects_are_gathered_through_a_float_all_gather() -> None:
 def _run(tmp_path: Path, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
     port = str(free_port())
     shared = {"state_dir": str(tmp_path / "gpus"), "lease_dir": str(tmp_path / "leases")}
-    run_ranks(
+    run_module_ranks(
         WORKER,
         [[str(r), port, str(tmp_path), json.dumps({**shared, **o})] for r, o in enumerate(options)],
         tmp_path,

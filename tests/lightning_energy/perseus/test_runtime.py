@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,20 +13,14 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
 from lightning_energy.perseus.runtime import ClockController, PipelineRuntime, simulated_profile
 
-from .. import processes
+from ..processes import free_port, run_module_ranks
 from . import pipeline_worker
-
-
-def run_ranks(module: str, rank_args: list[list[str]], log_dir: Path) -> None:
-    """Run ``python -m module *args`` once per rank (see :func:`processes.run_ranks`)."""
-    commands = [[sys.executable, "-m", module, *args] for args in rank_args]
-    processes.run_ranks(commands, log_dir, timeout_s=240)
 
 
 @pytest.mark.slow
 def test_two_process_pipeline_applies_the_plan(tmp_path: Path) -> None:
-    port = str(processes.free_port())
-    run_ranks(
+    port = str(free_port())
+    run_module_ranks(
         "tests.lightning_energy.perseus.pipeline_worker",
         [[str(r), "2", port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
         tmp_path,

@@ -14,15 +14,15 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
 
+from ..processes import free_port, run_module_ranks
 from . import ddp_worker
 from .helpers import TickingCounter
-from .test_runtime import free_port, run_ranks
 
 
 @pytest.mark.slow
 def test_two_process_ddp_equalises_the_fast_rank(tmp_path: Path) -> None:
     port = str(free_port())
-    run_ranks(
+    run_module_ranks(
         "tests.lightning_energy.perseus.ddp_worker",
         [[str(r), port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
         tmp_path,
