@@ -94,6 +94,7 @@ class CarbonPacer:
         self._next_poll_s = 0.0
         self._next_decision_s = 0.0
         self._last: PaceUpdate | None = None
+        self._decided_idle_w: float | None = None
         # (remaining steps, the job's grams) at the policy's first decision of this work.
         self._emitted_origin: tuple[int, float] | None = None
 
@@ -179,6 +180,7 @@ class CarbonPacer:
 
         The policy holds the setting it chooses for the whole interval, as the training
         side runs it: one power limit (the least energy that meets the target) or a pause.
+        A change of ``idle_power_w`` (a pause measured it) re-decides at once.
 
         Args:
             remaining_steps: steps still to train (None: unknown, so no pacing).
@@ -190,7 +192,11 @@ class CarbonPacer:
         intensity = self.intensity_g_per_kwh()
         if remaining_steps is None or not frontier or self.deadline is None:
             return PaceUpdate(intensity, None, False, "no deadline: carbon accounting only")
-        if self._last is not None and self._elapsed_s() < self._next_decision_s:
+        if (
+            self._last is not None
+            and self._elapsed_s() < self._next_decision_s
+            and idle_power_w == self._decided_idle_w
+        ):
             return PaceUpdate(intensity, self._last.scale, self._last.pause, self._last.reason)
         from carbon.policy import JobProgress, OperatingPoint
 
@@ -212,6 +218,7 @@ class CarbonPacer:
             idle_power_w=idle_power_w,
         )
         self._next_decision_s = self._elapsed_s() + self.config.poll_interval_s
+        self._decided_idle_w = idle_power_w
         scale = decision.scale * (1.0 + _TARGET_SLACK)
         self._last = PaceUpdate(intensity, scale, decision.pause, decision.reason)
         return self._last

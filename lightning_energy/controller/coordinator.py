@@ -74,6 +74,10 @@ _STATE_VERSION = 1
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
 # pause measures it (used only to weigh pausing against slow running).
 _IDLE_SHARE = 0.15
+# A pause decided on that guess first idles this long only (at most one polling period):
+# long enough for the energy counter to measure idle power, then the pause is decided
+# again at the measured power.
+_IDLE_PROBE_S = 60.0
 
 
 class EnergyController:
@@ -759,6 +763,8 @@ class EnergyController:
         before = self._power_limit_w
         self._apply(lo, f"paused: {first.reason}", purpose="pause")
         wait_s = self.config.carbon.poll_interval_s
+        if ledger.idle_power_w is None:  # decided on the guess: measure before committing
+            wait_s = min(wait_s, _IDLE_PROBE_S)
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
         waiter, self._wake = socket.socketpair()
@@ -783,6 +789,7 @@ class EnergyController:
                 update = self.collective.broadcast(self._pace_update())
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh
+                wait_s = self.config.carbon.poll_interval_s
         finally:
             wake, self._wake = self._wake, None
             wake.close()
