@@ -180,7 +180,8 @@ class CarbonPacer:
 
         The policy holds the setting it chooses for the whole interval, as the training
         side runs it: one power limit (the least energy that meets the target) or a pause.
-        A change of ``idle_power_w`` (a pause measured it) re-decides at once.
+        A pause is decided again at once when ``idle_power_w`` changes (the pause measured
+        it).
 
         Args:
             remaining_steps: steps still to train (None: unknown, so no pacing).
@@ -192,12 +193,13 @@ class CarbonPacer:
         intensity = self.intensity_g_per_kwh()
         if remaining_steps is None or not frontier or self.deadline is None:
             return PaceUpdate(intensity, None, False, "no deadline: carbon accounting only")
+        previous = self._last
         if (
-            self._last is not None
+            previous is not None
             and self._elapsed_s() < self._next_decision_s
-            and idle_power_w == self._decided_idle_w
+            and not (previous.pause and idle_power_w != self._decided_idle_w)
         ):
-            return PaceUpdate(intensity, self._last.scale, self._last.pause, self._last.reason)
+            return PaceUpdate(intensity, previous.scale, previous.pause, previous.reason)
         from carbon.policy import JobProgress, OperatingPoint
 
         points = [OperatingPoint(t, e, label) for t, e, label in frontier]

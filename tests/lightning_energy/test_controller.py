@@ -393,9 +393,14 @@ def test_a_pause_on_a_guessed_idle_power_commits_to_a_short_probe_only(tmp_path:
     assert paused, "the guessed idle power makes the policy pause on this day"
     assert paused[0]["duration_s"] < poll_s
     first = next(i for i, (_, _, pause) in enumerate(calls) if pause)
-    probe_end_s, measured_w, _ = calls[first + 1]
+    probe_end_s, measured_w, still_paused = calls[first + 1]
     assert probe_end_s - calls[first][0] < poll_s
     assert measured_w == pytest.approx(TRACE_GPUS["a40"][2], rel=0.1)
+    # Decided again at once at the measured power: on this day no pause pays at 30 W.
+    assert not still_paused
+    pause = next(d for d in controller.decisions if d["purpose"] == "pause")
+    resume = next(d for d in controller.decisions if d["purpose"] == "resume")
+    assert resume["time_s"] - pause["time_s"] < poll_s
 
 
 @pytest.mark.xfail(
