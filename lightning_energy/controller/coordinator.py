@@ -755,7 +755,10 @@ class EnergyController:
     def _pause(self, first: PaceUpdate) -> None:
         """Wait at the lowest power limit until rank 0's policy resumes training.
 
-        The wait ends at once when a signal restores the GPUs (the job is being stopped).
+        Each polling period ends with a decision. A pause decided before idle power was
+        ever measured first idles a short probe only (``_IDLE_PROBE_S``), so that the
+        policy decides again at once at the measured power. The wait ends at once when a
+        signal restores the GPUs (the job is being stopped).
         """
         assert self._guard is not None and self.config.carbon is not None
         ledger = self._ledger
