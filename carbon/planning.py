@@ -667,22 +667,44 @@ class IntensityOutlook:
         integral = cum[k] + knot_v[k] * (edges_s - knot_t[k])
         return np.diff(integral) / np.diff(edges_s)
 
-    def worst_same_time_of_day(self, times_s: FloatArray, days: int = 7) -> FloatArray:
-        """The dirtiest intensity recorded at the same time of day on each of the past
+    def worst_same_time_of_day(
+        self,
+        times_s: FloatArray,
+        days: int = 7,
+        window_s: float | FloatArray = 0.0,
+    ) -> FloatArray:
+        """The dirtiest intensity recorded around the same time of day on each of the past
         ``days`` days before each of ``times_s`` (NaN where nothing was recorded).
 
-        A value counts when it was recorded at most an hour before that time of day.
+        A value counts when it was in force within ``window_s`` of that time of day: the
+        one recorded last before the window opens (if at most an hour before) and every
+        one recorded inside it.
+
+        Args:
+            times_s: the times (epoch seconds).
+            days: how many past days to look at.
+            window_s: how far around the time of day to look, one value or one per time
+                (0: the value in force at that time of day only).
+
+        Returns:
+            One value per time.
         """
         hist_t = np.array(sorted(self._history), dtype=np.float64)
         hist_v = np.array([self._history[t] for t in hist_t], dtype=np.float64)
-        worst = np.full(np.shape(times_s), np.nan)
-        if hist_t.size == 0:
+        times = np.asarray(times_s, dtype=np.float64)
+        window = np.broadcast_to(np.asarray(window_s, dtype=np.float64), times.shape)
+        worst = np.full(times.shape, np.nan)
+        if hist_t.size == 0 or times.size == 0:
             return worst
+        padded = np.append(hist_v, -np.inf)  # reduceat may start at the end
         for k in range(1, days + 1):
-            q = np.asarray(times_s, dtype=np.float64) - k * 86400.0
-            i = np.searchsorted(hist_t, q, side="right") - 1
-            ok = (i >= 0) & (q - hist_t[np.maximum(i, 0)] <= 3600.0)
-            worst = np.fmax(worst, np.where(ok, hist_v[np.maximum(i, 0)], np.nan))
+            q = times - k * 86400.0
+            before = np.searchsorted(hist_t, q - window, side="right") - 1
+            recent = (before >= 0) & (q - window - hist_t[np.maximum(before, 0)] <= 3600.0)
+            lo = np.where(recent, before, before + 1)
+            hi = np.searchsorted(hist_t, q + window, side="right")
+            found = np.maximum.reduceat(padded, np.column_stack([lo, hi]).ravel())[::2]
+            worst = np.fmax(worst, np.where(hi > lo, found, np.nan))
         return worst
 
     def _fit(self, knot_t: FloatArray, knot_v: FloatArray) -> None:

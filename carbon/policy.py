@@ -81,6 +81,11 @@ POLICY_NAMES: tuple[str, ...] = ("static", "threshold", "forecast")
 
 _DAY_S = 86400.0
 _J_PER_KWH = 3.6e6
+#: The pessimistic outlook looks this far around the time of day for the dirtiest value of
+#: the past week, per second ahead of now (the daily pattern drifts more the further
+#: ahead), up to :data:`_WORST_WINDOW_MAX_S`.
+_WORST_WINDOW_PER_S = 1.0 / 8.0
+_WORST_WINDOW_MAX_S = 3 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -562,12 +567,16 @@ class ForecastPolicy(_BasePolicy):
         return 1.0 / s.points[choice].time_per_step_s, False, plan.energy_j
 
     def _pessimistic(self, s: _Situation, edges: FloatArray, intensity: FloatArray) -> FloatArray:
-        """The outlook with every interval past the forecast at the dirtiest value seen at
-        that time of day over the past week (or, with no such history, the dirtiest value
-        now or forecast): the plan must pay even if the daily profile is optimistic."""
+        """The outlook with every interval past the forecast at the dirtiest value seen
+        around that time of day over the past week (or, with no such history, the dirtiest
+        value now or forecast): the plan must pay even if the daily profile is optimistic,
+        and even if the day's peaks come a little earlier or later than last week's. The
+        window around the time of day grows with the time ahead (an eighth of it, at most
+        3 h)."""
         ahead = [p.time.timestamp() for p in s.forecast if p.time.timestamp() > s.now_s]
         known = edges[:-1] < max(ahead, default=s.now_s) + self.interval_s
-        worst = self._outlook.worst_same_time_of_day(edges[:-1])
+        window_s = np.minimum((edges[:-1] - s.now_s) * _WORST_WINDOW_PER_S, _WORST_WINDOW_MAX_S)
+        worst = self._outlook.worst_same_time_of_day(edges[:-1], window_s=window_s)
         worst = np.where(np.isnan(worst), float(intensity[known].max()), worst)
         return np.where(known, intensity, np.maximum(worst, intensity))
 

@@ -94,6 +94,7 @@ class CarbonPacer:
         self._next_poll_s = 0.0
         self._next_decision_s = 0.0
         self._last: PaceUpdate | None = None
+        self._decided_idle_w: float | None = None
         # (remaining steps, the job's grams) at the policy's first decision of this work.
         self._emitted_origin: tuple[int, float] | None = None
 
@@ -179,6 +180,8 @@ class CarbonPacer:
 
         The policy holds the setting it chooses for the whole interval, as the training
         side runs it: one power limit (the least energy that meets the target) or a pause.
+        A pause is decided again at once when ``idle_power_w`` changes (the pause measured
+        it).
 
         Args:
             remaining_steps: steps still to train (None: unknown, so no pacing).
@@ -190,8 +193,13 @@ class CarbonPacer:
         intensity = self.intensity_g_per_kwh()
         if remaining_steps is None or not frontier or self.deadline is None:
             return PaceUpdate(intensity, None, False, "no deadline: carbon accounting only")
-        if self._last is not None and self._elapsed_s() < self._next_decision_s:
-            return PaceUpdate(intensity, self._last.scale, self._last.pause, self._last.reason)
+        previous = self._last
+        if (
+            previous is not None
+            and self._elapsed_s() < self._next_decision_s
+            and not (previous.pause and idle_power_w != self._decided_idle_w)
+        ):
+            return PaceUpdate(intensity, previous.scale, previous.pause, previous.reason)
         from carbon.policy import JobProgress, OperatingPoint
 
         points = [OperatingPoint(t, e, label) for t, e, label in frontier]
@@ -212,6 +220,7 @@ class CarbonPacer:
             idle_power_w=idle_power_w,
         )
         self._next_decision_s = self._elapsed_s() + self.config.poll_interval_s
+        self._decided_idle_w = idle_power_w
         scale = decision.scale * (1.0 + _TARGET_SLACK)
         self._last = PaceUpdate(intensity, scale, decision.pause, decision.reason)
         return self._last

@@ -75,6 +75,10 @@ _STATE_VERSION = 1
 # Assumed power of an idle GPU, as a share of the least-power measured point, until a
 # pause measures it (used only to weigh pausing against slow running).
 _IDLE_SHARE = 0.15
+# A pause decided on that guess first idles this long only (at most one polling period):
+# long enough for the energy counter to measure idle power, then the pause is decided
+# again at the measured power.
+_IDLE_PROBE_S = 60.0
 
 
 class EnergyController:
@@ -773,7 +777,10 @@ class EnergyController:
     def _pause(self, first: PaceUpdate) -> None:
         """Wait at the lowest power limit until rank 0's policy resumes training.
 
-        The wait ends at once when a signal restores the GPUs (the job is being stopped).
+        Each polling period ends with a decision. A pause decided before idle power was
+        ever measured first idles a short probe only (``_IDLE_PROBE_S``), so that the
+        policy decides again at once at the measured power. The wait ends at once when a
+        signal restores the GPUs (the job is being stopped).
         """
         assert self._guard is not None and self.config.carbon is not None
         ledger = self._ledger
@@ -782,6 +789,8 @@ class EnergyController:
         before = self._power_limit_w if self._power_limit_w is not None else hi
         self._apply(lo, f"paused: {first.reason}", purpose="pause")
         wait_s = self.config.carbon.poll_interval_s
+        if ledger.idle_power_w is None:  # decided on the guess: measure before committing
+            wait_s = min(wait_s, _IDLE_PROBE_S)
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
         waiter, self._wake = socket.socketpair()
@@ -806,6 +815,7 @@ class EnergyController:
                 update = self.collective.broadcast(self._pace_update())
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh
+                wait_s = self.config.carbon.poll_interval_s
         finally:
             wake, self._wake = self._wake, None
             wake.close()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.forecast import DailyProfileForecaster
@@ -390,6 +392,39 @@ def test_outlook_holds_each_value_and_extends_past_the_forecast() -> None:
     edges = now_s + np.array([0.0, 0.5, 1.5, 2.0, 3.0]) * HOUR_S
     means = outlook.means(now_s, 200.0, forecast, edges, HOUR_S)
     assert means.tolist() == pytest.approx([200.0, 125.0, 50.0, 100.0])
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    records=st.lists(st.tuples(st.floats(0.0, 8 * 86400.0), st.floats(0.0, 900.0)), max_size=80),
+    queries=st.lists(
+        st.tuples(st.floats(0.0, 10 * 86400.0), st.floats(0.0, 4 * HOUR_S)), min_size=1
+    ),
+)
+def test_worst_same_time_of_day_is_the_dirtiest_value_in_force_around_it(
+    records: list[tuple[float, float]], queries: list[tuple[float, float]]
+) -> None:
+    # Any history and any windows: the dirtiest value in force within the window around
+    # the same time of day on each of the past 7 days, counted one by one.
+    outlook = IntensityOutlook(DailyProfileForecaster(), history_s=30 * 86400.0)
+    for t, v in sorted(records):
+        outlook.record(T0.timestamp() + t, v)
+    history = sorted(outlook._history.items())
+    times = np.array([T0.timestamp() + t for t, _ in queries])
+    windows = np.array([w for _, w in queries])
+    got = outlook.worst_same_time_of_day(times, window_s=windows)
+    for t, w, value in zip(times, windows, got, strict=True):
+        seen = []
+        for k in range(1, 8):
+            q = t - k * 86400.0
+            seen += [v for s, v in history if q - w < s <= q + w]
+            before = [(s, v) for s, v in history if s <= q - w]
+            if before and q - w - before[-1][0] <= HOUR_S:
+                seen.append(before[-1][1])
+        if seen:
+            assert value == max(seen)
+        else:
+            assert math.isnan(value)
 
 
 def test_benchmark_simulation_ranks_oracle_first_and_misses_nothing(
