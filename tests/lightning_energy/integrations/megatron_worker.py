@@ -2,10 +2,10 @@
 
 Runs, in one process group: a 1F1B run with an evaluation call, ended by ``close()``; an
 interleaved run (2 model chunks a rank) ended by its ``with`` block; a run refused for an
-unsupported option, then whose ``num_microbatches`` changes; and a run that fails
+unsupported option, then whose ``num_microbatches`` changes; a run that fails
 mid-iteration (rank 0 in its second forward, rank 1 in its first, so no rank waits for
-the other). For each it writes what ran and what the GPU was left with to
-``rank<r>.json``.
+the other); and a 1F1B run paced by a replayed grid trace. For each it writes what ran
+and what the GPU was left with to ``rank<r>.json``.
 
 Usage: ``python -m tests.lightning_energy.integrations.megatron_worker RANK PORT OUT_DIR``
 (with the Megatron-Core to test first on ``PYTHONPATH``).
@@ -33,6 +33,11 @@ WORLD = 2
 MICROBATCHES = 4
 ITERATIONS = 3
 ROOT = Path(__file__).resolve().parents[3]
+#: The paced run: instructions far longer than the A100's 50 ms clock-setting latency, a
+#: day of the German grid trace whose pace is slower than full speed.
+PACED_STAGE_TIMES_S = [[0.2, 0.4], [0.3, 0.6]]
+PACED_START = "2023-04-17T00:00:00Z"
+PACED_ITERATIONS = 8
 
 
 #: Megatron-Core's own step functions, before any hook.
@@ -295,6 +300,42 @@ def run_failure(out_dir: Path, rank: int) -> dict[str, Any]:
     }
 
 
+def run_paced(out_dir: Path) -> dict[str, Any]:
+    """Online planning under a carbon pace: the pace's target iteration time reaches
+    Perseus on every rank, and the re-planned iterations follow it."""
+    model, _ = init(1)
+    paced = config(out_dir)
+    paced["device"]["start"] = PACED_START
+    paced["perseus"]["replan_every_iterations"] = 1
+    paced["log_every_n_steps"] = 2  # the pace moves at logging boundaries
+    paced["carbon"] = {
+        "provider": "trace",
+        "region": "DE",
+        "policy": "forecast",
+        "max_slowdown": 1.3,
+        "allow_pause": False,
+        "poll_interval_s": 3600,
+    }
+    energy = MegatronEnergy(paced, total_steps=200, stage_times_s=PACED_STAGE_TIMES_S)
+    forward_backward = energy.wrap(schedules.get_forward_backward_func())
+    iterations = []
+    with energy:
+        step(forward_backward, model, 1, seed=0)  # the run opens at the first call
+        pipeline = energy.pipeline
+        assert pipeline is not None and pipeline.online is not None
+        online, gpu = pipeline.online, pipeline.rank.gpu
+        planned, seed = 0, 1
+        while planned < PACED_ITERATIONS:
+            phase, start_s = online.phase, gpu.now_s()
+            step(forward_backward, model, 1, seed=seed)
+            seed += 1
+            planned += phase == "planned"
+            iterations.append(
+                {"phase": phase, "time_s": gpu.now_s() - start_s, "target_s": online.target_time_s}
+            )
+    return {"iterations": iterations}
+
+
 def main() -> None:
     rank, port, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_RANK": str(rank)})
@@ -306,6 +347,7 @@ def main() -> None:
             results["interleaved"] = run_schedule(2, out_dir, rank)
             results["shape_change"] = run_shape_change(out_dir)
             results["failure"] = run_failure(out_dir, rank)
+            results["paced"] = run_paced(out_dir)
     finally:
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()

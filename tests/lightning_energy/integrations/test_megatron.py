@@ -73,6 +73,20 @@ def check_runs(ranks: list[dict[str, Any]]) -> None:
         assert failure["locked_during"] is not None
         assert failure["locked_after"] is None
         assert failure["hooks_removed"] and failure["summary"]
+    # A carbon pace on a dirty day: every rank plans for rank 0's target, above the fastest
+    # (all-max) iteration, and the re-planned iterations follow it within the clock-setting
+    # latency (50 ms on the simulated A100).
+    iterations = ranks[0]["paced"]["iterations"]
+    # The first call was the warm-up; the first profiled clock is the maximum, 1410 MHz.
+    assert iterations[0]["phase"] == "profiling"
+    fastest_s = iterations[0]["time_s"]
+    paced = [it for it in iterations if it["target_s"] is not None]
+    assert paced, "the carbon pace never reached Perseus"
+    assert all(it["target_s"] > fastest_s for it in paced)
+    assert paced[-1]["time_s"] == pytest.approx(paced[-1]["target_s"], rel=0.02)
+    assert [it["target_s"] for it in ranks[1]["paced"]["iterations"]] == [
+        it["target_s"] for it in iterations
+    ]
 
 
 @pytest.mark.slow
