@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -11,15 +10,14 @@ import torch.distributed as dist
 
 from lightning_energy import collectives
 from lightning_energy.collectives import cpu_collective_group
+from tests.lightning_energy.processes import free_port
 
 from .perseus import nccl_like
 
 
 @pytest.fixture
 def single_process_group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield

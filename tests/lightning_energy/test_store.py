@@ -7,7 +7,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from lightning_energy.store import (
     network_filesystem_type,
     sqlite_path,
 )
+from tests.lightning_energy.processes import free_port
 
 WRITER = Path(__file__).with_name("store_writer.py")
 JOB = JobId("resnet50-imagenet", "NVIDIA A40", 2)
@@ -306,12 +306,6 @@ def _postgres_bin() -> Path | None:
     return versions[-1].parent if versions else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     """A throwaway PostgreSQL server on 127.0.0.1 with password auth; skipped when impossible."""
@@ -335,7 +329,7 @@ def postgres_url() -> Iterator[str]:
         for path in (base, password_file):
             os.chown(path, run_as["user"], run_as["group"])
     data = base / "data"
-    port = _free_port()
+    port = free_port()
     kwargs = {"capture_output": True, "text": True, "timeout": 120, "cwd": base, **run_as}
     try:
         init = subprocess.run(

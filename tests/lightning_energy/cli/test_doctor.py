@@ -17,6 +17,7 @@ from lightning_energy.cli import main
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.device.lease import LEASE_DIR_ENV
 from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
+from tests.lightning_energy.processes import free_port
 
 SECRET = "s3cret-token-never-printed"
 
@@ -237,11 +238,7 @@ def test_unreachable_provider_fails(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import socket
-
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     monkeypatch.setenv("DOCTOR_EM_TOKEN", SECRET)
     carbon = {
         "provider": "electricitymaps",

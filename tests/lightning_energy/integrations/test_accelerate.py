@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from lightning_energy.integrations.accelerate import (
     EnergyTracker,
     attach_energy,
 )
+from tests.lightning_energy.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO_ROOT / "examples" / "accelerate"
@@ -309,12 +309,6 @@ def test_energy_tracker_keeps_energy_and_carbon_values_only(tmp_path: Path) -> N
     assert [json.loads(line) for line in lines] == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
     env = dict(
         os.environ,
@@ -333,7 +327,7 @@ def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]
         "--main_process_ip",
         "127.0.0.1",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         "--num_cpu_threads_per_process",
         "1",
         str(EXAMPLE / "train.py"),
