@@ -72,10 +72,12 @@ __all__ = ["EnergyController"]
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# Assumed power of an idle GPU, as a share of the least-power measured point, until a
-# pause measures it (used only to weigh pausing against slow running).
+# Assumed power of an idle GPU, as a share of the least-power measured point, when no
+# reading at setup gave it and until a pause measures it (used only to weigh pausing
+# against slow running).
 _IDLE_SHARE = 0.15
-# A pause decided on that guess first idles this long only (at most one polling period):
+# A pause decided before any pause measured idle power first idles this long only (at most
+# one polling period):
 # long enough for the energy counter to measure idle power, then the pause is decided
 # again at the measured power.
 _IDLE_PROBE_S = 60.0
@@ -363,7 +365,23 @@ class EnergyController:
             if isinstance(first, list):
                 raise ConfigError(first, self.config.source)
             self._ledger.intensity = first
+            if self.config.carbon.allow_pause:
+                self._read_idle_power(devices)
         self._ledger.begin_interval()
+
+    def _read_idle_power(self, devices: DeviceSet) -> None:
+        """Before any work: the job-wide board power the GPUs read now, each GPU counted
+        once. It is what they draw idle (more if something else runs on them), the first
+        estimate a pause is weighed at: a pause then measures what it really draws. A
+        failed reading leaves the estimate to the profile."""
+        try:
+            mine = sum(gpu.power_w() for gpu in devices.gpus) if self._counts_energy else 0.0
+        except DeviceError as exc:
+            log.debug("no idle power reading at setup: %s", exc)
+            mine = math.nan
+        (total,), _ = self.collective.sum_and_max([mine], [])
+        if math.isfinite(total) and total > 0:
+            self._ledger.idle_reading_w = total
 
     def _start_pacer(self, config: CarbonConfig, simulated: bool) -> float | list[str]:
         """Rank 0: start polling; the first intensity, or the configuration problems."""
@@ -736,7 +754,7 @@ class EnergyController:
         remaining = None
         if self._total_steps is not None and self._pacer.pacing:
             remaining = max(self._total_steps - ledger.step, 0)
-        idle_w = ledger.idle_power_w
+        idle_w = ledger.idle_power_w if ledger.idle_power_w is not None else ledger.idle_reading_w
         if idle_w is None:
             idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
         return self._pacer.update(remaining, frontier, idle_w, emitted_g=ledger.emissions_g)

@@ -107,6 +107,7 @@ class RunLedger:
         self.profile_end: tuple[datetime, int, float] | None = None
         self.after_profile: Measurement | None = None
         self.idle_power_w: float | None = None
+        self.idle_reading_w: float | None = None
         self.published = 0
         self.metrics: dict[str, float] = {}
         self.timeline: list[dict[str, Any]] = []
