@@ -77,9 +77,8 @@ _STATE_VERSION = 1
 # against slow running).
 _IDLE_SHARE = 0.15
 # A pause decided before any pause measured idle power first idles this long only (at most
-# one polling period):
-# long enough for the energy counter to measure idle power, then the pause is decided
-# again at the measured power.
+# one polling period): long enough for the energy counter to measure idle power, then the
+# pause is decided again at the measured power.
 _IDLE_PROBE_S = 60.0
 
 
@@ -807,7 +806,7 @@ class EnergyController:
         before = self._power_limit_w if self._power_limit_w is not None else hi
         self._apply(lo, f"paused: {first.reason}", purpose="pause")
         wait_s = self.config.carbon.poll_interval_s
-        if ledger.idle_power_w is None:  # decided on the guess: measure before committing
+        if ledger.idle_power_w is None:  # weighed at an estimate: measure before committing
             wait_s = min(wait_s, _IDLE_PROBE_S)
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
