@@ -21,8 +21,8 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import (
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["PerseusPace", "PipelineEngineAdapter"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Weight of the newest step in the running mean of the time a step spends outside the
 #: pipeline schedule (optimizer, data loading).
@@ -116,9 +118,10 @@ class PipelineEngineAdapter(EnergyAdapter):
 
     Subclasses translate their engine's hooks: :meth:`_begin_pipeline` once the process
     group and the engine exist, :meth:`_iteration_start` / :meth:`_iteration_end` around
-    every training step, :meth:`_before` / :meth:`_after` around every forward and backward
-    of this rank, and :meth:`_finish` / :meth:`_abort` at the end (the ``with`` block does
-    both).
+    every training step (or :meth:`_run_iteration`, which also aborts the run when the step
+    raises), :meth:`_before` / :meth:`_after` around every forward and backward of this
+    rank, and :meth:`close` (:meth:`_finish`) / :meth:`_abort` at the end (the ``with``
+    block does both).
 
     Args:
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
@@ -271,6 +274,23 @@ class PipelineEngineAdapter(EnergyAdapter):
         if self._pace is not None and self._step_start_s is not None:
             self._pace.observe_step(pipeline.rank.clock() - self._step_start_s)
         return self.controller.handle(StepEnd())
+
+    def _run_iteration(self, step: Callable[[], T]) -> T:
+        """Run ``step`` (the engine's training step) as one iteration; an exception in it
+        ends the run at once (clocks reset, GPUs restored, no collective) and propagates."""
+        try:
+            self._iteration_start()
+            result = step()
+            self._iteration_end()
+        except BaseException as exc:
+            self._abort(type(exc).__name__)
+            raise
+        return result
+
+    def close(self) -> RunSummary | None:
+        """End the run (every rank: the job's totals are a collective): reset the clocks,
+        restore every GPU, log the summary and write the report."""
+        return self._finish()
 
     def _close_pipeline(self) -> None:
         pipeline, self._pipeline = self._pipeline, None

@@ -293,15 +293,13 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         if self.engine.micro_batches != self.schedule.num_microbatches:
             self._schedule_changed()
             return original(*args, **kwargs)
-        try:
-            self._iteration_start()
+
+        def step() -> Any:
             loss = original(*args, **kwargs)
             self._executing = None
-            self._iteration_end()
-        except BaseException as exc:
-            self._abort(type(exc).__name__)
-            raise
-        return loss
+            return loss
+
+        return self._run_iteration(step)
 
     def _schedule_changed(self) -> None:
         """The engine's micro-batch count changed (``set_train_batch_size``): the plan and
@@ -328,11 +326,6 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
     def _abort(self, failure: str) -> Any:
         self._unhook()
         return super()._abort(failure)
-
-    def close(self) -> None:
-        """End the run: unhook the engine, restore every GPU, log the summary and write
-        the report (every rank: the job's totals are a collective)."""
-        self._finish()
 
 
 def attach_energy(

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_energy.config import EnergyConfig
-from lightning_energy.controller import RunSummary
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._common import workload_key
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
@@ -236,22 +235,19 @@ class MegatronEnergy(PipelineEngineAdapter):
 
         return forward_backward
 
-    def close(self) -> RunSummary | None:
-        """End the run (every rank): restore the GPUs, gather the totals, write the report."""
-        return self._finish()
-
     # ------------------------------------------------------------------ calls
     def _iteration(self, func: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Any:
         try:
             self._prepare(name, kwargs)
-            self._iteration_start()
-            with self._hooks():
-                result = func(**kwargs)
-            self._iteration_end()
         except BaseException as exc:
             self._abort(type(exc).__name__)
             raise
-        return result
+
+        def step() -> Any:
+            with self._hooks():
+                return func(**kwargs)
+
+        return self._run_iteration(step)
 
     def _prepare(self, name: str, kwargs: Mapping[str, Any]) -> None:
         """Check the call and, at the first one, open the run with its schedule.
