@@ -400,8 +400,6 @@ class PipelineRun:
             rank, section, schedule, global_rank=global_rank, stage_times_s=stage_times_s
         )
         self.rank = rank
-        self.runtime = self.pipeline.runtime
-        self.online = self.pipeline.online
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == global_rank]
         pipeline_stages = [
             PerseusPipelineStage(
@@ -416,6 +414,16 @@ class PipelineRun:
             n_microbatches=section.microbatches,
             loss_fn=module.pipeline_loss,
         )
+
+    @property
+    def runtime(self) -> PipelineRuntime:
+        """This rank's runtime (the pipeline's)."""
+        return self.pipeline.runtime
+
+    @property
+    def online(self) -> OnlinePerseus | None:
+        """Online profiling and planning (None with a plan file)."""
+        return self.pipeline.online
 
     def set_target_time(self, target_s: float | None) -> None:
         """Re-plan for ``target_s`` at the next iteration (rank 0's value counts)."""
