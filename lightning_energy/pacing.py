@@ -9,7 +9,10 @@ waits for the network, since the monitor answers from memory.
 Time: a real GPU runs on the wall clock. A simulated GPU runs on a virtual clock, so the
 job's "now" is the start time plus the virtual seconds elapsed; a trace or constant
 provider is then polled on that clock (the monitor's ``poll_now``, which reads local data
-only), so a day of grid data passes in as many seconds as the simulated steps take.
+only), so a day of grid data passes in as many seconds as the simulated steps take. There
+it is read again as soon as the value read stops being in force, so every logging interval
+is charged at the value in force when it starts; on the wall clock, at the value of the
+last poll (up to ``poll_interval_s`` late after the provider's value changes).
 """
 
 from __future__ import annotations
@@ -106,10 +109,21 @@ class CarbonPacer:
     def start(self) -> None:
         """Poll once now, then keep polling (in the background on a real clock)."""
         if self._poll_on_clock:
-            self.monitor.poll_now()
-            self._next_poll_s = self._elapsed_s() + self.config.poll_interval_s
+            self._poll_local()
         else:
             self.monitor.start()
+
+    def _poll_local(self) -> None:
+        """Read local data on the virtual clock; read it again after ``poll_interval_s``
+        or as soon as the value read stops being in force (where the next forecast
+        interval starts), whichever comes first, so no value is held past its end."""
+        self.monitor.poll_now()
+        now = self._now()
+        until_s = self.config.poll_interval_s
+        ends = [p.time for p in self.monitor.forecast() if p.time > now]
+        if ends:
+            until_s = min(until_s, (min(ends) - now).total_seconds())
+        self._next_poll_s = self._elapsed_s() + until_s
 
     def stop(self) -> None:
         """Stop polling (idempotent; leaves no thread)."""
@@ -121,8 +135,7 @@ class CarbonPacer:
     def intensity_g_per_kwh(self) -> float:
         """The latest intensity (answered from memory)."""
         if self._poll_on_clock and self._elapsed_s() >= self._next_poll_s:
-            self.monitor.poll_now()
-            self._next_poll_s = self._elapsed_s() + self.config.poll_interval_s
+            self._poll_local()
         value = self.monitor.latest().intensity_g_per_kwh
         t = self._now().timestamp()
         if not self._observed_s or t > self._observed_s[-1]:
