@@ -19,9 +19,9 @@ measured power limit (a limit off the frontier draws less power, which pays when
 not pause and the grid is dirty).
 
 Forecast modes (both by default, reported side by side): ``perfect`` hands the policies the
-trace's true values for the next 24 h (an upper bound: no real forecast is exact; the
-policies continue it with their daily profile); ``daily`` hands them none, so they rely on
-the daily profile they fit on the past week.
+trace's true values for the next 24 h (``--forecast-hours``; an upper bound: no real
+forecast is exact; the policies continue it with their daily profile); ``daily`` hands them
+none, so they rely on the daily profile they fit on the past week.
 
 A paused job draws the GPU's idle power (by default the power trace's, as the simulated GPU
 in training does); runs with and without pausing allowed are reported separately.
@@ -31,6 +31,7 @@ Usage::
     python benchmarks/carbon_policy.py --trace DE            # one trace, 10 starts per shape
     python benchmarks/carbon_policy.py                       # the three shipped traces
     python benchmarks/carbon_policy.py --starts 100          # the full run
+    python benchmarks/carbon_policy.py --forecast perfect --forecast-hours 72
     python benchmarks/carbon_policy.py --trace my.csv --time-col Time --value-col CI --json
 
 Data: Electricity Maps 2023 (CISO, DE; ODbL), Wiesner et al. 2021 (FR); Zeus A40 power
@@ -71,7 +72,6 @@ FORECAST_MODES = ("perfect", "daily")
 POLL_S = 3600.0
 DAY_S = 86400.0
 HISTORY_S = 7 * DAY_S
-FORECAST_HORIZON_S = DAY_S
 J_PER_KWH = 3.6e6
 #: The simulation splits one measured epoch into this many steps; ratios do not depend on it.
 STEPS_PER_EPOCH = 1000
@@ -108,6 +108,7 @@ class Task:
     forecast_mode: str
     idle_power_w: float
     measured: tuple[OperatingPoint, ...] = ()
+    forecast_horizon_s: float = DAY_S
 
 
 def load_points(path: Path, workload: str, batch_size: int) -> tuple[OperatingPoint, ...]:
@@ -194,8 +195,8 @@ class _Trace:
             for p in self.points[max(lo, 0) : hi]
         ]
 
-    def forecast(self, t_s: float) -> list[IntensityPoint]:
-        return self.points[self.index(t_s) + 1 : self.index(t_s + FORECAST_HORIZON_S) + 1]
+    def forecast(self, t_s: float, horizon_s: float) -> list[IntensityPoint]:
+        return self.points[self.index(t_s) + 1 : self.index(t_s + horizon_s) + 1]
 
 
 def simulate_policy(
@@ -208,10 +209,12 @@ def simulate_policy(
     shape: Shape,
     forecast_mode: str,
     idle_power_w: float,
+    forecast_horizon_s: float = DAY_S,
 ) -> tuple[float, bool]:
     """Run one job under a policy; return (grams, deadline missed).
 
-    ``frontier`` holds the operating points the policy sees and the job may run at.
+    ``frontier`` holds the operating points the policy sees and the job may run at; a
+    ``perfect`` forecast covers the next ``forecast_horizon_s``.
     """
     points = efficient_points(frontier)
     policy = make_policy(policy_name, allow_pause=shape.allow_pause, interval_s=POLL_S)
@@ -223,7 +226,7 @@ def simulate_policy(
             math.ceil(left - 1e-9), datetime.fromtimestamp(t_s, tz=timezone.utc), deadline
         )
         k = trace.index(t_s)
-        forecast = trace.forecast(t_s) if forecast_mode == "perfect" else []
+        forecast = trace.forecast(t_s, forecast_horizon_s) if forecast_mode == "perfect" else []
         decision = policy.decide(
             progress, float(trace.values[k]), forecast, frontier, idle_power_w=idle_power_w
         )
@@ -419,6 +422,7 @@ def run_task(task: Task) -> dict[str, list[float]]:
                 task.shape,
                 task.forecast_mode,
                 task.idle_power_w,
+                task.forecast_horizon_s,
             )
             out[name].append(grams)
             missed.append(float(miss))
@@ -513,8 +517,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--forecast",
         choices=("both", *FORECAST_MODES),
         default="both",
-        help="perfect: the true next 24 h (an upper bound); daily: the past week's daily "
-        "profile only; default: both, side by side",
+        help="perfect: the true next --forecast-hours (an upper bound); daily: the past "
+        "week's daily profile only; default: both, side by side",
+    )
+    parser.add_argument(
+        "--forecast-hours",
+        type=float,
+        default=24.0,
+        help="how far the perfect forecast reaches (default 24; real forecasts reach 24-72 h)",
     )
     parser.add_argument(
         "--starts",
@@ -540,6 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.starts < 1:
         raise SystemExit(f"--starts must be at least 1; got {args.starts}")
+    if not (math.isfinite(args.forecast_hours) and args.forecast_hours > 0):
+        raise SystemExit(f"--forecast-hours must be a number > 0; got {args.forecast_hours}")
     measured = load_points(args.power_trace, args.workload, args.batch_size)
     frontier = frontier_from_profile(measured)
     idle_power_w = (
@@ -571,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         mode,
                         idle_power_w,
                         measured,
+                        args.forecast_hours * 3600.0,
                     )
                 )
     began = time.perf_counter()
@@ -594,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workload": args.workload,
                 "batch_size": args.batch_size,
                 "starts": args.starts,
+                "forecast_hours": args.forecast_hours,
                 "work_hours": args.work_hours,
                 "slack": args.slack,
                 "frontier": [p.label for p in frontier],
@@ -628,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for mode in modes:
         title = {
-            "perfect": "perfect forecast of the next 24 h (an upper bound)",
+            "perfect": f"perfect forecast of the next {args.forecast_hours:g} h (an upper bound)",
             "daily": "no forecast: daily profile of the past week",
         }[mode]
         rows = [

@@ -174,3 +174,32 @@ def test_json_reports_both_forecasts_pause_modes_and_idle_power(
             assert key in forecast
         assert forecast["jobs"] == 2
     assert out["settings"]["measured_limits"][0] == "300 W"
+
+
+def test_a_forecast_reaching_further_captures_more_of_the_oracle(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Long jobs that may pause on the German grid: past a 24 h forecast the policy relies on
+    # its daily profile and a pessimistic outlook; a forecast of the whole run (up to the
+    # 108 h deadline) lets it follow nearly the oracle's plan.
+    argv = ["--trace", "DE", "--starts", "3", "--work-hours", "72", "--slack", "0.5"]
+    argv += ["--pause", "yes", "--forecast", "perfect", "--workers", "1", "--json"]
+    captures = {}
+    for hours in ("24", "120"):
+        assert bench.main([*argv, "--forecast-hours", hours]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["settings"]["forecast_hours"] == float(hours)
+        (result,) = [r for r in out["results"] if r["settings"]["trace"] == "DE"]
+        forecast = result["policies"]["forecast"]
+        assert forecast["deadline_misses"] == 0
+        assert forecast["worse_than_static_share"] == 0.0
+        captures[hours] = forecast["oracle_capture"]
+    assert captures["120"] > captures["24"]
+
+
+@pytest.mark.parametrize("hours", ["0", "-3", "nan", "inf"])
+def test_a_forecast_reach_that_is_not_a_positive_number_is_refused(
+    bench: ModuleType, hours: str
+) -> None:
+    with pytest.raises(SystemExit, match="--forecast-hours must be a number > 0"):
+        bench.main(["--trace", "DE", "--forecast-hours", hours])
