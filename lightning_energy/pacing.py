@@ -115,12 +115,14 @@ class CarbonPacer:
 
     def _poll_local(self) -> None:
         """Read local data on the virtual clock; read it again after ``poll_interval_s``
-        or as soon as the value read stops being in force (where the next forecast
-        interval starts), whichever comes first, so no value is held past its end."""
+        or as soon as the value read stops being in force (where the data's next interval
+        starts, asked of the provider itself, with or without a forecast fetched),
+        whichever comes first, so no value is held past its end."""
         self.monitor.poll_now()
         now = self._now()
         until_s = self.config.poll_interval_s
-        ends = [p.time for p in self.monitor.forecast() if p.time > now]
+        ahead = self.monitor.provider.forecast(until_s)
+        ends = [p.time for p in ahead if p.time > now]
         if ends:
             until_s = min(until_s, (min(ends) - now).total_seconds())
         self._next_poll_s = self._elapsed_s() + until_s
