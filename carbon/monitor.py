@@ -3,7 +3,11 @@
 An APScheduler ``BackgroundScheduler`` job polls the provider every ``poll_interval_s``
 (the first poll right after :meth:`CarbonMonitor.start`, in the background) and keeps the
 latest value, the forecast and the values seen so far. :meth:`CarbonMonitor.latest` never
-touches the network: it reads memory under a lock held for microseconds.
+touches the network: it reads memory under a lock held for microseconds. When the value
+it holds stops being in force (the forecast's next interval has begun) before the next
+poll is due, the first :meth:`~CarbonMonitor.latest` after that asks for one poll at once,
+in the background, so the new interval's value is not served late by up to a polling
+period; if the provider has not published it yet, the scheduled polls pick it up.
 
 When polls fail, the last good value is served (status ``stale``) until it is
 ``max_staleness_s`` old; then the fallback (status ``fallback``): a constant, or a daily
@@ -50,6 +54,19 @@ logger = logging.getLogger(__name__)
 
 #: The longest ``Retry-After`` the monitor waits for before polling again (one day).
 MAX_HOLD_BACK_S = 86400.0
+
+
+def _turn_s(
+    point: IntensityPoint, forecast: list[IntensityPoint], now_s: float, poll_interval_s: float
+) -> float | None:
+    """Where ``point`` stops being in force (the start of the forecast's next interval), if
+    that is after ``now_s`` and before the next poll is due; else None (a value that is
+    already over was not published anew yet: the scheduled polls pick the new one up)."""
+    starts = [p.time.timestamp() for p in forecast if p.time > point.time]
+    turn = min(starts, default=None)
+    if turn is None or not now_s < turn < now_s + poll_interval_s:
+        return None
+    return turn
 
 
 class CarbonMonitor:
@@ -136,6 +153,8 @@ class CarbonMonitor:
         self._not_before: float | None = None
         self._forecast_failing = False
         self._seeded = seed_history_s == 0
+        # When the value held stops being in force (clock seconds), if before the next poll.
+        self._turn_s: float | None = None
 
     def __repr__(self) -> str:
         return (
@@ -227,6 +246,7 @@ class CarbonMonitor:
             (stale), or the fallback.
         """
         now_s = self._clock()
+        self._poll_if_turned(now_s)
         with self._state_lock:
             point, good_at = self._last_good, self._last_good_at
             outage = self._outage_since is not None
@@ -279,9 +299,26 @@ class CarbonMonitor:
         self._poll()
         return self.latest()
 
-    def _poll_job(self) -> None:
+    def _poll_if_turned(self, now_s: float) -> None:
+        """Ask for one background poll now if the value held is no longer in force."""
+        with self._state_lock:
+            if self._turn_s is None or now_s < self._turn_s:
+                return
+            self._turn_s = None
+        scheduler = self._scheduler
+        if scheduler is not None:  # one run, now (a scheduler stopped meanwhile drops it)
+            scheduler.add_job(
+                self._poll_job,
+                kwargs={"quiet_if_busy": True},
+                id="carbon-monitor-turn",
+                name=f"poll {self.provider.name} at the turn of its interval",
+                replace_existing=True,
+            )
+
+    def _poll_job(self, quiet_if_busy: bool = False) -> None:
         if not self._poll_lock.acquire(blocking=False):
-            self._note_overrun()
+            if not quiet_if_busy:  # a poll at the turn may meet a scheduled one: no outage
+                self._note_overrun()
             return
         try:
             self._poll_locked()
@@ -361,6 +398,7 @@ class CarbonMonitor:
             self._last_good, self._last_good_at = point, now_s
             if forecast is not None:
                 self._forecast = forecast
+            self._turn_s = _turn_s(point, self._forecast, now_s, self.poll_interval_s)
             for p in [*seeded, point]:
                 self._history[p.time] = p
             self._trim_history(point.time.timestamp())

@@ -11,8 +11,9 @@ job's "now" is the start time plus the virtual seconds elapsed; a trace or const
 provider is then polled on that clock (the monitor's ``poll_now``, which reads local data
 only), so a day of grid data passes in as many seconds as the simulated steps take. There
 it is read again as soon as the value read stops being in force, so every logging interval
-is charged at the value in force when it starts; on the wall clock, at the value of the
-last poll (up to ``poll_interval_s`` late after the provider's value changes).
+is charged at the value in force when it starts. On the wall clock it is charged at the
+monitor's latest value, which the monitor polls anew as soon as it is asked after that
+value's interval has ended (see :class:`carbon.monitor.CarbonMonitor`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -437,3 +438,70 @@ def test_an_absurd_retry_after_holds_back_one_day_at_most() -> None:
     assert provider.latest_calls == 1
     mono.t += 2
     assert monitor.poll_now().status is ReadingStatus.FRESH and provider.latest_calls == 2
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s`` (real seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_value_past_its_interval_is_polled_again_at_once_in_the_background() -> None:
+    # Hourly values and an hourly poll: the value of 00:00 must not be served until the
+    # next scheduled poll, nearly an hour into the 01:00 interval. The first answer after
+    # the turn comes from memory at once (the caller never waits); a background poll
+    # follows at once, and then the new hour's value is served.
+    clock = Clock(T0 + timedelta(minutes=10))
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(provider, poll_interval_s=3600, seed_history_s=0, clock=clock)
+    with monitor:
+        assert provider.polled.wait(timeout=10)
+        assert _wait_for(lambda: monitor.latest().time == T0)
+        provider.polled.clear()
+        clock.t += 3600.0  # 01:10
+        assert monitor.latest().time == T0  # from memory, no wait
+        assert provider.polled.wait(timeout=10)
+        assert _wait_for(lambda: monitor.latest().time == T0 + timedelta(hours=1))
+        assert monitor.latest().intensity_g_per_kwh == 101.0
+        assert provider.latest_calls == 2
+
+
+def test_a_value_not_yet_published_is_not_chased() -> None:
+    # At the turn the provider still serves the last hour (its new value is not out yet):
+    # one extra poll, not one per answer; the scheduled polls pick the new value up.
+    clock = Clock(T0 + timedelta(minutes=10))
+    provider = ScriptedProvider(clock)
+    late = provider._point(T0, PointKind.MEASURED)
+
+    def unpublished() -> IntensityPoint:
+        provider.polled.set()
+        return late
+
+    provider.latest = unpublished  # type: ignore[method-assign]
+    monitor = CarbonMonitor(provider, poll_interval_s=3600, seed_history_s=0, clock=clock)
+    with monitor:
+        assert provider.polled.wait(timeout=10)
+        assert _wait_for(lambda: monitor.latest().time == T0)
+        scheduler = monitor._scheduler
+        assert scheduler is not None
+        requested = []
+        add_job = scheduler.add_job
+
+        def spy(*args: object, **kwargs: object) -> object:
+            requested.append(kwargs.get("id"))
+            return add_job(*args, **kwargs)
+
+        scheduler.add_job = spy
+        provider.polled.clear()
+        clock.t += 3600.0
+        monitor.latest()
+        assert provider.polled.wait(timeout=10)
+        assert _wait_for(lambda: monitor._poll_lock.acquire(blocking=False))
+        monitor._poll_lock.release()
+        for _ in range(50):
+            assert monitor.latest().time == T0
+        assert len(requested) == 1
