@@ -352,19 +352,29 @@ class CarbonMonitor:
                 self._overrun_noted = False
 
     def _note_overrun(self) -> None:
-        """A run came due while a poll is still going: start an outage (one WARNING)."""
+        """A run came due while a poll is still going: start an outage (one WARNING) once
+        that poll has run for ``poll_interval_s``; a younger one is a poll asked for at
+        the turn of an interval, on its way."""
         now_s = self._clock()
         with self._state_lock:
             started = self._poll_started
             if started is None:  # the poll lock is held by poll_now() between polls
                 return
             running_s = self._monotonic() - started
-            first = not self._overrun_noted
-            self._overrun_noted = True
-            starting = first and self._outage_since is None
+            young = running_s < self.poll_interval_s
+            starting = not (young or self._overrun_noted) and self._outage_since is None
+            if not young:
+                self._overrun_noted = True
             if starting:
                 self._outage_since = now_s
             last = self._last_good
+        if young:
+            logger.debug(
+                "carbon intensity poll of %s already on its way (%.1f s)",
+                self.provider.name,
+                running_s,
+            )
+            return
         if not starting:
             logger.debug(
                 "carbon intensity poll of %s still waiting for an answer after %.0f s",

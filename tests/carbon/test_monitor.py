@@ -505,3 +505,28 @@ def test_a_value_not_yet_published_is_not_chased() -> None:
         for _ in range(50):
             assert monitor.latest().time == T0
         assert len(requested) == 1
+
+
+def test_a_scheduled_poll_meeting_a_young_poll_at_the_turn_is_no_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The value's hour turns half a second after the first poll; the poll asked for at
+    # the turn is still waiting for its answer when the scheduled one comes due. That poll
+    # has run for less than poll_interval_s: nothing is late, so no outage is reported.
+    caplog.set_level(logging.DEBUG)
+    clock = Clock(T0 + timedelta(seconds=3599.5))
+    provider = ScriptedProvider(clock)
+    monitor = CarbonMonitor(provider, poll_interval_s=2.0, seed_history_s=0, clock=clock)
+    with monitor:
+        assert provider.polled.wait(timeout=10)
+        assert _wait_for(lambda: monitor.latest().time == T0)
+        provider.gate = threading.Event()
+        provider.polled.clear()
+        clock.t += 1.0  # past the turn
+        monitor.latest()  # asks for the poll at the turn, which now hangs in the provider
+        waiting = _wait_for_records(caplog, "already on its way", 1)
+        provider.gate.set()
+        assert _wait_for(lambda: monitor.latest().time == T0 + timedelta(hours=1))
+    assert waiting >= 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not monitor_records(caplog, logging.INFO)
