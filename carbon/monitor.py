@@ -309,16 +309,14 @@ class CarbonMonitor:
         if scheduler is not None:  # one run, now (a scheduler stopped meanwhile drops it)
             scheduler.add_job(
                 self._poll_job,
-                kwargs={"quiet_if_busy": True},
                 id="carbon-monitor-turn",
                 name=f"poll {self.provider.name} at the turn of its interval",
                 replace_existing=True,
             )
 
-    def _poll_job(self, quiet_if_busy: bool = False) -> None:
+    def _poll_job(self) -> None:
         if not self._poll_lock.acquire(blocking=False):
-            if not quiet_if_busy:  # a poll at the turn may meet a scheduled one: no outage
-                self._note_overrun()
+            self._note_overrun()
             return
         try:
             self._poll_locked()
@@ -353,8 +351,8 @@ class CarbonMonitor:
 
     def _note_overrun(self) -> None:
         """A run came due while a poll is still going: start an outage (one WARNING) once
-        that poll has run for ``poll_interval_s``; a younger one is a poll asked for at
-        the turn of an interval, on its way."""
+        that poll has run for ``poll_interval_s``; a younger one is on its way (a poll
+        asked for at the turn of an interval, or one a run at the turn met)."""
         now_s = self._clock()
         with self._state_lock:
             started = self._poll_started
