@@ -450,6 +450,12 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return False
 
 
+def _first_value_served(monitor: CarbonMonitor, provider: ScriptedProvider) -> None:
+    """Wait (bounded) for the monitor's first poll to land: the value of 00:00 served."""
+    assert provider.polled.wait(timeout=10)
+    assert _wait_for(lambda: monitor.latest().time == T0)
+
+
 def test_a_value_past_its_interval_is_polled_again_at_once_in_the_background() -> None:
     # Hourly values and an hourly poll: the value of 00:00 must not be served until the
     # next scheduled poll, nearly an hour into the 01:00 interval. The first answer after
@@ -459,8 +465,7 @@ def test_a_value_past_its_interval_is_polled_again_at_once_in_the_background() -
     provider = ScriptedProvider(clock)
     monitor = CarbonMonitor(provider, poll_interval_s=3600, seed_history_s=0, clock=clock)
     with monitor:
-        assert provider.polled.wait(timeout=10)
-        assert _wait_for(lambda: monitor.latest().time == T0)
+        _first_value_served(monitor, provider)
         provider.polled.clear()
         clock.t += 3600.0  # 01:10
         assert monitor.latest().time == T0  # from memory, no wait
@@ -484,8 +489,7 @@ def test_a_value_not_yet_published_is_not_chased() -> None:
     provider.latest = unpublished  # type: ignore[method-assign]
     monitor = CarbonMonitor(provider, poll_interval_s=3600, seed_history_s=0, clock=clock)
     with monitor:
-        assert provider.polled.wait(timeout=10)
-        assert _wait_for(lambda: monitor.latest().time == T0)
+        _first_value_served(monitor, provider)
         scheduler = monitor._scheduler
         assert scheduler is not None
         requested = []
@@ -518,8 +522,7 @@ def test_a_scheduled_poll_meeting_a_young_poll_at_the_turn_is_no_outage(
     provider = ScriptedProvider(clock)
     monitor = CarbonMonitor(provider, poll_interval_s=2.0, seed_history_s=0, clock=clock)
     with monitor:
-        assert provider.polled.wait(timeout=10)
-        assert _wait_for(lambda: monitor.latest().time == T0)
+        _first_value_served(monitor, provider)
         provider.gate = threading.Event()
         provider.polled.clear()
         clock.t += 1.0  # past the turn
