@@ -416,6 +416,9 @@ class EnergyController:
         return enforced
 
     def _open_devices(self) -> DeviceSet:
+        """This process's GPUs from the ``device:`` section, as the framework's device says:
+        a CUDA device is its GPU; the CPU is a simulated GPU under ``backend: auto`` and the
+        local rank's GPU under ``nvml`` (see :func:`~lightning_energy.device.open_devices`)."""
         from lightning_energy.device import open_devices
 
         dev = self.config.device

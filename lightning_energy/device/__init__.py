@@ -3,7 +3,9 @@
 :func:`open_devices` picks the backend: NVML for real NVIDIA GPUs, the simulated GPU
 otherwise (or when asked). Precedence of the choice: the ``backend`` argument when given,
 else the ``LIGHTNING_ENERGY_DEVICE`` environment variable (``auto``, ``nvml`` or
-``simulated``), else ``auto``.
+``simulated``), else ``auto``. Under ``auto`` a framework computing on the CPU (its
+device is not a CUDA device) gets the simulated backend even where NVML sees GPUs: the
+GPU its local rank would name may be another job's.
 
 Example:
     >>> devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", count=2))
@@ -66,6 +68,7 @@ __all__ = [
     "TraceModel",
     "VirtualClock",
     "WorkloadTrace",
+    "current_torch_device",
     "gpu_info",
     "live_simulated_gpus",
     "nvml_gpus",
@@ -79,6 +82,25 @@ logger = logging.getLogger(__name__)
 
 DEVICE_ENV_VAR = "LIGHTNING_ENERGY_DEVICE"
 BACKENDS = ("auto", "nvml", "simulated")
+
+
+def current_torch_device() -> torch.device:
+    """The device torch computes on when nothing else says: the current CUDA device when
+    CUDA is available, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _what_nvml_drives(indices: Sequence[int] | None, local_rank: int | None) -> str:
+    """The GPUs the NVML backend would open without a CUDA device, for log lines."""
+    if local_rank is not None:
+        return f"GPU {local_rank}"
+    if indices is not None:
+        return f"GPUs {list(indices)}"
+    return "the visible GPUs"
 
 
 def _simulated_set(
@@ -135,9 +157,10 @@ def open_devices(
     """Open the GPUs this process drives.
 
     Args:
-        backend: ``"auto"`` (NVML when it initialises and sees a GPU, else simulated, with
-            one INFO log line saying so), ``"nvml"`` or ``"simulated"``. None: the
-            ``LIGHTNING_ENERGY_DEVICE`` environment variable, else ``"auto"``.
+        backend: ``"auto"`` (NVML when ``device`` is a CUDA device or None and NVML
+            initialises and sees a GPU; else simulated, with one INFO log line saying
+            why), ``"nvml"`` or ``"simulated"``. None: the ``LIGHTNING_ENERGY_DEVICE``
+            environment variable, else ``"auto"``.
         indices: process-local GPU indices (after ``CUDA_VISIBLE_DEVICES``); None: all.
         simulated: what to simulate (default :class:`SimulatedSpec` ``()``: one A40 running
             ImageNet/ResNet-50).
@@ -146,7 +169,9 @@ def open_devices(
             when ``device`` is not a CUDA device.
         device: the framework's root device. A CUDA device selects this process's one GPU
             by UUID (see :mod:`~lightning_energy.device.mapping`; simulated: its index
-            stands for ``local_rank``); a CPU device or None: ``local_rank`` decides.
+            stands for ``local_rank``). Another device (the CPU): simulated under
+            ``"auto"``, ``local_rank`` decides under ``"nvml"``. None (unknown):
+            ``local_rank`` decides.
         cuda: the CUDA side of the mapping (default: ``torch.cuda``).
 
     Returns:
@@ -190,6 +215,15 @@ def open_devices(
         return _simulated_set(spec, indices, simulated_rank)
     if backend == "nvml":
         return _nvml_set(indices, local_rank, device, cuda)
+    if device is not None and not on_cuda:
+        logger.info(
+            "The framework computes on %r, not on a GPU: using the simulated backend (%s), "
+            "so no GPU is profiled or capped; set device.backend: nvml to drive %s anyway.",
+            str(device),
+            spec.label,
+            _what_nvml_drives(indices, local_rank),
+        )
+        return _simulated_set(spec, indices, simulated_rank)
     try:
         count = visible_gpu_count()
     except DriverError as exc:

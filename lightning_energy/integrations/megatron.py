@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_energy.config import EnergyConfig
+from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._common import workload_key
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
@@ -317,7 +318,7 @@ class MegatronEnergy(PipelineEngineAdapter):
             global_rank=dist.get_rank(),
             world_size=world,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            device=_device(),
+            device=_device(chunks),
             workload=workload_key(
                 batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
                 params=sum(p.numel() for chunk in chunks for p in chunk.parameters()),
@@ -383,8 +384,10 @@ class MegatronEnergy(PipelineEngineAdapter):
         return hooked
 
 
-def _device() -> torch.device:
-    """The GPU Megatron-Core set for this process (CPU without CUDA)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _device(chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """Where Megatron-Core computes: the device of the model chunks' parameters (the
+    current device when they have none)."""
+    for chunk in chunks:
+        for parameter in chunk.parameters():
+            return parameter.device
+    return current_torch_device()

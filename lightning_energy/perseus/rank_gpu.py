@@ -86,7 +86,9 @@ def open_rank_gpu(
     Args:
         config: the job's configuration (its ``device:`` section and ``strict``).
         local_rank: this process's local rank (its GPU when ``device`` is not CUDA).
-        device: the framework's root device (a CUDA device picks the GPU by UUID).
+        device: the framework's root device: a CUDA device picks the GPU by UUID; the
+            CPU (a run computing on no GPU) gets a simulated GPU under ``backend: auto``
+            (see :func:`~lightning_energy.device.open_devices`).
         install_signal_handlers: restore on SIGTERM/SIGINT too (main thread only).
         shared: the devices and guard of the energy controller of this process.
 

@@ -7,6 +7,8 @@ import sys
 import time
 
 import pytest
+import torch
+from fake_cuda import FakeCuda
 from fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 from lightning_energy.device import (
@@ -143,3 +145,51 @@ def test_opening_a_local_rank_initialises_nvml_once_and_closing_shuts_it_down(
     assert fake.init_calls == 1 and fake.shutdown_calls == 0  # the device-order check included
     devices.close()
     assert fake.init_calls == fake.shutdown_calls == 1
+
+
+def test_auto_with_a_cpu_device_simulates_and_leaves_the_gpus_alone(
+    fake: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A framework computing on the CPU on a GPU node: its local rank's GPU may be another
+    job's; ``auto`` must not open it, one INFO line says why and how to drive it anyway."""
+    spec = SimulatedSpec(count=2)
+    with (
+        caplog.at_level(logging.INFO, logger="lightning_energy.device"),
+        open_devices("auto", device=torch.device("cpu"), local_rank=1, simulated=spec) as devices,
+    ):
+        assert devices.backend == "simulated"
+        assert [g.index for g in devices.gpus] == [1]
+    assert fake.init_calls == 0
+    lines = [r for r in caplog.records if r.name.startswith("lightning_energy.device")]
+    assert len(lines) == 1
+    message = lines[0].getMessage()
+    assert lines[0].levelno == logging.INFO
+    assert "'cpu'" in message and "simulated" in message and "backend: nvml" in message
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_nvml_asked_for_with_a_cpu_device_drives_the_local_ranks_gpu(
+    fake: FakeNVML, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "environment":
+        monkeypatch.setenv(DEVICE_ENV_VAR, "nvml")
+    devices = open_devices(
+        "nvml" if how == "argument" else None, device=torch.device("cpu"), local_rank=1
+    )
+    try:
+        assert devices.backend == "nvml"
+        assert [g.uuid for g in devices.gpus] == [fake.devices[1].uuid]
+    finally:
+        devices.close()
+
+
+def test_auto_with_a_cuda_device_drives_that_gpu(
+    fake: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda = FakeCuda(fake.devices).install(monkeypatch)
+    devices = open_devices("auto", device=torch.device("cuda", 1), local_rank=0, cuda=cuda)
+    try:
+        assert devices.backend == "nvml"
+        assert [g.uuid for g in devices.gpus] == [fake.devices[1].uuid]
+    finally:
+        devices.close()
