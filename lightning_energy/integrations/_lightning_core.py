@@ -17,6 +17,8 @@ from typing_extensions import override
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
+from lightning_energy.device import current_torch_device
+from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._common import (
     EnergyAdapter,
     count_parameters,
@@ -34,7 +36,12 @@ if TYPE_CHECKING:
 else:
     _CallbackBase = object
 
-__all__ = ["EnergyCallbackCore", "EnergyStrategyCore", "register_energy_strategies"]
+__all__ = [
+    "EnergyCallbackCore",
+    "EnergySingleDeviceCore",
+    "EnergyStrategyCore",
+    "register_energy_strategies",
+]
 
 T = TypeVar("T")
 
@@ -286,6 +293,72 @@ class EnergyStrategyCore:
             trainer.callbacks.append(self.energy_callback)
 
 
+class EnergySingleDeviceCore(EnergyStrategyCore):
+    """:class:`EnergyStrategyCore` for one device: the one the ``Trainer`` chose.
+
+    Lightning's accelerator connector gives a strategy that has ``parallel_devices`` the
+    devices it parsed from the ``Trainer``'s ``accelerator`` and ``devices`` flags
+    (``devices=[1]`` on CUDA: ``cuda:1``; ``accelerator="cpu"``: the CPU); the strategy
+    trains on that one. A device given to the strategy wins, as with Lightning's own
+    ``SingleDeviceStrategy``. Like a DDP strategy object, an instance passed to a second
+    ``Trainer`` keeps the devices of the first.
+
+    Args:
+        device: the device to train on; None: the one the ``Trainer`` chose (before it
+            chose: the current CUDA device when CUDA is available, else the CPU).
+        *args: passed to the base strategy.
+        energy: the energy configuration (see :class:`EnergyStrategyCore`).
+        **kwargs: passed to the base strategy.
+
+    Raises:
+        ConfigError: invalid energy configuration, when the strategy is built; more than
+            one device parsed (e.g. ``devices=2``, or ``devices="auto"`` on a machine with
+            several GPUs), when the ``Trainer`` is built.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *args: Any,
+        energy: str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # The base needs a device; ``root_device`` ignores it when none was given.
+        super().__init__("cpu" if device is None else device, *args, energy=energy, **kwargs)
+        self._device_given = device is not None
+        self._parallel_devices: list[torch.device] | None = None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices Lightning parsed from the ``Trainer``'s flags (None before)."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Sequence[torch.device | str | int] | None) -> None:
+        import torch
+
+        parsed = None if devices is None else [torch.device(d) for d in devices]
+        if parsed is not None and len(parsed) > 1 and not self._device_given:
+            names = ", ".join(str(d) for d in parsed)
+            raise ConfigError(
+                f"strategy='energy_single_device' trains on one device, but the Trainer's "
+                f"accelerator and devices flags give {len(parsed)} ({names}; devices='auto', "
+                "the default, takes them all): pass devices=1 or devices=[<index>] for one, "
+                "or use strategy='energy_ddp' for all of them",
+                source="Trainer",
+            )
+        self._parallel_devices = parsed
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device given, else the one the ``Trainer`` chose, else the current one."""
+        if self._device_given:
+            return super().root_device  # type: ignore[misc]
+        if self._parallel_devices:
+            return self._parallel_devices[0]
+        return current_torch_device()
+
+
 def register_energy_strategies(registry: Any, ddp_class: type, single_class: type) -> None:
     """Register ``energy_ddp``, ``energy_ddp_spawn`` and ``energy_single_device``."""
     for name, start_method in (("energy_ddp", "popen"), ("energy_ddp_spawn", "spawn")):
@@ -299,7 +372,6 @@ def register_energy_strategies(registry: Any, ddp_class: type, single_class: typ
     registry.register(
         "energy_single_device",
         single_class,
-        description="Single device with energy optimisation",
+        description="Single device (the Trainer's) with energy optimisation",
         override=True,
-        device="cpu",
     )

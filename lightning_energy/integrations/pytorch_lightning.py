@@ -14,6 +14,7 @@ from lightning_energy.config import load_config
 from lightning_energy.integrations._entry_point import configured_callbacks
 from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
+    EnergySingleDeviceCore,
     EnergyStrategyCore,
     register_energy_strategies,
 )
@@ -38,8 +39,9 @@ class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
     callback_class = EnergyCallback
 
 
-class EnergySingleDeviceStrategy(EnergyStrategyCore, SingleDeviceStrategy):
-    """``SingleDeviceStrategy`` with the energy callback (``strategy="energy_single_device"``)."""
+class EnergySingleDeviceStrategy(EnergySingleDeviceCore, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` with the energy callback (``strategy="energy_single_device"``),
+    on the device the ``Trainer`` chose (see :class:`._lightning_core.EnergySingleDeviceCore`)."""
 
     callback_class = EnergyCallback
 
