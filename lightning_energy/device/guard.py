@@ -80,6 +80,17 @@ def _describe(gpu: GPU) -> str:
     return f"GPU {gpu.index} ({gpu.uuid})"
 
 
+def _live_handler(handler: _SignalHandler, signum: int) -> _SignalHandler:
+    """``handler``, or, when it is the handler of a guard that has restored since (it
+    restored while a later guard's handler sat on top of its own, so it stayed in the
+    chain), the first handler down that guard's chain that is not such a leftover."""
+    guard = getattr(handler, "__self__", None)
+    while isinstance(guard, GPUGuard) and guard.restored and handler == guard._handler:
+        handler = guard._previous_handlers.get(signum, signal.SIG_DFL)
+        guard = getattr(handler, "__self__", None)
+    return handler
+
+
 class GPUGuard:
     """Saves the pre-job settings of some GPUs, changes them safely and restores them.
 
@@ -805,7 +816,7 @@ class GPUGuard:
             if signal.getsignal(signum) is not self._handler:
                 continue  # replaced by someone else since; ours only chains now
             try:
-                signal.signal(signum, previous)
+                signal.signal(signum, _live_handler(previous, signum))
             except ValueError:
                 log.debug("cannot put the %s handler back from this thread", signum)
 

@@ -19,27 +19,38 @@ and Slurm pass to every process unchanged, plus one line in the script::
 
 run as ``LIGHTNING_ENERGY_CONFIG=energy.yaml accelerate launch train.py``.
 
-What :func:`attach_energy` wires up:
+What :func:`attach_energy` wires up (nothing at all when inactive):
 
-* steps: the optimizer's own step hooks. Under gradient accumulation Accelerate only calls
-  the wrapped optimizer's ``step`` on synchronising micro-batches, so one energy step is
-  one real optimizer step. It works whether called before or after ``prepare``.
-* checkpoints: the returned object is registered with ``register_for_checkpointing``, so
-  ``save_state``/``load_state`` carry the power-limit profile and choice (no profiling
-  again after a restart).
-* metrics: ``energy/*`` values go to every tracker of the Accelerator (``log_with``,
-  including :class:`EnergyTracker`) and to this module's logger.
-* ranks: they agree through Accelerate's own ``gather`` and ``broadcast_object_list``.
+* steps: step hooks on the optimizers this ``Accelerator`` prepares, and on no other. Under
+  gradient accumulation Accelerate only calls the wrapped optimizer's ``step`` on
+  synchronising micro-batches, so one energy step is one real optimizer step. It works
+  whether called before or after ``prepare``; after ``free_memory()`` the next optimizer
+  prepared starts a new training, declared as its own workload.
+* checkpoints: ``save_state`` writes the power-limit profile and choice to a file of its
+  own (:data:`CHECKPOINT_FILE`) and ``load_state`` reads it when it is there (no profiling
+  again after a restart); Accelerate's own files and custom objects are left as they are.
+* metrics: ``energy/*`` values go to every tracker of the Accelerator that takes them
+  (``log_with``, including :class:`EnergyTracker`) and to this module's logger.
+* ranks: they agree through Accelerate's ``gather`` and ``broadcast_object_list``.
 * restore: ``accelerator.end_training()``, :meth:`AcceleratorEnergy.close`, the ``with``
-  block, SIGTERM/SIGINT and interpreter exit all put the pre-job settings back; an
-  exception in the ``with`` block also writes the report (without a collective).
+  block, SIGTERM/SIGINT, the end of a launcher's worker process (``notebook_launcher``,
+  ``debug_launcher``), the ``Accelerator`` being freed and interpreter exit all put the
+  pre-job settings back; an exception in the ``with`` block also writes the report
+  (without a collective).
+
+The attachment holds the ``Accelerator`` weakly and its optimizers' hooks hold the
+attachment weakly, so ``del accelerator`` frees the Accelerator, its models and optimizers
+as without it; a pickled copy of the Accelerator carries no energy optimisation.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import multiprocessing.util
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -48,16 +59,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import broadcast_object_list
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from accelerate.utils import broadcast_object_list, gather
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.controller import (
+    End,
     EnergyController,
     Interruption,
     RunSummary,
@@ -71,13 +79,23 @@ from lightning_energy.integrations._common import (
     build_config,
     summary_values,
     tensor_collective,
+    workload_key,
 )
 
-__all__ = ["AcceleratorEnergy", "EnergyTracker", "attach_energy"]
+__all__ = ["CHECKPOINT_FILE", "AcceleratorEnergy", "EnergyTracker", "attach_energy"]
 
 log = logging.getLogger(__name__)
 
 ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig
+
+#: The file ``save_state`` writes the energy state to, beside Accelerate's own files.
+CHECKPOINT_FILE = "lightning_energy.json"
+
+_ADVICE = (
+    "call accelerator.end_training() when training ends (after attach_energy(accelerator)), "
+    "or train inside `with attach_energy(accelerator):`, to restore them at once and log "
+    "the summary"
+)
 
 
 def attach_energy(
@@ -98,11 +116,11 @@ def attach_energy(
             the file named by ``LIGHTNING_ENERGY_CONFIG``; when that variable is unset or
             empty the returned object is inactive and nothing about training changes.
         optimizer: the optimizer whose steps count as training steps (prepared or not).
-            None: the first optimizer that steps (with several optimizers, the one stepped
-            first in an iteration).
+            None: the first optimizer this Accelerator prepared that steps (with several
+            optimizers, the one stepped first in an iteration).
 
     Returns:
-        The attachment, registered for checkpointing; use it as a context manager or call
+        The attachment; use it as a context manager or call
         :meth:`AcceleratorEnergy.close` (``accelerator.end_training()`` does too).
 
     Raises:
@@ -122,9 +140,6 @@ def attach_energy(
     resolved = _config_from_env() if config is None else build_config(config, {})
     energy = AcceleratorEnergy(accelerator, resolved, optimizer=optimizer)
     energy.start()
-    # Registered even when inactive, so checkpoints keep the same layout whether the
-    # variable is set or not and stay loadable when it is switched on or off.
-    accelerator.register_for_checkpointing(energy)
     return energy
 
 
@@ -140,9 +155,11 @@ class AcceleratorEnergy(EnergyAdapter):
     """Energy optimisation attached to an ``Accelerator``; built by :func:`attach_energy`.
 
     Args:
-        accelerator: the job's ``Accelerator``.
+        accelerator: the job's ``Accelerator`` (held weakly: the attachment never keeps
+            it alive).
         config: the configuration; None makes an inactive attachment (nothing changes).
-        optimizer: the optimizer whose steps count (None: the first one that steps).
+        optimizer: the optimizer whose steps count (None: the first one this Accelerator
+            prepared that steps).
 
     Attributes:
         controller: the energy controller (None when inactive).
@@ -157,13 +174,20 @@ class AcceleratorEnergy(EnergyAdapter):
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         super().__init__(config if config is not None else EnergyConfig())
-        self.accelerator = accelerator
+        self._accelerator = weakref.ref(accelerator)
         self._active = config is not None
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
-        self._optimizer = optimizer
-        self._handles: list[RemovableHandle] = []
+        self._choice = weakref.ref(optimizer) if optimizer is not None else None
+        # The optimizer whose steps count in the current training (see _counts).
+        self._counted: weakref.ref[torch.optim.Optimizer] | None = None
+        self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[RemovableHandle]]
+        self._hooked = weakref.WeakKeyDictionary()
         self._step_open = False
+        self._workload_pending = False
+        self._refused: list[weakref.ref[GeneralTracker]] = []
+        self._freed: weakref.finalize | None = None
+        self._pid = os.getpid()
 
     @property
     def active(self) -> bool:
@@ -171,12 +195,17 @@ class AcceleratorEnergy(EnergyAdapter):
         return self._active
 
     @property
+    def accelerator(self) -> Accelerator | None:
+        """The ``Accelerator`` attached to (None once it has been freed)."""
+        return self._accelerator()
+
+    @property
     def metrics(self) -> dict[str, float]:
         """The latest ``energy/*`` metrics (empty when inactive or before the first ones)."""
         return dict(self.controller.metrics) if self.controller is not None else {}
 
     def start(self) -> None:
-        """Open this rank's GPU, take its lease and hook the optimizer steps.
+        """Open this rank's GPU, take its lease and hook the Accelerator.
 
         A state loaded before (:meth:`load_state_dict`) is resumed here.
 
@@ -187,15 +216,15 @@ class AcceleratorEnergy(EnergyAdapter):
         if not self.active:
             log.info("%s is not set: energy optimisation is off", CONFIG_ENV_VAR)
             return
-        if self.controller is not None:
+        accelerator = self._accelerator()
+        if self.controller is not None or accelerator is None:
             return
-        accelerator = self.accelerator
         controller = EnergyController(
             self.config,
             collective=tensor_collective(
                 accelerator.process_index,
                 accelerator.num_processes,
-                accelerator.gather,
+                gather,  # what accelerator.gather calls, without holding the Accelerator
                 _broadcast,
                 accelerator.device,
             ),
@@ -203,49 +232,142 @@ class AcceleratorEnergy(EnergyAdapter):
             device=accelerator.device,
         )
         self._begin_run(controller, main_process=accelerator.is_main_process)
-        self._handles = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
-        original = accelerator.end_training
-        accelerator.end_training = _EndTraining(self, original)
+        self._hook(accelerator)
+
+    def _hook(self, accelerator: Accelerator) -> None:
+        """Replace ``end_training`` and ``prepare_optimizer`` on this instance, add the
+        checkpoint hooks, hook the optimizers prepared so far, and set the last resorts
+        that restore the GPUs when the script never ends the run."""
+        _EndTraining(accelerator, self)
+        _PrepareOptimizer(accelerator, self)
+        accelerator.register_save_state_pre_hook(_StateHook(self, save=True))
+        accelerator.register_load_state_pre_hook(_StateHook(self, save=False))
+        for prepared in accelerator._optimizers:
+            self._discover(prepared)
+        # Holds the attachment until the Accelerator is gone, then ends the run it left open.
+        self._freed = weakref.finalize(accelerator, self._release, "when the Accelerator was freed")
+        self._freed.atexit = False  # interpreter exit has its own, below
+        me = weakref.ref(self)
+        # A launcher's worker process (notebook_launcher, debug_launcher) ends with
+        # os._exit once the launched function returns or raises: no atexit handler runs.
+        multiprocessing.util.Finalize(
+            None, _release, args=(me, "when the worker process ended"), exitpriority=0
+        )
+        # Registered after the guard's, so it runs first and names what the script wrote.
+        atexit.register(_release, me, "at interpreter exit")
 
     # ------------------------------------------------------------------ steps
-    def _tracks(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self._optimizer is None:
-            self._optimizer = optimizer
-        return optimizer is self._optimizer
-
-    def _before_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        if self.controller is None or self._step_open or not self._tracks(optimizer):
+    def _discover(self, prepared: object) -> None:
+        """Hook an optimizer this Accelerator prepared; after ``free_memory()`` (the
+        optimizer counted so far is no longer prepared) it starts a new training."""
+        optimizer = getattr(prepared, "optimizer", prepared)  # inside AcceleratedOptimizer
+        if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._hooked:
             return
-        self.controller.handle(StepStart())
-        self._step_open = True
+        if self._counted_optimizer() is None:
+            self._counted = None
+            self._workload_pending = True
+        self._hooked[optimizer] = [
+            optimizer.register_step_pre_hook(_StepHook(self, before=True)),
+            optimizer.register_step_post_hook(_StepHook(self, before=False)),
+        ]
 
-    def _after_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    def _prepared(self, optimizer: torch.optim.Optimizer) -> bool:
+        accelerator = self._accelerator()
+        return accelerator is not None and any(
+            getattr(prepared, "optimizer", prepared) is optimizer
+            for prepared in accelerator._optimizers
+        )
+
+    def _counted_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer counted in the current training, while this Accelerator holds it."""
+        counted = self._counted() if self._counted is not None else None
+        return counted if counted is not None and self._prepared(counted) else None
+
+    def _counts(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s steps are training steps: one of this Accelerator's
+        prepared optimizers, the one chosen at attach time while it is prepared, else the
+        first one that steps in this training."""
+        if not self._prepared(optimizer):
+            return False
+        counted = self._counted_optimizer()
+        if counted is not None:
+            return optimizer is counted
+        choice = self._choice() if self._choice is not None else None
+        if choice is not None and choice is not optimizer and self._prepared(choice):
+            return False
+        self._counted = weakref.ref(optimizer)
+        return True
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         controller = self.controller
-        if controller is None or not self._tracks(optimizer):
+        if controller is None or not self.running or not self._counts(optimizer):
+            return
+        if self._workload_pending:
+            self._workload_pending = False
+            self._declare_workload(controller, optimizer)
+        if not self._step_open:
+            controller.handle(StepStart())
+            self._step_open = True
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        controller = self.controller
+        if controller is None or not self.running or not self._counts(optimizer):
             return
         # A step runs from one optimizer step to the next, so a measurement window covers
         # whole iterations (forward, backward, data loading) and nothing is left out.
         self._publish(controller.handle(StepEnd()), controller.steps)
         controller.handle(StepStart())
 
+    def _declare_workload(
+        self, controller: EnergyController, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """A training starts: the window in progress (of an earlier training) is discarded
+        and the workload declared: the per-device batch size of the first data loader
+        prepared, the accumulation steps and the parameters the optimizer trains."""
+        accelerator = self._accelerator()
+        assert accelerator is not None  # it prepared the optimizer stepping now
+        controller.handle(Interruption("a new training"))
+        controller.set_workload(
+            workload_key(
+                batch_size=_batch_size(accelerator),
+                gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
+                params=sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
+            )
+        )
+
     def _publish(self, result: StepResult, step: int) -> None:
         if result.metrics is None:
             return
         metrics = dict(result.metrics)
-        self.accelerator.log(metrics, step=step)
-        if self.accelerator.is_main_process:
+        self._log(metrics, step)
+        if self._main_process:
             log.info(
                 "energy at step %d: %s",
                 step,
                 ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
             )
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        """Send ``values`` to every tracker that takes them, on the main process (as
+        ``accelerator.log``); a tracker that refuses them is warned about once and left
+        out, so our values never break training or teardown."""
+        accelerator = self._accelerator()
+        if accelerator is None or not self._main_process:
+            return
+        for tracker in accelerator.trackers:
+            if any(refused() is tracker for refused in self._refused):
+                continue
+            try:
+                tracker.log(values, step=step)
+            except Exception as exc:  # e.g. a fixed schema: training goes on without it
+                self._refused.append(weakref.ref(tracker))
+                log.warning(
+                    "The %r tracker refused the energy values (%s: %s): they are no longer "
+                    "sent to it; training goes on.",
+                    tracker.name,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def interrupt(self, reason: str) -> None:
         """Discard the profiling window in progress; call it on every rank before evaluation.
@@ -258,8 +380,10 @@ class AcceleratorEnergy(EnergyAdapter):
     def set_workload(self, key: str) -> None:
         """Declare a new workload (batch size or model change): it is profiled again.
 
-        Build the key with :func:`~lightning_energy.integrations._common.workload_key`.
+        It replaces the workload declared for the current training. Build the key with
+        :func:`~lightning_energy.integrations._common.workload_key`.
         """
+        self._workload_pending = False
         if self.controller is not None:
             self.controller.set_workload(key)
 
@@ -270,12 +394,19 @@ class AcceleratorEnergy(EnergyAdapter):
 
     # ------------------------------------------------------------------ end
     def _unhook(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        hook = self.accelerator.__dict__.get("end_training")
-        if isinstance(hook, _EndTraining) and hook.energy is self:
-            del self.accelerator.end_training
+        """Remove the optimizer hooks, put the Accelerator's own methods back and stop
+        waiting for it to be freed. The checkpoint hooks stay: a checkpoint saved after the
+        run still carries its profile."""
+        for handles in list(self._hooked.values()):
+            for handle in handles:
+                handle.remove()
+        self._hooked.clear()
+        accelerator = self._accelerator()
+        if accelerator is not None:
+            for override in (_EndTraining, _PrepareOptimizer):
+                override.remove(accelerator, self)
+        if self._freed is not None:
+            self._freed.detach()
         self._step_open = False
 
     def close(self) -> RunSummary | None:
@@ -290,13 +421,14 @@ class AcceleratorEnergy(EnergyAdapter):
 
     @override
     def _finish(self) -> RunSummary | None:
-        """Unhook, then end the run normally and log its summary to the trackers."""
+        """Unhook, then end the run normally and log its summary (not for a run of 0
+        steps) to the trackers that take it."""
         if not self.running:
             return self.summary
         self._unhook()
         summary = super()._finish()
-        if summary is not None and self.controller is not None:
-            self.accelerator.log(summary_values(summary), step=self.controller.steps)
+        if summary is not None and summary.steps > 0 and self.controller is not None:
+            self._log(summary_values(summary), step=self.controller.steps)
         return summary
 
     @override
@@ -306,7 +438,44 @@ class AcceleratorEnergy(EnergyAdapter):
             self._unhook()
         return super()._abort(failure)
 
+    def _release(self, when: str) -> None:
+        """The last resort, when the script never ended the run: unhook and restore every
+        GPU without a collective (the other ranks may be gone) nor a report, with one
+        warning naming what the script should call. A no-op once the run ended, and in
+        another process (a forked child)."""
+        controller = self.controller
+        if not self.running or controller is None or os.getpid() != self._pid:
+            return
+        try:
+            self._unhook()
+            self._running = False
+            self.summary = controller.handle(End()).summary
+        except Exception:  # a finaliser must not raise; the guard's own last resort remains
+            log.exception("ending the energy optimisation run %s failed", when)
+            return
+        log.warning(
+            "Energy optimisation was still running %s: GPU settings restored; %s.", when, _ADVICE
+        )
+
     # ------------------------------------------------------------------ checkpoints
+    def _save_state(self, directory: Path) -> None:
+        """``save_state``: write the state on the processes that write Accelerate's own
+        custom states (the main one, or each node's with ``save_on_each_node``)."""
+        accelerator = self._accelerator()
+        assert accelerator is not None  # saving its state now
+        state = self.state_dict()
+        on_each_node = accelerator.project_configuration.save_on_each_node
+        if accelerator.is_main_process or (on_each_node and accelerator.is_local_main_process):
+            (directory / CHECKPOINT_FILE).write_text(json.dumps(state), encoding="utf-8")
+
+    def _load_state(self, directory: Path) -> None:
+        """``load_state``: resume the state when the checkpoint has one."""
+        path = directory / CHECKPOINT_FILE
+        if not path.is_file():
+            log.info("%s holds no energy state: the power limits are profiled", directory)
+            return
+        self.load_state_dict(json.loads(path.read_text(encoding="utf-8")))
+
     @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume the profile and choice; ``accelerator.load_state`` calls this.
@@ -320,20 +489,149 @@ class AcceleratorEnergy(EnergyAdapter):
         super().load_state_dict(state_dict)
 
 
-class _EndTraining:
-    """``accelerator.end_training`` replacement: close the attachment, then end training.
+def _release(energy: weakref.ref[AcceleratorEnergy], when: str) -> None:
+    """Process end: release the run of an attachment still alive (it holds the GPUs)."""
+    attachment = energy()
+    if attachment is not None:
+        attachment._release(when)
+
+
+def _batch_size(accelerator: Accelerator) -> int | None:
+    """The per-device batch size of the first data loader prepared (None: unknown)."""
+    if not accelerator._dataloaders:
+        return None
+    try:
+        return int(accelerator._dataloaders[0].total_batch_size) // accelerator.num_processes
+    except (AttributeError, TypeError):  # not a prepared loader, or no fixed batch size
+        return None
+
+
+class _StepHook:
+    """An optimizer step hook that holds its attachment weakly: an optimizer never keeps
+    the attachment (nor, through it, anything else) alive."""
+
+    def __init__(self, energy: AcceleratorEnergy, *, before: bool) -> None:
+        self._energy = weakref.ref(energy)
+        self._before = before
+
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        energy = self._energy()
+        if energy is None:
+            return
+        if self._before:
+            energy._before_step(optimizer)
+        else:
+            energy._after_step(optimizer)
+
+
+class _Override:
+    """An ``Accelerator`` method replaced on one instance while a run is open.
+
+    It calls what it replaced (an instance attribute set before, else the class's method)
+    and puts that back when removed. Pickled, it is what it replaced, so a copy of the
+    Accelerator carries no energy optimisation.
+    """
+
+    name = ""
+
+    def __init__(self, accelerator: Accelerator, energy: AcceleratorEnergy) -> None:
+        self._accelerator = weakref.ref(accelerator)
+        self.energy = energy
+        self.previous = vars(accelerator).get(self.name)
+        setattr(accelerator, self.name, self)
+
+    def original(self) -> Callable[..., Any]:
+        """What this replaced, bound to the Accelerator."""
+        if self.previous is not None:
+            return self.previous
+        accelerator = self._accelerator()
+        return getattr(type(accelerator), self.name).__get__(accelerator)
+
+    @classmethod
+    def remove(cls, accelerator: Accelerator, energy: AcceleratorEnergy) -> None:
+        """Put back what ``energy``'s override replaced (unless replaced again since)."""
+        override = vars(accelerator).get(cls.name)
+        if not isinstance(override, cls) or override.energy is not energy:
+            return
+        if override.previous is None:
+            delattr(accelerator, cls.name)
+        else:
+            setattr(accelerator, cls.name, override.previous)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.previous is not None:
+            return (_same, (self.previous,))
+        return (getattr, (self._accelerator(), self.name))
+
+
+def _same(value: object) -> object:
+    """Unpickles an override as the instance attribute it replaced."""
+    return value
+
+
+class _EndTraining(_Override):
+    """``accelerator.end_training``: close the attachment, then end training as Accelerate
+    does, always (a failure of ours is a warning).
 
     Closing first lets the summary reach the trackers before they finish and before the
     process group is destroyed.
     """
 
-    def __init__(self, energy: AcceleratorEnergy, original: Callable[[], None]) -> None:
-        self.energy = energy
-        self.original = original
+    name = "end_training"
 
     def __call__(self) -> None:
-        self.energy.close()
-        self.original()
+        original = self.original()
+        try:
+            self.energy.close()
+        except Exception as exc:  # the GPUs are restored first, whatever fails after
+            log.warning(
+                "Ending energy optimisation failed (%s: %s); GPU settings are restored and "
+                "Accelerate's end_training() runs.",
+                type(exc).__name__,
+                exc,
+            )
+        finally:
+            original()
+
+
+class _PrepareOptimizer(_Override):
+    """``accelerator.prepare_optimizer`` (``prepare`` calls it too): prepare as Accelerate
+    does, then hook the optimizer prepared."""
+
+    name = "prepare_optimizer"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = self.original()(*args, **kwargs)
+        self.energy._discover(prepared)
+        return prepared
+
+
+class _StateHook:
+    """A ``save_state``/``load_state`` pre-hook carrying the energy state in its own file."""
+
+    def __init__(self, energy: AcceleratorEnergy, *, save: bool) -> None:
+        self.energy = energy
+        self.save = save
+
+    def __call__(self, *args: Any) -> None:
+        directory = Path(args[-1])  # save: (models, weights, output_dir); load: (models, input_dir)
+        if self.save:
+            self.energy._save_state(directory)
+        else:
+            self.energy._load_state(directory)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_NoEnergyState, ())
+
+
+class _NoEnergyState:
+    """What a checkpoint hook is in a pickled copy of the Accelerator: nothing to save or
+    load (the copy carries no energy optimisation)."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
 
 
 def _broadcast(obj: Any, src: int) -> Any:

@@ -6,16 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.errors import ConfigError, EnergyError
@@ -24,60 +21,19 @@ from lightning_energy.integrations.accelerate import (
     EnergyTracker,
     attach_energy,
 )
+from tests.lightning_energy.integrations._accelerate import (
+    PRE_JOB_W,
+    energy_config,
+    fresh_accelerate_state,  # noqa: F401 - the autouse fixture
+    gpu_limit_w,
+    reset_accelerate_state,
+    train,
+    training_parts,
+)
 from tests.lightning_energy.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO_ROOT / "examples" / "accelerate"
-PRE_JOB_W = 300.0  # the simulated A40's default power limit
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    """Accelerate keeps process-wide singletons; each test builds its own Accelerator."""
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def _config(tmp_path: Path, **power_limit: Any) -> dict[str, Any]:
-    return {
-        "device": {
-            "backend": "simulated",
-            "gpu": "a40",
-            # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
-            "steps_per_epoch": 100,
-            "noise_std": 0.02,
-            "lease_dir": str(tmp_path / "leases"),
-        },
-        "power_limit": {
-            "power_limits_w": [300, 250, 200, 150],
-            "warmup_steps": 2,
-            "settle_steps": 1,
-            **power_limit,
-        },
-        "log_every_n_steps": 5,
-    }
-
-
-def _parts(micro_batches: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
-    torch.manual_seed(0)
-    x = torch.randn(micro_batches * 4, 8)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    model = nn.Linear(8, 1)
-    return model, torch.optim.SGD(model.parameters(), lr=0.01), loader
-
-
-def _train(accelerator: Accelerator, model: Any, optimizer: Any, loader: Any) -> None:
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-def _gpu_limit_w(energy: AcceleratorEnergy) -> float:
-    assert energy.controller is not None
-    return float(energy.controller.devices.gpus[0].power_limit_w())
 
 
 class _SubclassedAccelerator(Accelerator):
@@ -90,15 +46,15 @@ def test_steps_are_counted_per_real_optimizer_step_under_accumulation(
     tmp_path: Path, when: str, accelerator_class: type[Accelerator]
 ) -> None:
     accelerator = accelerator_class(cpu=True, gradient_accumulation_steps=4)
-    model, optimizer, loader = _parts(micro_batches=24)
+    model, optimizer, loader = training_parts(micro_batches=24)
     if when == "before_prepare":
-        energy = attach_energy(accelerator, _config(tmp_path))
+        energy = attach_energy(accelerator, energy_config(tmp_path))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        energy = attach_energy(accelerator, _config(tmp_path))
+        energy = attach_energy(accelerator, energy_config(tmp_path))
     with energy:
-        _train(accelerator, model, optimizer, loader)
+        train(accelerator, model, optimizer, loader)
         assert energy.controller is not None
         assert energy.controller.steps == 6  # 24 micro-batches / 4
 
@@ -110,19 +66,19 @@ def test_profile_completes_metrics_reach_trackers_and_end_training_restores(
     accelerator = Accelerator(cpu=True, log_with=[tracker])
     accelerator.init_trackers("test")
     report = tmp_path / "report.json"
-    energy = attach_energy(accelerator, {**_config(tmp_path), "report": str(report)})
-    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=60))
-    _train(accelerator, model, optimizer, loader)
+    energy = attach_energy(accelerator, {**energy_config(tmp_path), "report": str(report)})
+    model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=60))
+    train(accelerator, model, optimizer, loader)
     controller = energy.controller
     assert controller is not None and controller.profile_done
     chosen_w = controller.current_power_limit_w()
     assert chosen_w is not None and chosen_w < PRE_JOB_W
-    assert _gpu_limit_w(energy) == chosen_w
+    assert gpu_limit_w(energy) == chosen_w
     assert energy.metrics["energy/power_limit_w"] == chosen_w
 
     accelerator.end_training()
 
-    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert gpu_limit_w(energy) == PRE_JOB_W
     assert energy.summary is not None and energy.summary.power_limit_w == chosen_w
     assert "end_training" not in vars(accelerator)  # the instance is left as it was
     steps = [record["step"] for record in tracker.history]
@@ -141,12 +97,12 @@ def test_carbon_values_reach_the_trackers(tmp_path: Path) -> None:
     tracker = EnergyTracker()
     accelerator = Accelerator(cpu=True, log_with=[tracker])
     accelerator.init_trackers("test")
-    config = {**_config(tmp_path), "carbon": {"provider": "trace", "region": "DE"}}
+    config = {**energy_config(tmp_path), "carbon": {"provider": "trace", "region": "DE"}}
     config["device"]["start"] = "2023-06-01T00:00:00"  # a pinned day of the replayed trace
     with attach_energy(accelerator, config) as energy:
         energy.set_total_steps(10)
-        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=10))
-        _train(accelerator, model, optimizer, loader)
+        model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=10))
+        train(accelerator, model, optimizer, loader)
     assert [record["step"] for record in tracker.history] == [5, 10, 10]
     assert all(record["carbon/intensity_g_per_kwh"] > 0 for record in tracker.history[:2])
     assert tracker.history[-1]["carbon/summary/emissions_g"] > 0
@@ -155,40 +111,39 @@ def test_carbon_values_reach_the_trackers(tmp_path: Path) -> None:
 def test_save_state_load_state_resumes_without_profiling(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoint"
     accelerator = Accelerator(cpu=True)
-    with attach_energy(accelerator, _config(tmp_path)) as energy:
-        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=60))
-        _train(accelerator, model, optimizer, loader)
+    with attach_energy(accelerator, energy_config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=60))
+        train(accelerator, model, optimizer, loader)
         assert energy.controller is not None and energy.controller.profile_done
         chosen_w = energy.controller.current_power_limit_w()
         accelerator.save_state(str(checkpoint))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
     accelerator = Accelerator(cpu=True)
-    with attach_energy(accelerator, _config(tmp_path)) as energy:
-        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=10))
+    with attach_energy(accelerator, energy_config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=10))
         accelerator.load_state(str(checkpoint))
         controller = energy.controller
         assert controller is not None and controller.profile_done
-        assert _gpu_limit_w(energy) == chosen_w  # applied before the first step
-        _train(accelerator, model, optimizer, loader)
+        assert gpu_limit_w(energy) == chosen_w  # applied before the first step
+        train(accelerator, model, optimizer, loader)
         assert controller.steps == 70
         assert [d["reason"] for d in controller.decisions] == ["resumed from checkpoint"]
-        assert _gpu_limit_w(energy) == chosen_w
+        assert gpu_limit_w(energy) == chosen_w
 
 
 def test_exception_in_the_with_block_restores_and_unhooks(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
-    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=40))
+    model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=40))
     with pytest.raises(RuntimeError, match="boom"):  # noqa: SIM117 - the order is the point
-        with attach_energy(accelerator, _config(tmp_path)) as energy:
+        with attach_energy(accelerator, energy_config(tmp_path)) as energy:
             for x, y in loader:
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
                 optimizer.step()
                 optimizer.zero_grad()
-                if _gpu_limit_w(energy) < PRE_JOB_W:
+                if gpu_limit_w(energy) < PRE_JOB_W:
                     raise RuntimeError("boom")
-    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert gpu_limit_w(energy) == PRE_JOB_W
     assert energy.summary is not None
     assert energy.controller is not None
     steps = energy.controller.steps
@@ -202,11 +157,11 @@ def test_unset_env_var_changes_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     energy = attach_energy(accelerator)
     assert not energy.active and energy.controller is None
     assert "end_training" not in vars(accelerator)
-    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=8))
-    _train(accelerator, model, optimizer, loader)
+    model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=8))
+    train(accelerator, model, optimizer, loader)
     assert energy.metrics == {}
     assert energy.close() is None
-    # The (empty) entry keeps checkpoints loadable whether the variable is set or not.
+    # Nothing is registered: the checkpoint is Accelerate's own, loadable either way.
     accelerator.save_state(str(tmp_path / "off"))
     accelerator.load_state(str(tmp_path / "off"))
     accelerator.end_training()
@@ -216,26 +171,26 @@ def test_checkpoint_saved_with_energy_on_loads_with_energy_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     accelerator = Accelerator(cpu=True)
-    with attach_energy(accelerator, _config(tmp_path)):
-        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=8))
-        _train(accelerator, model, optimizer, loader)
+    with attach_energy(accelerator, energy_config(tmp_path)):
+        model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=8))
+        train(accelerator, model, optimizer, loader)
         accelerator.save_state(str(tmp_path / "on"))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
     monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
     accelerator = Accelerator(cpu=True)
     energy = attach_energy(accelerator)
-    accelerator.prepare(*_parts(micro_batches=8))
+    accelerator.prepare(*training_parts(micro_batches=8))
     accelerator.load_state(str(tmp_path / "on"))
     assert energy.controller is None
 
 
 def test_config_from_env_var_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "energy.yaml"
-    path.write_text(json.dumps(_config(tmp_path, selector="energy")))  # JSON is YAML
+    path.write_text(json.dumps(energy_config(tmp_path, selector="energy")))  # JSON is YAML
     monkeypatch.setenv(CONFIG_ENV_VAR, str(path))
-    with attach_energy(Accelerator(cpu=True)) as energy:
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator) as energy:
         assert energy.active and energy.config is not None
         assert energy.config.power_limit.selector == "energy"
         assert energy.config.source == str(path)
@@ -273,23 +228,26 @@ def test_bad_file_named_by_env_var_fails_before_training(
 def test_power_limits_outside_the_gpu_range_fail_at_attach(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
     with pytest.raises(ConfigError, match="outside the allowed range"):
-        attach_energy(accelerator, _config(tmp_path, power_limits_w=[300, 50]))
+        attach_energy(accelerator, energy_config(tmp_path, power_limits_w=[300, 50]))
     assert "end_training" not in vars(accelerator)
 
 
 def test_attaching_twice_is_refused(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
-    with attach_energy(accelerator, _config(tmp_path)), pytest.raises(EnergyError, match="already"):
-        attach_energy(accelerator, _config(tmp_path))
+    with (
+        attach_energy(accelerator, energy_config(tmp_path)),
+        pytest.raises(EnergyError, match="already"),
+    ):
+        attach_energy(accelerator, energy_config(tmp_path))
 
 
 def test_explicit_optimizer_is_the_only_one_counted(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
-    model, optimizer, loader = _parts(micro_batches=6)
+    model, optimizer, loader = training_parts(micro_batches=6)
     probe = nn.Linear(8, 1)
     other = torch.optim.SGD(probe.parameters(), lr=0.01)
     model, optimizer, other, loader = accelerator.prepare(model, optimizer, other, loader)
-    with attach_energy(accelerator, _config(tmp_path), optimizer=optimizer) as energy:
+    with attach_energy(accelerator, energy_config(tmp_path), optimizer=optimizer) as energy:
         for x, y in loader:
             accelerator.backward(nn.functional.mse_loss(probe(x), y))
             other.step()  # steps first in every iteration, yet is not the training optimizer
@@ -378,17 +336,17 @@ def test_exception_in_the_with_block_writes_the_report_without_a_collective(
 ) -> None:
     report = tmp_path / "report.json"
     accelerator = Accelerator(cpu=True)
-    model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=40))
-    config = {**_config(tmp_path), "report": str(report)}
+    model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=40))
+    config = {**energy_config(tmp_path), "report": str(report)}
     with pytest.raises(RuntimeError, match="boom"):  # noqa: SIM117 - the order is the point
         with attach_energy(accelerator, config) as energy:
             for x, y in loader:
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
                 optimizer.step()
                 optimizer.zero_grad()
-                if _gpu_limit_w(energy) < PRE_JOB_W:
+                if gpu_limit_w(energy) < PRE_JOB_W:
                     raise RuntimeError("boom")
-    assert _gpu_limit_w(energy) == PRE_JOB_W
+    assert gpu_limit_w(energy) == PRE_JOB_W
     assert energy.controller is not None
     written = json.loads(report.read_text())
     assert written["summary"]["steps"] == energy.controller.steps > 0
@@ -398,18 +356,18 @@ def test_exception_in_the_with_block_writes_the_report_without_a_collective(
 
 def test_state_loaded_before_start_is_resumed_at_start(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
-    with attach_energy(accelerator, _config(tmp_path)) as energy:
-        model, optimizer, loader = accelerator.prepare(*_parts(micro_batches=80))
-        _train(accelerator, model, optimizer, loader)
+    with attach_energy(accelerator, energy_config(tmp_path)) as energy:
+        model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=80))
+        train(accelerator, model, optimizer, loader)
         assert energy.controller is not None and energy.controller.profile_done
         state = energy.state_dict()
         chosen_w = energy.controller.current_power_limit_w()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
     from lightning_energy.config import EnergyConfig
 
-    resumed = AcceleratorEnergy(Accelerator(cpu=True), EnergyConfig.from_mapping(_config(tmp_path)))
+    accelerator = Accelerator(cpu=True)  # held weakly by the attachment: kept here
+    resumed = AcceleratorEnergy(accelerator, EnergyConfig.from_mapping(energy_config(tmp_path)))
     resumed.load_state_dict(state)
     assert resumed.controller is None
     resumed.start()
@@ -417,4 +375,4 @@ def test_state_loaded_before_start_is_resumed_at_start(tmp_path: Path) -> None:
         controller = resumed.controller
         assert controller is not None and controller.profile_done
         assert [d["reason"] for d in controller.decisions] == ["resumed from checkpoint"]
-        assert _gpu_limit_w(resumed) == chosen_w
+        assert gpu_limit_w(resumed) == chosen_w
