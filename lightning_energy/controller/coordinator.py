@@ -799,8 +799,9 @@ class EnergyController:
         again). Call it before training starts."""
         self._pace_target = target
 
-    def _pace_update(self) -> PaceUpdate | None:
-        """Rank 0: the pacing decision until the next boundary."""
+    def _pace_update(self, *, paused: bool = False) -> PaceUpdate | None:
+        """Rank 0: the pacing decision until the next boundary (while ``paused``, one being
+        made in the background is waited for: no step is held up)."""
         if self._pacer is None:
             return None
         ledger = self._ledger
@@ -817,7 +818,9 @@ class EnergyController:
         idle_w = ledger.idle_power_w if ledger.idle_power_w is not None else ledger.idle_reading_w
         if idle_w is None:
             idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
-        return self._pacer.update(remaining, frontier, idle_w, emitted_g=ledger.emissions_g)
+        return self._pacer.update(
+            remaining, frontier, idle_w, emitted_g=ledger.emissions_g, wait=paused
+        )
 
     def _pace(self) -> None:
         """At a logging boundary: agree on the carbon pace and apply it (every rank)."""
@@ -890,7 +893,7 @@ class EnergyController:
                     # Measured from the first period on: the next decision weighs the pause
                     # at the power it really draws, not at the guess it was started with.
                     ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
-                update = self.collective.broadcast(self._pace_update())
+                update = self.collective.broadcast(self._pace_update(paused=True))
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh
                 wait_s = self.config.carbon.poll_interval_s
