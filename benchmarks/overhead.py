@@ -17,12 +17,22 @@ Three measurements, in one run:
 3. ``fit_time_ratio``: wall time of ``Trainer.fit`` on a small MLP with the
    ``EnergyCallback`` over the same fit without it; runs alternate (A, B, A, B, ...) and the
    ratio of the medians is reported, so machine noise hits both sides alike.
+4. Carbon pacing at a step boundary, with pacing on (``forecast`` policy, pausing allowed,
+   a deadline a week away, a decision due every 5 minutes, the DE 2023 trace): how long
+   the training thread waits in ``CarbonPacer.update`` at a boundary where a decision is
+   due, when the decision is made on that thread (``pacing_inline_ms_*``: what a simulated
+   GPU's virtual clock does, and what every wall-clock job did before) and when it is made
+   in the background (``pacing_wait_ms_*``: a wall-clock job), mean, median, p99 and max
+   over ``--decisions`` boundaries, and the background decisions' own time
+   (``pacing_decision_ms_*``).
 
-Targets (benchmarks/README.md): median overhead <= 50 us, fit ratio <= 1.01.
+Targets (benchmarks/README.md): median overhead <= 50 us, fit ratio <= 1.01, pacing never
+holds a step up for more than a few milliseconds.
 
 Usage::
 
-    python benchmarks/overhead.py [--steps 10000] [--fit-steps 500] [--repeats 5] [--json]
+    python benchmarks/overhead.py [--steps 10000] [--fit-steps 500] [--repeats 5]
+        [--decisions 20] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -38,12 +49,15 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from carbon.config import CarbonConfig
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
-from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.device import DeviceSet, SimulatedSpec, physics_preset, simulated_gpus
+from lightning_energy.pacing import CarbonPacer
 
 FAKE_PYNVML_DIR = Path(__file__).resolve().parents[1] / "tests" / "lightning_energy" / "device"
 SAMPLER_THREAD = "lightning-energy-power-sampler"
@@ -190,6 +204,75 @@ def fit_time_ratio(steps: int, repeats: int, lease_dir: str) -> dict[str, float]
     }
 
 
+def _stats_ms(prefix: str, samples_s: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples_s)
+    return {
+        f"{prefix}_mean": statistics.fmean(ordered) * 1e3,
+        f"{prefix}_median": statistics.median(ordered) * 1e3,
+        f"{prefix}_p99": ordered[math.ceil(0.99 * len(ordered)) - 1] * 1e3,  # nearest rank
+        f"{prefix}_max": ordered[-1] * 1e3,
+    }
+
+
+def _pacing_frontier() -> list[tuple[float, float, str]]:
+    """(seconds, joules, label) per step of a simulated A100 at 400 W down to 150 W."""
+    model = physics_preset("a100")
+    frontier = []
+    for limit_w in range(400, 125, -25):
+        duration_s, power_w = model.run(1.0, model.step_compute_bound_share, limit_w, None)
+        frontier.append((duration_s, duration_s * power_w, f"{limit_w} W"))
+    return frontier
+
+
+def pacing_wait_ms(decisions: int) -> dict[str, float]:
+    """The training thread's wait at boundaries where a pacing decision is due: decided on
+    that thread, and decided in the background."""
+    config = CarbonConfig(
+        provider="trace",
+        region="DE",
+        policy="forecast",
+        allow_pause=True,
+        deadline=timedelta(days=7),
+        poll_interval_s=300.0,
+    )
+    frontier = _pacing_frontier()
+    steps = int(3 * 86400 / frontier[0][0])  # three days of work at full speed
+    start = datetime(2023, 3, 6, tzinfo=timezone.utc)
+    results: dict[str, float] = {}
+    decided_s: list[float] = []
+    for inline in (True, False):
+        clock = {"now": start}
+        pacer = CarbonPacer(config, now=lambda clock=clock: clock["now"], virtual_clock=inline)
+        decide = pacer.policy.decide
+
+        def timed(*args: Any, decide: Any = decide, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = decide(*args, **kwargs)
+            decided_s.append(time.perf_counter() - t0)
+            return out
+
+        pacer.policy.decide = timed  # type: ignore[method-assign]  # timed where it runs
+        waits: list[float] = []
+        pacer.start()
+        try:
+            for k in range(decisions):
+                left = steps - k * int(300 / frontier[0][0])
+                t0 = time.perf_counter()
+                pacer.update(left, frontier, 60.0, emitted_g=0.0)
+                waits.append(time.perf_counter() - t0)
+                # The five minutes of training until the next boundary: the background
+                # decision finishes meanwhile.
+                pacer.update(left, frontier, 60.0, emitted_g=0.0, wait=True)
+                clock["now"] += timedelta(seconds=300)
+        finally:
+            pacer.stop()
+        results.update(_stats_ms("pacing_inline_ms" if inline else "pacing_wait_ms", waits))
+        if not inline:
+            results.update(_stats_ms("pacing_decision_ms", decided_s))
+        decided_s.clear()
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the measurements and print them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -199,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=5, help="fits with and without (0: no fit comparison)"
     )
+    parser.add_argument(
+        "--decisions", type=int, default=20, help="pacing boundaries with a decision due"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
@@ -207,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as lease_dir:
             result = step_overhead_us(args.steps, lease_dir)
             result.update(sampler_cpu_share(args.sampler_s))
+            if args.decisions > 0:
+                result.update(pacing_wait_ms(args.decisions))
             if args.repeats > 0:
                 result.update(fit_time_ratio(args.fit_steps, args.repeats, lease_dir))
     finally:
@@ -227,6 +315,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{result['sampler_cpu_share']:.3%} of one core "
         f"({result['sampler_cpu_us_per_s']:.0f} us CPU per s over {result['sampler_wall_s']:.1f} s)"
     )
+    if args.decisions > 0:
+        print(
+            f"carbon pacing at a boundary with a decision due (forecast policy, pausing, "
+            f"7-day deadline, {args.decisions} decisions): step thread waits "
+            f"{result['pacing_wait_ms_median']:.2f} ms median, "
+            f"{result['pacing_wait_ms_mean']:.2f} ms mean, "
+            f"{result['pacing_wait_ms_p99']:.2f} ms p99, {result['pacing_wait_ms_max']:.2f} ms "
+            f"max with background planning; {result['pacing_inline_ms_median']:.0f} ms "
+            f"median, {result['pacing_inline_ms_max']:.0f} ms max decided on the step thread "
+            f"(each background decision: {result['pacing_decision_ms_median']:.0f} ms median)"
+        )
     if args.repeats == 0:
         return
     print(

@@ -4,6 +4,8 @@ A window reads every GPU's cumulative energy counter and the device clock when i
 and again when it closes; the device is synchronised first, so the numbers describe the
 GPU's work rather than the CPU's kernel-launch time. Windows are named and nest freely
 (an epoch window around step windows): each one only remembers its own starting readings.
+A window can be paused and resumed: what runs in between (validation, an epoch's end) is
+left out, and the window measures the stretches on either side.
 
 Readings are as rude as the hardware: an energy counter moves only every ~100 ms on many
 boards (a short window may read 0 J: size windows in seconds, see
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_energy.device.base import DeviceSet
 from lightning_energy.errors import DeviceError, EnergyError
@@ -71,6 +73,16 @@ class Measurement:
         return self.energy_j / self.duration_s if self.duration_s > 0 else 0.0
 
 
+@dataclass
+class _Open:
+    """A window: what its closed stretches measured, and the readings at the start of the
+    stretch in progress (None while paused)."""
+
+    start: tuple[float, tuple[float, ...]] | None
+    duration_s: float = 0.0
+    energy_j: list[float] = field(default_factory=list)
+
+
 class EnergyMeter:
     """Opens and closes named measurement windows on a :class:`DeviceSet`.
 
@@ -87,7 +99,7 @@ class EnergyMeter:
     def __init__(self, devices: DeviceSet, *, synchronize: bool = True) -> None:
         self._devices = devices
         self._synchronize = synchronize
-        self._open: dict[str, tuple[float, tuple[float, ...]]] = {}
+        self._open: dict[str, _Open] = {}
         n = len(devices.gpus)
         self._last_raw_j: list[float | None] = [None] * n
         self._offset_j = [0.0] * n
@@ -153,7 +165,7 @@ class EnergyMeter:
         """
         if name in self._open:
             raise WindowError(f"measurement window {name!r} is already open")
-        self._open[name] = self._read()
+        self._open[name] = _Open(self._read(), energy_j=[0.0] * len(self._devices))
 
     def end(self, name: str) -> Measurement:
         """Close the window ``name`` and return what it measured.
@@ -161,11 +173,9 @@ class EnergyMeter:
         Raises:
             WindowError: no window of that name is open.
         """
-        try:
-            start_s, start_j = self._open.pop(name)
-        except KeyError:
-            raise WindowError(f"measurement window {name!r} was never opened") from None
-        return self._measurement(name, start_s, start_j)
+        measurement = self.peek(name)
+        del self._open[name]
+        return measurement
 
     def peek(self, name: str) -> Measurement:
         """What the window ``name`` has measured so far; it stays open.
@@ -173,19 +183,49 @@ class EnergyMeter:
         Raises:
             WindowError: no window of that name is open.
         """
+        window = self._window(name)
+        duration_s, energy_j = window.duration_s, list(window.energy_j)
+        if window.start is not None:
+            start_s, start_j = window.start
+            end_s, end_j = self._read()
+            duration_s += end_s - start_s
+            for i, (e0, e1) in enumerate(zip(start_j, end_j, strict=True)):
+                energy_j[i] += e1 - e0
+        return Measurement(name=name, duration_s=duration_s, energy_per_gpu_j=tuple(energy_j))
+
+    def pause(self, name: str) -> None:
+        """Stop measuring the window ``name`` until :meth:`resume` (no-op while paused).
+
+        Raises:
+            WindowError: no window of that name is open.
+        """
+        window = self._window(name)
+        if window.start is None:
+            return
+        m = self.peek(name)
+        window.start = None
+        window.duration_s, window.energy_j = m.duration_s, list(m.energy_per_gpu_j)
+
+    def resume(self, name: str) -> None:
+        """Measure the paused window ``name`` again from now on (no-op while measuring).
+
+        Raises:
+            WindowError: no window of that name is open.
+        """
+        window = self._window(name)
+        if window.start is None:
+            window.start = self._read()
+
+    def is_paused(self, name: str) -> bool:
+        """Whether the window ``name`` is open and paused."""
+        window = self._open.get(name)
+        return window is not None and window.start is None
+
+    def _window(self, name: str) -> _Open:
         try:
-            start_s, start_j = self._open[name]
+            return self._open[name]
         except KeyError:
             raise WindowError(f"measurement window {name!r} was never opened") from None
-        return self._measurement(name, start_s, start_j)
-
-    def _measurement(self, name: str, start_s: float, start_j: tuple[float, ...]) -> Measurement:
-        end_s, end_j = self._read()
-        return Measurement(
-            name=name,
-            duration_s=end_s - start_s,
-            energy_per_gpu_j=tuple(e1 - e0 for e0, e1 in zip(start_j, end_j, strict=True)),
-        )
 
     def cancel(self, name: str) -> None:
         """Discard the window ``name`` if it is open (no reading taken)."""

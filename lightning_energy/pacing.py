@@ -4,7 +4,13 @@ Rank 0 owns a :class:`CarbonPacer`: a :class:`carbon.monitor.CarbonMonitor` poll
 configured provider and a :mod:`carbon.policy` policy. At fixed step boundaries the
 controller asks it for a :class:`PaceUpdate` (intensity now, target scale, pause or not)
 and broadcasts it, so every rank applies the same setting; nothing on the training thread
-waits for the network, since the monitor answers from memory.
+waits for the network, since the monitor answers from memory, nor for the policy: on the
+wall clock a decision (a plan over every interval up to the deadline, up to seconds of
+CPU for a deadline days away) is made by a background thread
+(``lightning-energy-pace-planner``) from the inputs of the boundary that asked for it, and
+the first boundary after it is ready applies it. Until the first plan is ready the
+optimizer's own choice holds. While paused, the pause loop waits for its decision (no
+step is held up then).
 
 Time: a real GPU runs on the wall clock. A simulated GPU runs on a virtual clock, so the
 job's "now" is the start time plus the virtual seconds elapsed; a trace or constant
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -30,7 +38,8 @@ from carbon.accounting import emissions_g
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
     from carbon.monitor import CarbonMonitor
-    from carbon.policy import Policy
+    from carbon.policy import JobProgress, OperatingPoint, PacingDecision, Policy
+    from carbon.providers.base import IntensityPoint
 
 __all__ = ["CarbonPacer", "PaceUpdate"]
 
@@ -62,13 +71,99 @@ class PaceUpdate:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Request:
+    """The inputs of one policy decision, taken at the boundary that asked for it."""
+
+    progress: JobProgress
+    intensity_g_per_kwh: float
+    forecast: list[IntensityPoint]
+    history: list[IntensityPoint]
+    points: list[OperatingPoint]
+    idle_power_w: float
+
+
+class _Planner:
+    """Makes one policy decision at a time on a background thread.
+
+    Args:
+        decide: the decision of a request (runs on the thread).
+    """
+
+    def __init__(self, decide: Callable[[_Request], PacingDecision]) -> None:
+        self._decide = decide
+        self._cond = threading.Condition()
+        self._request: _Request | None = None
+        self._result: PacingDecision | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, request: _Request) -> None:
+        """Decide ``request`` in the background (one at a time: the caller waits for the
+        result of the previous one before submitting)."""
+        with self._cond:
+            self._request = request
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="lightning-energy-pace-planner", daemon=True
+            )
+            self._thread.start()
+
+    def take(self, *, wait: bool) -> PacingDecision | None:
+        """The finished decision (once), or None while it is being made; ``wait``: block
+        until it is made.
+
+        Raises:
+            Exception: what the decision raised.
+        """
+        with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: self._request is None or self._stopping)
+            result, self._result = self._result, None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return result
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (a decision in progress is finished first)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._request is not None or self._stopping)
+                if self._stopping:
+                    return
+                request = self._request
+            assert request is not None
+            result: PacingDecision | None = None
+            error: BaseException | None = None
+            try:
+                result = self._decide(request)
+            except Exception as exc:  # handed to the training thread
+                error = exc
+            with self._cond:
+                self._result, self._error, self._request = result, error, None
+                self._cond.notify_all()
+
+
 class CarbonPacer:
     """Grid intensity and the pacing policy of one job (rank 0 only).
 
     Args:
         config: the ``carbon:`` section.
         now: the job's current time (UTC).
-        virtual_clock: True when ``now`` follows a simulated GPU's virtual clock.
+        virtual_clock: True when ``now`` follows a simulated GPU's virtual clock: decisions
+            are then made at once (no wall time passes in the job while they are made);
+            on the wall clock they are made in the background.
 
     Raises:
         CarbonConfigError: the provider or policy cannot be built (missing token, ...).
@@ -99,6 +194,8 @@ class CarbonPacer:
         self._next_decision_s = 0.0
         self._last: PaceUpdate | None = None
         self._decided_idle_w: float | None = None
+        self._planner = None if virtual_clock else _Planner(self._decide)
+        self._planning = False
         # (remaining steps, the job's grams) at the policy's first decision of this work.
         self._emitted_origin: tuple[int, float] | None = None
 
@@ -129,8 +226,10 @@ class CarbonPacer:
         self._next_poll_s = self._elapsed_s() + until_s
 
     def stop(self) -> None:
-        """Stop polling (idempotent; leaves no thread)."""
+        """Stop polling and planning (idempotent; leaves no thread)."""
         self.monitor.stop()
+        if self._planner is not None:
+            self._planner.stop()
 
     def _elapsed_s(self) -> float:
         return (self._now() - self.start_time).total_seconds()
@@ -191,13 +290,16 @@ class CarbonPacer:
         idle_power_w: float,
         *,
         emitted_g: float | None = None,
+        wait: bool = False,
     ) -> PaceUpdate:
         """The pace until the next update (re-decided once per ``poll_interval_s``).
 
         The policy holds the setting it chooses for the whole interval, as the training
         side runs it: one power limit (the least energy that meets the target) or a pause.
         A pause is decided again at once when ``idle_power_w`` changes (the pause measured
-        it).
+        it). On the wall clock a decision due is made in the background from these inputs
+        and applies from the first update after it is ready; meanwhile the last one holds
+        (before the first: no pacing).
 
         Args:
             remaining_steps: steps still to train (None: unknown, so no pacing).
@@ -205,22 +307,45 @@ class CarbonPacer:
             idle_power_w: job-wide power drawn while paused (measured once paused).
             emitted_g: the job's measured grams so far; the policy weighs those emitted
                 since its first decision against the carbon-unaware run's.
+            wait: wait for a decision being made (the pause loop: no step is held up).
         """
         intensity = self.intensity_g_per_kwh()
         if remaining_steps is None or not frontier or self.deadline is None:
             return PaceUpdate(intensity, None, False, "no deadline: carbon accounting only")
+        self._take(wait=False)
         previous = self._last
-        if (
-            previous is not None
-            and self._elapsed_s() < self._next_decision_s
-            and not (previous.pause and idle_power_w != self._decided_idle_w)
-        ):
-            return PaceUpdate(intensity, previous.scale, previous.pause, previous.reason)
+        due = not self._planning and (
+            previous is None
+            or self._elapsed_s() >= self._next_decision_s
+            or (previous.pause and idle_power_w != self._decided_idle_w)
+        )
+        if due:
+            request = self._request(remaining_steps, frontier, idle_power_w, emitted_g, intensity)
+            self._next_decision_s = self._elapsed_s() + self.config.poll_interval_s
+            self._decided_idle_w = idle_power_w
+            if self._planner is None:
+                self._adopt(self._decide(request))
+            else:
+                self._planner.submit(request)
+                self._planning = True
+        if wait:
+            self._take(wait=True)
+        last = self._last
+        if last is None:
+            return PaceUpdate(intensity, None, False, "planning the pace")
+        return PaceUpdate(intensity, last.scale, last.pause, last.reason)
+
+    def _request(
+        self,
+        remaining_steps: int,
+        frontier: Sequence[tuple[float, float, str]],
+        idle_power_w: float,
+        emitted_g: float | None,
+        intensity: float,
+    ) -> _Request:
+        """The inputs of a decision, as they are at this boundary."""
         from carbon.policy import JobProgress, OperatingPoint
 
-        points = [OperatingPoint(t, e, label) for t, e, label in frontier]
-        # The intensities seen so far continue a short forecast (daily seasonality).
-        self.policy.observe(self.monitor.history())
         since_g = None
         if emitted_g is not None:
             # Counted from the first decision, afresh when the work grows (a new policy run).
@@ -228,18 +353,45 @@ class CarbonPacer:
             origin_g = emitted_g if last is None or remaining_steps > last[0] else last[1]
             self._emitted_origin = (remaining_steps, origin_g)
             since_g = max(emitted_g - origin_g, 0.0)
-        decision = self.policy.decide(
+        assert self.deadline is not None
+        return _Request(
             JobProgress(remaining_steps, self._now(), self.deadline, emitted_g=since_g),
             intensity,
             self.monitor.forecast(),
-            points,
-            idle_power_w=idle_power_w,
+            self.monitor.history(),
+            [OperatingPoint(t, e, label) for t, e, label in frontier],
+            idle_power_w,
         )
-        self._next_decision_s = self._elapsed_s() + self.config.poll_interval_s
-        self._decided_idle_w = idle_power_w
+
+    def _decide(self, request: _Request) -> PacingDecision:
+        """The policy's decision (on the background thread on the wall clock)."""
+        # The intensities seen so far continue a short forecast (daily seasonality).
+        self.policy.observe(request.history)
+        return self.policy.decide(
+            request.progress,
+            request.intensity_g_per_kwh,
+            request.forecast,
+            request.points,
+            idle_power_w=request.idle_power_w,
+        )
+
+    def _adopt(self, decision: PacingDecision) -> None:
+        """Hold ``decision`` until the next one (the intensity is filled in per update)."""
         scale = decision.scale * (1.0 + _TARGET_SLACK)
-        self._last = PaceUpdate(intensity, scale, decision.pause, decision.reason)
-        return self._last
+        self._last = PaceUpdate(math.nan, scale, decision.pause, decision.reason)
+
+    def _take(self, *, wait: bool) -> None:
+        """Adopt the background decision once it is made (raising what it raised)."""
+        if self._planner is None or not self._planning:
+            return
+        try:
+            decision = self._planner.take(wait=wait)
+        except Exception:
+            self._planning = False
+            raise
+        if decision is not None:
+            self._planning = False
+            self._adopt(decision)
 
     def summary(self, finished_at: datetime) -> dict[str, Any]:
         """Deadline facts for the run summary."""

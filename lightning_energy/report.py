@@ -57,6 +57,7 @@ __all__ = [
     "chosen_power_limits_w",
     "format_report",
     "load_report",
+    "power_limit_rows",
     "save_report",
     "write_report",
 ]
@@ -292,6 +293,10 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "observe_only": "bool?",
         "job_energy_j": "num?",
         "scope": "str?",
+        "profile_complete": "bool?",
+        "power_limits_measured": "num?",
+        "power_limit_candidates": "num?",
+        "power_limits_applied": "num?",
     },
     "job": {"ranks": "num!", "nodes": "num?", "energy_j": "num!"},
     "carbon": {
@@ -401,6 +406,39 @@ def chosen_power_limits_w(report: Mapping[str, Any]) -> list[float]:
     return limits
 
 
+def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> list[tuple[str, str]]:
+    """What a run did with power limits, as summary rows: the limits chosen, a profile that
+    did not finish, and what every GPU was put back to at the end.
+
+    Args:
+        summary: a run summary (``RunSummary.to_dict()`` or a checked report's section).
+        chosen: the limits chosen after profiling, in the order applied.
+    """
+    applied = summary.get("power_limits_applied") or 0
+    rows: list[tuple[str, str]] = []
+    if summary.get("profile_complete") is False:
+        measured = summary.get("power_limits_measured") or 0
+        candidates = summary.get("power_limit_candidates") or 0
+        rows.append(
+            (
+                "power-limit profile",
+                f"not finished: {measured:.0f} of {candidates:.0f} limits measured",
+            )
+        )
+    if chosen:
+        rows.append(("power limits chosen", ", ".join(f"{p:.0f} W" for p in chosen)))
+    elif applied:
+        plural = "limit" if applied == 1 else "limits"
+        rows.append(("power limits chosen", f"none ({applied:.0f} {plural} set while profiling)"))
+    else:
+        rows.append(("power limits chosen", "none (GPU settings unchanged)"))
+    pre = summary.get("pre_job_power_limit_w")
+    if pre is not None:
+        restored = " (every GPU put back to it at the end)" if chosen or applied else ""
+        rows.append(("pre-job power limit", f"{float(pre):.0f} W{restored}"))
+    return rows
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The summary table of a report, as ``lightning-energy report`` and the demo print it.
 
@@ -412,55 +450,61 @@ def format_report(report: Mapping[str, Any]) -> str:
     """
     summary = report.get("summary", {})
     rows: list[tuple[str, str]] = [("GPUs", _gpus(report.get("devices", [])))]
-    rows.append(("steps", f"{_number(summary, 'steps', 0):.0f}"))
-    energy_j = _number(summary, "energy_j", 0.0)
-    kwh = abs(energy_j) >= 0.1 * J_PER_KWH  # one energy unit for the whole table
-    rows.append(("energy", _energy(energy_j, kwh)))
+    steps = _measured(summary, "steps")
+    rows.append(("steps", NOT_MEASURED if steps is None else f"{steps:.0f}"))
+    energy_j = _measured(summary, "energy_j")
+    kwh = abs(energy_j or 0.0) >= 0.1 * J_PER_KWH  # one energy unit for the whole table
+    rows.append(("energy", NOT_MEASURED if energy_j is None else _energy(energy_j, kwh)))
     job = report.get("job")
     if isinstance(job, Mapping) and job["ranks"] > 1:  # load_report checked the fields
         rows[-1] = (f"energy ({summary.get('scope') or 'rank 0'})", rows[-1][1])
         scope = f"whole job: {job['ranks']:.0f} ranks on {job.get('nodes') or 1:.0f} node(s)"
         rows.append((f"energy ({scope})", _energy(float(job["energy_j"]), kwh)))
-    duration_s = _number(summary, "duration_s", 0.0)
-    rows.append(("time (device clock)", _duration(duration_s)))
+    duration_s = _measured(summary, "duration_s")
+    rows.append(
+        ("time (device clock)", NOT_MEASURED if duration_s is None else _duration(duration_s))
+    )
     pauses, paused_s = _pauses(report)
     if pauses:
         times = "1 time" if pauses == 1 else f"{pauses} times"
-        rows.append(
-            (
-                "paused (carbon pacing)",
-                f"{times}, {_duration(paused_s)} ({_share(paused_s, duration_s, base=True)} "
-                "of the time)",
-            )
+        share = (
+            ""
+            if duration_s is None
+            else f" ({_share(paused_s, duration_s, base=True)} of the time)"
         )
-    chosen = chosen_power_limits_w(report)
-    pre = summary.get("pre_job_power_limit_w")
-    if chosen:
-        rows.append(("power limits chosen", ", ".join(f"{p:.0f} W" for p in chosen)))
+        rows.append(("paused (carbon pacing)", f"{times}, {_duration(paused_s)}{share}"))
+    rows.extend(power_limit_rows(summary, chosen_power_limits_w(report)))
+    saved_j = _measured(summary, "energy_saved_j")
+    if saved_j is None or energy_j is None:
+        saved = NOT_MEASURED
     else:
-        rows.append(("power limits chosen", "none (GPU settings unchanged)"))
-    if pre is not None:
-        rows.append(("pre-job power limit", f"{float(pre):.0f} W"))
-    saved_j = _number(summary, "energy_saved_j", 0.0)
-    rows.append(
-        ("energy saved vs. full power", f"{_energy(saved_j, kwh)} ({_share(saved_j, energy_j)})")
-    )
-    slowdown = f"{(_number(summary, 'slowdown', 1.0) - 1) * 100:+.1f} %"
-    rows.append(("slowdown vs. full power", slowdown + (" (pauses included)" if pauses else "")))
+        saved = f"{_energy(saved_j, kwh)} ({_share(saved_j, energy_j)})"
+    rows.append(("energy saved vs. full power", saved))
+    slowdown = _measured(summary, "slowdown")
+    if slowdown is None:
+        rows.append(("slowdown vs. full power", NOT_MEASURED))
+    else:
+        paused_note = " (pauses included)" if pauses else ""
+        rows.append(("slowdown vs. full power", f"{(slowdown - 1) * 100:+.1f} %{paused_note}"))
     pace = _pace(report, paused=bool(pauses))
     if pace:
         rows.append(("carbon pace (step time)", pace))
-    rows.extend(_carbon_rows(report.get("carbon"), energy_j))
+    rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0))
     if summary.get("observe_only"):
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
-def _number(section: Mapping[str, Any], key: str, default: float) -> float:
-    """A number of a checked report section: ``default`` when absent or null."""
+#: What the summary table shows for a value the report does not hold (null or absent): a
+#: reading that failed or never happened, never a made-up zero.
+NOT_MEASURED = "not measured"
+
+
+def _measured(section: Mapping[str, Any], key: str) -> float | None:
+    """A number of a checked report section; None when absent or null."""
     value = section.get(key)
-    return default if value is None else float(value)
+    return None if value is None else float(value)
 
 
 def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tuple[str, str]]:

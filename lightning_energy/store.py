@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -545,32 +546,50 @@ class Store:
     def trials(self, job: JobId | None = None, *, key: str | None = None) -> list[TrialRecord]:
         """Finished runs in the order they were stored: of ``job``, of every job with
         ``key``, or all."""
-        query = sa.select(_trials).order_by(_trials.c.id)
+        # The stored value of ``converged`` as it is (a Boolean column would make any text
+        # true), for the check in ``_trial``.
+        columns = [c for c in _trials.c if c.name != "converged"]
+        converged = sa.type_coerce(_trials.c.converged, sa.Integer).label("converged")
+        query = sa.select(*columns, converged).order_by(_trials.c.id)
         if job is not None:
             query = query.where(*self._job_where(_trials, job))
         elif key is not None:
             query = query.where(_trials.c.job_key == key)
         with self._transaction(write=False) as conn:
             rows = conn.execute(query).all()
-        return [
-            TrialRecord(
-                job=JobId(row.job_key, row.gpu_model, row.gpu_count),
-                batch_size=row.batch_size,
-                power_limit_w=row.power_limit_w,
-                epochs=row.epochs,
-                energy_j=row.energy_j,
-                time_s=row.time_s,
-                cost=row.cost,
-                eta=row.eta,
-                converged=bool(row.converged),
-                started_at=row.started_at,
-                finished_at=row.finished_at,
-                metric=row.metric,
-                run_id=row.run_id,
-                id=row.id,
-            )
-            for row in rows
+        return [self._trial(row) for row in rows]
+
+    def _trial(self, row: Any) -> TrialRecord:
+        """A stored trial, or a StoreError naming the field that holds something else (a
+        row changed by something other than this package: SQLite keeps any value)."""
+        fields = row._mapping
+        where = f"trial {row.id} (run {str(row.run_id)[:40]!r}) of job {row.job_key!r}"
+        problems = [
+            f"{name} holds {str(fields[name])[:40]!r} ({type(fields[name]).__name__}), not {wanted}"
+            for name, (check, wanted) in _TRIAL_FIELDS.items()
+            if not check(fields[name])
         ]
+        if problems:
+            raise StoreError(
+                f"{where} in the store {self.url}: {'; '.join(problems)}; the row was changed "
+                "by something else: delete it or use another store"
+            )
+        return TrialRecord(
+            job=JobId(row.job_key, row.gpu_model, row.gpu_count),
+            batch_size=row.batch_size,
+            power_limit_w=None if row.power_limit_w is None else float(row.power_limit_w),
+            epochs=row.epochs,
+            energy_j=float(row.energy_j),
+            time_s=float(row.time_s),
+            cost=float(row.cost),
+            eta=float(row.eta),
+            converged=bool(row.converged),
+            started_at=float(row.started_at),
+            finished_at=float(row.finished_at),
+            metric=None if row.metric is None else float(row.metric),
+            run_id=row.run_id,
+            id=row.id,
+        )
 
     # ------------------------------------------------------------------ power profiles
     def save_power_profile(self, job: JobId, batch_size: int, state: Mapping[str, Any]) -> None:
@@ -670,6 +689,34 @@ class Store:
     def _error(self, what: str, exc: SQLAlchemyError) -> StoreError:
         detail = _scrub(str(getattr(exc, "orig", None) or exc), self._url)
         return StoreError(f"{what} the store {self.url}: {type(exc).__name__}: {detail}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: Each stored trial field: its check and what it must hold (for the error).
+_TRIAL_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "run_id": (lambda v: isinstance(v, str) and bool(v), "a run id"),
+    "job_key": (lambda v: isinstance(v, str), "text"),
+    "gpu_model": (lambda v: isinstance(v, str), "text"),
+    "gpu_count": (lambda v: _is_count(v) and v != 0, "a count >= 1"),
+    "batch_size": (lambda v: _is_count(v) and v != 0, "a count >= 1"),
+    "epochs": (_is_count, "a count >= 0"),
+    "power_limit_w": (lambda v: v is None or _is_number(v), "a number of watts or null"),
+    "energy_j": (_is_number, "a finite number"),
+    "time_s": (_is_number, "a finite number"),
+    "cost": (_is_number, "a finite number"),
+    "eta": (_is_number, "a finite number"),
+    "converged": (lambda v: v in (0, 1) and not isinstance(v, float), "true or false"),
+    "metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    "started_at": (_is_number, "a time (Unix seconds)"),
+    "finished_at": (_is_number, "a time (Unix seconds)"),
+}
 
 
 def _scrub(text: str, url: URL) -> str:

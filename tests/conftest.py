@@ -78,6 +78,23 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("test leaked state: " + "; ".join(problems))
 
 
+@pytest.fixture
+def default_signal_handlers() -> Iterator[None]:
+    """SIGINT and SIGTERM with Python's default handlers for the test, whatever the suite
+    was started with: a background job of a non-interactive shell, ``nohup`` and some CI
+    runners start it with SIGINT ignored, and a guard rightly keeps an ignored signal
+    ignored. Tests that send themselves a signal use this; the dispositions found are put
+    back afterwards."""
+    found = {s: signal.getsignal(s) for s in _SIGNALS}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
+
+
 @pytest.fixture(autouse=True)
 def _no_gpu_settings_leak(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a simulated GPU's power limit or clock lock changed.

@@ -6,7 +6,13 @@ One pipeline stage per process; on CPU (gloo) the GPUs are simulated (energy.yam
         --iterations 40 --microbatches 4 --stage-times-s 0.2:0.4,0.3:0.6
 
 ``--stage-times-s`` gives each stage's forward and backward time of one micro-batch at the
-maximum clock (simulated GPUs; default: balanced stages), ``--gpu`` the simulated GPU.
+maximum clock (simulated GPUs), ``--gpu`` the simulated GPU. The default is 0.2:0.4 on every
+stage but the last, which is 1.5 times heavier (0.3:0.6): the other stages then wait for
+it, and Perseus runs their forwards and backwards at lower clocks in that slack. With
+balanced stages a two-stage 1F1B pipeline has no such slack: every forward and backward
+is on the critical path (the only idle time is the fill and drain bubbles, where no
+instruction runs), so no instruction can run slower without lengthening the iteration, and
+the plan keeps the maximum clock and saves nothing.
 Perseus runs the first iterations at the maximum clock, profiles a few clocks online,
 then applies its plan. Rank 0 prints one JSON line: the iteration time and the energy of
 all GPUs per iteration at the maximum clock (``*_max``) and with the plan (``*_plan``),
@@ -62,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stage-times-s",
         type=stage_times,
-        help="F:B seconds per stage at the maximum clock (default: 0.2:0.4 everywhere)",
+        help="F:B seconds per stage at the maximum clock (default: 0.2:0.4, the last stage "
+        "0.3:0.6)",
     )
     parser.add_argument("--gpu", choices=["a100", "h100"], default="a100")
     parser.add_argument("--config", default=str(CONFIG), help="lightning-energy YAML")
@@ -98,7 +105,7 @@ def main() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     stages = dist.get_world_size()
-    times = args.stage_times_s or [[0.2, 0.4]] * stages
+    times = args.stage_times_s or [[0.2, 0.4]] * (stages - 1) + [[0.3, 0.6]]
     if len(times) != stages:
         sys.exit(
             f"--stage-times-s: {len(times)} stages given; this run has {stages} (one per process)"

@@ -16,8 +16,13 @@ plan (``*_plan``), their ratio and the energy saving; the first iteration of eac
 left out (the clocks of the phase before are still landing). With ``--virtual-stages``
 above 1 Megatron-Core runs its interleaved 1F1B schedule, else 1F1B. ``--stage-times-s``
 gives each stage's forward and backward time of one micro-batch at the maximum clock (all
-``ranks x virtual stages`` stages, in stage order; default: 0.2:0.4 everywhere). Every
-GPU setting is restored at the end.
+``ranks x virtual stages`` stages, in stage order). The default is 0.2:0.4 on every stage
+but the last, which is 1.5 times heavier (0.3:0.6): the other stages then wait for it, and
+Perseus runs their forwards and backwards at lower clocks in that slack. With balanced
+stages a two-stage 1F1B pipeline has no such slack: every forward and backward is on the
+critical path (the only idle time is the fill and drain bubbles, where no instruction
+runs), so the plan keeps the maximum clock and saves nothing. Every GPU setting is
+restored at the end.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.integrations.megatron import MegatronEnergy
 
+#: Forward and backward seconds of a stage at the maximum clock, and of the heavier last.
 DEFAULT_STAGE_TIMES_S = (0.2, 0.4)
+DEFAULT_LAST_STAGE_TIMES_S = (0.3, 0.6)
 
 
 def stage_times(text: str) -> list[list[float]]:
@@ -67,7 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stage-times-s",
         type=stage_times,
-        help="F:B seconds at the maximum clock, one pair per stage (default: 0.2:0.4 each)",
+        help="F:B seconds at the maximum clock, one pair per stage (default: 0.2:0.4, the last "
+        "stage 0.3:0.6)",
     )
     parser.add_argument("--gpu", choices=["a100", "h100"], default="a100", help="simulated GPU")
     parser.add_argument(
@@ -111,7 +119,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     ranks, virtual = dist.get_world_size(), args.virtual_stages
     stages = ranks * virtual
-    times = args.stage_times_s or [list(DEFAULT_STAGE_TIMES_S)] * stages
+    times = args.stage_times_s or [list(DEFAULT_STAGE_TIMES_S)] * (stages - 1) + [
+        list(DEFAULT_LAST_STAGE_TIMES_S)
+    ]
     if len(times) != stages:
         raise SystemExit(
             f"--stage-times-s: {len(times)} pairs is not allowed; use one per stage "

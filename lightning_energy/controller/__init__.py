@@ -10,7 +10,7 @@ Adapters translate their framework's hooks into typed events and read the answer
         result = controller.handle(StepEnd())
         if result.metrics is not None:                  # a logging interval closed
             log_to_the_framework(result.metrics)
-    controller.handle(Interruption("validation"))       # a window must not span validation
+    controller.handle(Interruption("validation"))       # validation is left out of windows
     summary = controller.handle(End()).summary          # restores every GPU first
     controller.setup()                                  # another run (a second fit)
 

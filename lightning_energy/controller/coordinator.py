@@ -204,11 +204,10 @@ class EnergyController:
         return self.handle(StepEnd())
 
     def interrupt(self, reason: str) -> StepResult:
-        """Discard the profiling window in progress (validation, epoch end, workload change):
-        ``handle(Interruption(reason))``.
+        """Something other than training runs next (validation, epoch end): the profiling
+        window in progress pauses until the next step starts: ``handle(Interruption(reason))``.
 
-        The optimizer retries that power limit afterwards. Every rank must call it at the
-        same point (framework hooks guarantee this).
+        Every rank must call it at the same point (framework hooks guarantee this).
         """
         return self.handle(Interruption(reason))
 
@@ -503,7 +502,7 @@ class EnergyController:
         ledger = self._ledger
         ledger.after_profile = None
         try:
-            self._interrupt("end of the run")  # a window cut short is measured by a later run
+            self._discard_window("end of the run")  # a window cut short is measured later
         except Exception as exc:  # e.g. a sticky CUDA error: the GPUs are restored already
             ledger.fail(exc)
         else:
@@ -516,14 +515,24 @@ class EnergyController:
                 self._pacer, profile, self._static_limit_w, world_size, self.now()
             )
         guard = self._guard
+        progress = self._session.progress() if self._job_profiles() else None
         return ledger.build_summary(
-            power_limit_w=self._power_limit_w,
+            power_limit_w=self._power_limit_w if progress is None or progress[0] else None,
             pre_job_power_limit_w=guard.pre_job_power_limit_w(0) if guard is not None else None,
             observe_only=self.observe_only,
             profile=profile,
+            progress=progress,
             world_size=world_size,
             carbon=carbon,
         )
+
+    def _job_profiles(self) -> bool:
+        """Whether this run profiles power limits (decided alike on every rank)."""
+        if not self.config.power_limit.enabled or self._pace_target is not None:
+            return False
+        if self._guard is None:
+            return False
+        return self._plan.optimises if self.collective.world_size > 1 else not self.observe_only
 
     def _readings_lost(self, exc: DeviceError) -> None:
         """A GPU reading failed mid-run: restore, change nothing more, keep training
@@ -548,7 +557,7 @@ class EnergyController:
         """
         if key == self._session.workload:
             return
-        self._interrupt("workload change")
+        self._discard_window("workload change")
         self._session.workload = key
         self._ledger.forget_baselines()
         chosen = self._session.known_choice()
@@ -566,9 +575,20 @@ class EnergyController:
         # Every rank sizes its windows alike: by the slowest energy counter of the job.
         period = max(g.energy_counter_period_s() for g in self.devices.gpus)
         _, (period,) = self.collective.sum_and_max([], [period])
-        candidates = section.candidates_w(lo, hi)
-        if self._enforced_limit_w is not None:  # above it, limits do not differ
-            candidates = [min(c, self._enforced_limit_w) for c in candidates]
+        self._session.counter_period_s = period
+        # What the guard would apply: above the pre-job limit (or an enforced one below
+        # it) limits do not differ, so the profile is labelled with the limits applied.
+        requested = section.candidates_w(lo, hi)
+        candidates = [min(max(c, lo), hi) for c in requested]
+        clamped = sorted({c for c in requested if c > hi}, reverse=True)
+        if clamped and self.collective.rank == 0:
+            log.info(
+                "Power limits %s W are above %g W, the highest limit this job may set (the "
+                "GPUs' pre-job or enforced limit): they are measured, and reported, as %g W.",
+                ", ".join(f"{c:g}" for c in clamped),
+                hi,
+                hi,
+            )
         return PowerLimitOptimizer(
             candidates,
             self._session.selector,
@@ -603,7 +623,10 @@ class EnergyController:
                 self._finish_profile()
             else:
                 self._apply(window.power_limit_w, f"{window.purpose} window", purpose="profile")
-        if session.start_measuring(self._clock()):
+        now_s = self._clock()
+        if session.resume(now_s):
+            self._ledger.readings.resume(WINDOW)
+        elif session.start_measuring(now_s):
             self._ledger.readings.begin(WINDOW)
 
     def _step_end(self) -> None:
@@ -621,10 +644,18 @@ class EnergyController:
                 self._pace()
 
     def _interrupt(self, reason: str) -> None:
+        """Something other than training runs next: a measuring window pauses (what runs
+        until the next step start is left out of it)."""
+        if self._session.pause():
+            self._ledger.readings.pause(WINDOW)
+            log.debug("profiling window paused: %s", reason)
+
+    def _discard_window(self, reason: str) -> None:
+        """Discard the window in progress; its limit is measured again later."""
         if self._session.window is None:
             return
         self._ledger.readings.cancel(WINDOW)
-        window = self._session.interrupt()
+        window = self._session.discard()
         assert window is not None
         log.debug("profiling window at %.0f W discarded: %s", window.power_limit_w, reason)
 
@@ -658,12 +689,42 @@ class EnergyController:
         if math.isnan(energy_j):
             self._device_fault()
             return
+        steps = self._session.window_steps
         progress = self._session.report(energy_j, duration_s)
         if progress is WindowProgress.MEASURING:
             return
         readings.cancel(WINDOW)
         if progress is WindowProgress.COMPLETE:
             self._finish_profile()
+        else:
+            self._check_profile_fits(duration_s / steps)
+
+    def _check_profile_fits(self, time_per_step_s: float) -> None:
+        """Say once, at INFO, when the job is too short for its profile to finish, and what
+        it would need (every rank decides alike; rank 0 says it)."""
+        total = self._total_steps
+        if total is None or self._session.fit_warned:
+            return
+        left = total - self._ledger.step
+        needed = self._session.optimizer().min_steps_left(time_per_step_s)
+        if needed <= left:
+            return
+        self._session.fit_warned = True
+        if self.collective.rank == 0:
+            log.info(
+                "The power-limit profile cannot finish in this run: %d steps are left and the "
+                "limits not measured yet need at least %d more (at %.3f s per step, each "
+                "window measures %.0f s or more so that the energy counter, which moves every "
+                "%.2f s, tells limits apart within 1 %%). The GPUs are put back to their "
+                "pre-job limits at the end; a run of at least %d steps profiles fully (a "
+                "checkpoint carries the profile so far to a resumed run).",
+                left,
+                needed,
+                time_per_step_s,
+                self._session.optimizer().min_window_duration_s,
+                self._session.counter_period_s,
+                self._ledger.step + needed,
+            )
 
     def _device_fault(self) -> None:
         """A GPU stopped answering in a profiling window (every rank sees the job-wide NaN):
@@ -741,8 +802,9 @@ class EnergyController:
         again). Call it before training starts."""
         self._pace_target = target
 
-    def _pace_update(self) -> PaceUpdate | None:
-        """Rank 0: the pacing decision until the next boundary."""
+    def _pace_update(self, *, paused: bool = False) -> PaceUpdate | None:
+        """Rank 0: the pacing decision until the next boundary (while ``paused``, one being
+        made in the background is waited for: no step is held up)."""
         if self._pacer is None:
             return None
         ledger = self._ledger
@@ -759,7 +821,9 @@ class EnergyController:
         idle_w = ledger.idle_power_w if ledger.idle_power_w is not None else ledger.idle_reading_w
         if idle_w is None:
             idle_w = _IDLE_SHARE * min((e / t for t, e, _ in frontier), default=0.0)
-        return self._pacer.update(remaining, frontier, idle_w, emitted_g=ledger.emissions_g)
+        return self._pacer.update(
+            remaining, frontier, idle_w, emitted_g=ledger.emissions_g, wait=paused
+        )
 
     def _pace(self) -> None:
         """At a logging boundary: agree on the carbon pace and apply it (every rank)."""
@@ -832,7 +896,7 @@ class EnergyController:
                     # Measured from the first period on: the next decision weighs the pause
                     # at the power it really draws, not at the guess it was started with.
                     ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
-                update = self.collective.broadcast(self._pace_update())
+                update = self.collective.broadcast(self._pace_update(paused=True))
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh
                 wait_s = self.config.carbon.poll_interval_s
@@ -937,7 +1001,7 @@ class EnergyController:
                 f"but this job runs on {models}; profiles do not transfer between GPU models "
                 "(drop the energy state from the checkpoint to profile again)"
             )
-        self._interrupt("checkpoint restore")
+        self._discard_window("checkpoint restore")
         self._session.load_state_dict(
             state.get("optimizers", {}), str(state.get("workload", "default"))
         )

@@ -89,7 +89,8 @@ class StepEnd:
 @dataclass(frozen=True)
 class Interruption:
     """Something that is not training runs next (validation, epoch end, evaluation): the
-    profiling window in progress is discarded and its power limit measured again later.
+    profiling window in progress pauses, and measures the training steps on either side
+    (what runs until the next :class:`StepStart` is left out).
 
     Attributes:
         reason: why, for the debug log.

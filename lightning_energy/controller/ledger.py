@@ -41,8 +41,17 @@ class RunSummary:
         steps: training steps seen.
         energy_j: energy used by this process's GPUs.
         duration_s: device-clock time from setup to teardown.
-        power_limit_w: the power limit in force at the end (None: never changed).
+        power_limit_w: the power limit chosen and in force at the end of the run (None:
+            none was chosen: the profile did not finish, or nothing was changed). Every
+            GPU is put back to its pre-job limit at the end either way.
         pre_job_power_limit_w: the limit each GPU had before the job.
+        profile_complete: whether the power-limit profile was complete at the end (None:
+            the run profiled nothing: power limits off, observe-only, or Perseus planned
+            clocks instead).
+        power_limits_measured: candidate limits measured (by this run or an earlier one
+            of the same workload).
+        power_limit_candidates: candidate limits of the profile.
+        power_limits_applied: distinct limits this run set (profiling windows included).
         energy_saved_j: energy measured over the steps after profiling, subtracted from
             the same steps at the highest profiled limit (per the measured profile; 0
             before the profile completes).
@@ -71,6 +80,10 @@ class RunSummary:
     carbon: dict[str, Any] | None = None
     job_energy_j: float | None = None
     read_error: str | None = None
+    profile_complete: bool | None = None
+    power_limits_measured: int = 0
+    power_limit_candidates: int = 0
+    power_limits_applied: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -336,16 +349,19 @@ class RunLedger:
         pre_job_power_limit_w: float | None,
         observe_only: bool,
         profile: Profile,
+        progress: tuple[bool, int, int] | None,
         world_size: int,
         carbon: dict[str, Any] | None,
     ) -> RunSummary:
         """The run summary (kept in :attr:`summary`).
 
         Args:
-            power_limit_w: the limit in force at the end.
+            power_limit_w: the limit chosen and in force at the end (None: none chosen).
             pre_job_power_limit_w: the first GPU's limit before the job.
             observe_only: whether GPU settings could not be changed.
             profile: the measured profile of the workload (job-wide numbers).
+            progress: the profile's ``(complete, limits measured, candidates)``; None when
+                the run profiled nothing.
             world_size: ranks of the job.
             carbon: the carbon summary (None without a ``carbon:`` section).
         """
@@ -371,6 +387,12 @@ class RunLedger:
             observe_only=observe_only,
             carbon=carbon,
             read_error=self.read_error,
+            profile_complete=None if progress is None else progress[0],
+            power_limits_measured=0 if progress is None else progress[1],
+            power_limit_candidates=0 if progress is None else progress[2],
+            power_limits_applied=len(
+                {d["value"] for d in self.decisions if d["kind"] == "power_limit"}
+            ),
         )
         return self.summary
 

@@ -1,6 +1,7 @@
 """The run's measurement windows, and what a failed GPU reading does to them.
 
-Three windows are open at times: the profiling window (one power limit being measured),
+Three windows are open at times: the profiling window (one power limit being measured,
+paused while something other than training runs),
 the logging interval (metrics, timeline, carbon) and the steps after the profile (the
 savings estimate). Once a reading fails, every window is cancelled, no new one opens and
 the controller is told once (it restores the GPUs and keeps training, observe-only).
@@ -64,6 +65,29 @@ class Readings:
             self._lose(exc)
             return None
         return None if self._check() else m
+
+    def pause(self, name: str) -> None:
+        """Leave out what runs from now until :meth:`resume` (nothing happens when the
+        window is not open or readings were lost)."""
+        if self.meter is None or not self.meter.is_open(name):
+            return
+        try:
+            self.meter.pause(name)
+        except DeviceError as exc:
+            self._lose(exc)
+            return
+        self._check()
+
+    def resume(self, name: str) -> None:
+        """Measure a paused window again from now on."""
+        if self.meter is None or not self.meter.is_open(name):
+            return
+        try:
+            self.meter.resume(name)
+        except DeviceError as exc:
+            self._lose(exc)
+            return
+        self._check()
 
     def cancel(self, name: str) -> None:
         """Forget a window (nothing happens when it is not open)."""

@@ -6,12 +6,23 @@ windows: a power limit, steps to settle at it, steps (and seconds) to measure. T
 counts the steps of the window in progress, reports the job-wide measurement back and
 tells the coordinator where the window stands. It changes no GPU and reads none: the
 coordinator applies the limits and measures.
+
+A window spans epoch ends and validation: it is paused there (what runs in between is left
+out) and measures the training steps on either side, so jobs whose epochs are shorter than
+a window still finish profiling. It measures again only once training has run for one
+energy-counter period after the boundary: a counter that moves every ~100 ms lags each
+reading by up to a period, and a reading whose lag reaches back into the boundary (at
+another power than training) would bias every stretch the same way.
+
+Once a window has measured its steps, it is reported again only at steps where it may be
+long enough (a few readings and collectives per window, not one at every step).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -49,6 +60,9 @@ class ProfilingSession:
             a while.
 
     Attributes:
+        counter_period_s: how often the job's energy counters move (the coordinator sets it
+            when it builds an optimizer): training runs this long after a boundary before
+            a window measures again.
         workload: the key of what is being trained.
         window: the window in progress (None: none).
     """
@@ -61,6 +75,7 @@ class ProfilingSession:
     ) -> None:
         self.selector = selector
         self.settle_s = settle_s
+        self.counter_period_s = 0.0
         self._build = build
         self._optimizers: dict[str, PowerLimitOptimizer] = {}
         self._restored: dict[str, Any] = {}
@@ -74,8 +89,13 @@ class ProfilingSession:
         self.window_steps = 0
         self.window_steps_run = 0
         self.measuring = False
+        self.paused = False
         self.stopped = False
+        self._boundary = False  # something other than training ran since the last step
+        self._training_since_s: float | None = None
+        self._report_at = 0
         self._zero_energy_warned = False
+        self.fit_warned = False  # the run was said to be too short for its profile
 
     # ------------------------------------------------------------------ optimizers
     def optimizer(self) -> PowerLimitOptimizer:
@@ -111,6 +131,14 @@ class ProfilingSession:
             m.power_limit_w: (m.time_per_step_s, m.energy_per_step_j) for m in optimizer.profile()
         }
 
+    def progress(self) -> tuple[bool, int, int] | None:
+        """The current workload's profile: ``(complete, limits measured, candidates)``;
+        None when no profile was started for it."""
+        optimizer = self._optimizers.get(self.workload)
+        if optimizer is None:
+            return None
+        return optimizer.done, len(optimizer.profile()), len(optimizer.power_limits_w)
+
     def profile(self) -> list[dict[str, float]]:
         """The measured profile of the current workload so far (job-wide numbers)."""
         optimizer = self._optimizers.get(self.workload)
@@ -133,6 +161,8 @@ class ProfilingSession:
         self.window_steps = 0
         self.window_steps_run = 0
         self.measuring = False
+        self.paused = False
+        self._report_at = 0
         return window
 
     def start_measuring(self, now_s: float) -> bool:
@@ -143,12 +173,41 @@ class ProfilingSession:
             window is None
             or self.measuring
             or not window.measure_steps
+            or self._boundary
             or self.window_steps < window.settle_steps
             or now_s - self.window_opened_s < self.settle_s
         ):
             return False
         self.measuring = True
         self.window_steps = 0
+        self._report_at = window.measure_steps
+        return True
+
+    def pause(self) -> bool:
+        """Something other than training runs next (validation, an epoch's end): whether a
+        measuring window pauses (the caller stops measuring it until :meth:`resume`). A
+        window still settling keeps settling (its limit stays set), but starts measuring
+        only once training has run for a counter period after the boundary."""
+        self._boundary = True
+        self._training_since_s = None
+        if self.window is None or not self.measuring or self.paused:
+            return False
+        self.paused = True
+        return True
+
+    def resume(self, now_s: float) -> bool:
+        """A training step starts at ``now_s``: whether a paused window measures again
+        from now on (training has run for a counter period since the boundary)."""
+        if not self._boundary:
+            return False
+        if self._training_since_s is None:
+            self._training_since_s = now_s
+        if now_s - self._training_since_s < self.counter_period_s:
+            return False
+        self._boundary = False
+        if not self.paused:
+            return False
+        self.paused = False
         return True
 
     def count_step(self) -> bool:
@@ -159,10 +218,12 @@ class ProfilingSession:
         window = self.window
         if window is None:
             return False
-        self.window_steps += 1
         self.window_steps_run += 1
+        if self.paused:
+            return False
+        self.window_steps += 1
         if self.measuring:
-            return self.window_steps >= window.measure_steps
+            return self.window_steps >= self._report_at
         if not window.measure_steps and self.window_steps >= window.settle_steps:
             self.optimizer().report(window, time_per_step_s=0.0, energy_per_step_j=0.0)
             self.window = None
@@ -180,9 +241,16 @@ class ProfilingSession:
         """
         window = self.window
         assert window is not None
+        steps = self.window_steps
         if duration_s < window.min_duration_s:
+            # Halfway to the step where the window should be long enough at the steps'
+            # pace: a few readings per window, and it runs no longer than it needs to
+            # when the first steps' pace was off (they may run at the previous limit).
+            pace = steps * window.min_duration_s / duration_s if duration_s > 0 else steps
+            self._report_at = steps + max(1, math.ceil((pace - steps) / 2))
             return WindowProgress.MEASURING
         if energy_j <= 0:
+            self._report_at = steps + 1
             if not self._zero_energy_warned:
                 self._zero_energy_warned = True
                 log.warning(
@@ -191,7 +259,6 @@ class ProfilingSession:
                     duration_s,
                 )
             return WindowProgress.MEASURING
-        steps = self.window_steps
         optimizer = self.optimizer()
         optimizer.report(
             window,
@@ -201,16 +268,19 @@ class ProfilingSession:
         )
         self.window = None
         self.measuring = False
+        self.paused = False
         return WindowProgress.COMPLETE if optimizer.done else WindowProgress.REPORTED
 
-    def interrupt(self) -> Window | None:
-        """Discard the window in progress (its limit is measured again); the window, or None."""
+    def discard(self) -> Window | None:
+        """Discard the window in progress (its limit is measured again): the workload or the
+        profile changed, or the run ends; the window, or None."""
         window = self.window
         if window is None:
             return None
         self.optimizer().report_interrupted(window, steps_run=self.window_steps_run)
         self.window = None
         self.measuring = False
+        self.paused = False
         self.window_steps = 0
         return window
 
@@ -220,6 +290,7 @@ class ProfilingSession:
             self.optimizer().report_interrupted(self.window, steps_run=self.window_steps_run)
         self.window = None
         self.measuring = False
+        self.paused = False
         self.stopped = True
 
     # ------------------------------------------------------------------ checkpoints

@@ -30,6 +30,7 @@ from lightning_energy.controller import (
     RunSummary,
 )
 from lightning_energy.errors import ConfigError
+from lightning_energy.report import power_limit_rows
 
 __all__ = [
     "EnergyAdapter",
@@ -131,22 +132,16 @@ def build_config(
 
 def format_summary(summary: RunSummary) -> str:
     """A short human-readable table of a run summary."""
-    limit = f"{summary.power_limit_w:.0f} W" if summary.power_limit_w is not None else "unchanged"
-    pre = (
-        f"{summary.pre_job_power_limit_w:.0f} W"
-        if summary.pre_job_power_limit_w is not None
-        else "n/a"
-    )
     rows = [
         ("steps", f"{summary.steps}"),
         ("energy (this process)", f"{summary.energy_j / 1000:.2f} kJ"),
     ]
     if summary.job_energy_j is not None and summary.job_energy_j != summary.energy_j:
         rows.append(("energy (whole job)", f"{summary.job_energy_j / 1000:.2f} kJ"))
+    rows.append(("time", f"{summary.duration_s:.1f} s"))
+    chosen = [] if summary.power_limit_w is None else [summary.power_limit_w]
+    rows += power_limit_rows(summary.to_dict(), chosen)
     rows += [
-        ("time", f"{summary.duration_s:.1f} s"),
-        ("power limit chosen", limit),
-        ("pre-job power limit", pre),
         ("energy saved (estimate)", f"{summary.energy_saved_j / 1000:.2f} kJ"),
         ("slowdown", f"{(summary.slowdown - 1) * 100:+.1f} %"),
     ]

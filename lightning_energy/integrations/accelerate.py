@@ -321,8 +321,8 @@ class AcceleratorEnergy(EnergyAdapter):
     def _declare_workload(
         self, controller: EnergyController, optimizer: torch.optim.Optimizer
     ) -> None:
-        """A training starts: the window in progress (of an earlier training) is discarded
-        and the workload declared: the per-device batch size of the first data loader
+        """A training starts: the window in progress (of an earlier training) pauses, and
+        is discarded when the workload declared differs: the per-device batch size of the first data loader
         prepared, the accumulation steps and the parameters the optimizer trains."""
         accelerator = self._accelerator()
         assert accelerator is not None  # it prepared the optimizer stepping now
@@ -370,9 +370,10 @@ class AcceleratorEnergy(EnergyAdapter):
                 )
 
     def interrupt(self, reason: str) -> None:
-        """Discard the profiling window in progress; call it on every rank before evaluation.
+        """Pause the profiling window in progress; call it on every rank before evaluation.
 
-        The power limit being profiled is measured again afterwards.
+        The window leaves out what runs until the next optimizer step and measures the
+        training steps on either side.
         """
         if self.controller is not None:
             self.controller.handle(Interruption(reason))

@@ -303,6 +303,11 @@ class PowerLimitOptimizer:
         return self._limits
 
     @property
+    def min_window_duration_s(self) -> float:
+        """Seconds every measured window lasts at least (see :func:`min_window_s`)."""
+        return self._min_window_s
+
+    @property
     def done(self) -> bool:
         """Whether the profile is complete (then use :attr:`chosen_power_limit_w`)."""
         return self._chosen is not None
@@ -379,7 +384,8 @@ class PowerLimitOptimizer:
         self._advance()
 
     def report_interrupted(self, window: Window, *, steps_run: int = 0) -> None:
-        """Discard a window cut short (validation, epoch end); it is issued again.
+        """Discard a window cut short (the workload changed, the run ended); it is issued
+        again.
 
         Args:
             window: the window from :meth:`next_window`.
@@ -394,6 +400,34 @@ class PowerLimitOptimizer:
         self._current_limit_w = None
         self._pending = None
         self._advance()
+
+    def min_steps_left(self, time_per_step_s: float) -> int:
+        """The fewest steps the profile still needs at ``time_per_step_s`` per step.
+
+        The first pass's windows left (each its settling and at least its measured steps
+        and :func:`min_window_s` of time) and the warm-up when it is due; racing may add
+        more. 0 once the profile is complete.
+
+        Args:
+            time_per_step_s: how long a step takes (the job's measured step time).
+
+        Raises:
+            ProfileError: ``time_per_step_s`` is not a positive finite number.
+        """
+        if not 0 < time_per_step_s < math.inf:
+            raise ProfileError(
+                f"time_per_step_s: {time_per_step_s!r} must be a positive, finite number"
+            )
+        if self.done:
+            return 0
+        done = sum(1 for r in self._results if r.purpose == "profile")
+        steps = 0 if self._warm else self._warmup_steps
+        current = self._current_limit_w
+        for limit_w, measured in self._plan[done:]:
+            steps += 0 if limit_w == current else self._settle_steps
+            steps += max(measured, math.ceil(self._min_window_s / time_per_step_s))
+            current = limit_w
+        return steps
 
     def profiled_steps(self) -> int:
         """Steps spent in warm-up, settling and measuring so far."""

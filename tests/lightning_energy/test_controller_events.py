@@ -17,6 +17,7 @@ from lightning_energy.controller import (
     StepResult,
     StepStart,
 )
+from lightning_energy.controller.readings import WINDOW
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.errors import CheckpointMismatchError
 
@@ -89,18 +90,29 @@ def test_decisions_are_returned_by_the_event_that_made_them(tmp_path: Path) -> N
         controller.handle(End())
 
 
-def test_an_interruption_discards_the_window_and_its_limit_is_measured_again(
+def test_an_interruption_pauses_the_window_and_leaves_out_what_runs_meanwhile(
     tmp_path: Path,
 ) -> None:
-    controller = _controller(tmp_path)
+    devices = _devices()
+    gpu = devices.gpus[0]
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
     try:
-        for _ in range(6):  # warm-up, then the first profiling window
+        while not controller._session.measuring:  # warm-up, settling, then measuring
             _step(controller)
-        windows = [d["value"] for d in controller.decisions if d["purpose"] == "profile"]
+        _step(controller)
+        window = controller._session.window
+        before = controller._ledger.readings.peek(WINDOW)
         result = controller.handle(Interruption("validation"))
         assert result.metrics is None and result.decisions == ()
-        start, _ = _step(controller)
-        assert [d["value"] for d in start.decisions] == [windows[-1]]  # retried
+        gpu.idle(30.0)  # validation: half a minute the window must not count
+        start = controller.handle(StepStart())
+        assert start.decisions == ()  # the same window goes on: nothing retried or re-applied
+        assert controller._session.window == window
+        resumed = controller._ledger.readings.peek(WINDOW)
+        assert before is not None and resumed is not None
+        assert resumed.duration_s == pytest.approx(before.duration_s)
+        assert resumed.energy_j == pytest.approx(before.energy_j, abs=1.0)
+        controller.handle(StepEnd())
     finally:
         controller.handle(End())
 

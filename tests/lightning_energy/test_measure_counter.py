@@ -35,10 +35,25 @@ def _section(tmp_path: Path, step_time_s: float) -> dict[str, Any]:
     }
 
 
-def _exact_energy_per_step_j(limit_w: float, step_time_s: float) -> float:
+def _exact_step(limit_w: float, step_time_s: float) -> tuple[float, float]:
+    """``(seconds, joules)`` of one simulated step at ``limit_w``."""
     model = PHYSICS_PRESETS["a100"]
     duration_s, power_w = model.run(step_time_s, model.step_compute_bound_share, limit_w, None)
-    return duration_s * power_w
+    return duration_s, duration_s * power_w
+
+
+def _exact_energy_per_step_j(limit_w: float, step_time_s: float) -> float:
+    return _exact_step(limit_w, step_time_s)[1]
+
+
+def _a100(step_time_s: float) -> DeviceSet:
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=step_time_s))
+    return DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: gpus[0].run_step() and None,
+    )
 
 
 def test_window_length_follows_the_precision_needed() -> None:
@@ -153,3 +168,59 @@ def test_a_window_waits_until_its_limit_has_landed(settle_s: float, tmp_path: Pa
         assert max(errors) < 0.005
     else:
         assert max(errors) > 0.01  # the rude board makes the missing wait visible
+
+
+def test_short_epochs_on_a_100ms_counter_finish_profiling_without_their_boundaries(
+    tmp_path: Path,
+) -> None:
+    """Epochs of 64 steps of 20 ms (1.3 s, far shorter than a 10 s window), each followed
+    by 0.5 s of validation at idle power: windows span the epochs and measure only the
+    training steps on either side, so profiling finishes and measures the limits (it
+    never finished when every epoch end discarded the window)."""
+    devices = _a100(0.02)
+    config = EnergyConfig.from_mapping(_section(tmp_path, 0.02))
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    steps = 0
+    while not controller.profile_done and steps < 8000:
+        controller.on_step_start()
+        controller.on_step_end()
+        steps += 1
+        if steps % 64 == 0:
+            controller.interrupt("epoch end")
+            devices.gpus[0].idle(0.5)
+    controller.teardown()
+    assert controller.profile_done
+    profile = {m["power_limit_w"]: m for m in controller.profile()}
+    assert sorted(profile) == sorted(LIMITS)
+    for limit_w, m in profile.items():
+        # Neither the validation's time nor its energy, nor the counter's lag into it.
+        exact_s, exact_j = _exact_step(limit_w, 0.02)
+        assert m["time_per_step_s"] == pytest.approx(exact_s, rel=0.01)
+        assert m["energy_per_step_j"] == pytest.approx(exact_j, rel=0.01)
+
+
+def test_a_window_reads_the_counter_a_few_times_not_at_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 10 s window of 20 ms steps is 500 steps: it is checked (one synchronised reading
+    and one collective) a few times on the way, not at each of them."""
+    controller = EnergyController(
+        EnergyConfig.from_mapping(_section(tmp_path, 0.02)),
+        devices=_a100(0.02),
+        install_signal_handlers=False,
+    )
+    checks: list[int] = []
+    sum_and_max = controller.collective.sum_and_max
+
+    def counted(sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        checks.append(controller.steps)
+        return sum_and_max(sums, maxima)
+
+    monkeypatch.setattr(controller.collective, "sum_and_max", counted)
+    while not controller.profile_done:
+        controller.on_step_start()
+        controller.on_step_end()
+    controller.teardown()
+    windows = sum(1 for d in controller.decisions if d["purpose"] == "profile") - 1  # warm-up
+    assert windows == 2 * len(LIMITS)
+    assert len(checks) <= windows * 12

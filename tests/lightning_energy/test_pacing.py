@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -61,5 +64,106 @@ def test_a_replayed_trace_is_served_at_the_value_in_force_whatever_the_polling(
             elapsed_s = (clock["now"] - T0).total_seconds()
             in_force = [v for s, v in rows if s <= elapsed_s][-1]
             assert pacer.intensity_g_per_kwh() == in_force, elapsed_s
+    finally:
+        pacer.stop()
+
+
+class _HeldPolicy:
+    """A policy whose decisions wait until the test lets them through, as a plan over
+    days of intervals keeps a CPU busy for seconds."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def observe(self, history: Any) -> None:
+        self.policy.observe(history)
+
+    def decide(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        assert self.release.wait(timeout=60), "the test never released the decision"
+        return self.policy.decide(*args, **kwargs)
+
+
+FRONTIER = [(1.0, 300.0, "300 W"), (1.25, 250.0, "250 W")]
+
+
+def _wall_clock_pacer(clock: dict[str, datetime]) -> tuple[CarbonPacer, _HeldPolicy]:
+    config = CarbonConfig(
+        provider="constant", policy="forecast", deadline=timedelta(hours=36), poll_interval_s=600
+    )
+    pacer = CarbonPacer(config, now=lambda: clock["now"], virtual_clock=False)
+    held = _HeldPolicy(pacer.policy)
+    pacer.policy = held  # type: ignore[assignment]
+    return pacer, held
+
+
+def _in_thread(call: Callable[[], Any]) -> Any:
+    """``call()`` on another thread; fails when it has not returned after a minute (it
+    waited for the held decision)."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(call()))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the caller waited for the decision"
+    return out[0]
+
+
+def test_on_the_wall_clock_the_policy_decides_in_the_background(tmp_path: Path) -> None:
+    clock = {"now": T0}
+    pacer, held = _wall_clock_pacer(clock)
+    pacer.start()
+    try:
+        first = _in_thread(lambda: pacer.update(10_000, FRONTIER, 30.0))
+        assert held.started.wait(timeout=60)
+        # The boundary that asked goes on at once, with no pace until the plan is ready.
+        assert first.scale is None and not first.pause and first.reason == "planning the pace"
+        clock["now"] += timedelta(seconds=30)
+        again = _in_thread(lambda: pacer.update(9_990, FRONTIER, 30.0))
+        assert again.scale is None  # still planning: nothing new is asked for meanwhile
+        assert held.threads == ["lightning-energy-pace-planner"]
+        held.release.set()
+        decided = _in_thread(lambda: pacer.update(9_980, FRONTIER, 30.0, wait=True))
+        assert decided.scale is not None and decided.reason != "planning the pace"
+        clock["now"] += timedelta(seconds=30)
+        held_on = pacer.update(9_970, FRONTIER, 30.0)  # within the interval: held
+        assert (held_on.scale, held_on.reason) == (decided.scale, decided.reason)
+        assert len(held.threads) == 1
+    finally:
+        held.release.set()
+        pacer.stop()
+
+
+def test_a_failed_background_decision_is_raised_on_the_next_update() -> None:
+    clock = {"now": T0}
+    pacer, held = _wall_clock_pacer(clock)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("policy failed")
+
+    held.decide = failing  # type: ignore[method-assign]
+    pacer.start()
+    try:
+        pacer.update(10_000, FRONTIER, 30.0)
+        with pytest.raises(RuntimeError, match="policy failed"):
+            pacer.update(10_000, FRONTIER, 30.0, wait=True)
+    finally:
+        pacer.stop()
+
+
+def test_on_a_virtual_clock_decisions_are_made_at_once() -> None:
+    clock = {"now": T0}
+    config = CarbonConfig(
+        provider="constant", policy="forecast", deadline=timedelta(hours=36), poll_interval_s=600
+    )
+    pacer = CarbonPacer(config, now=lambda: clock["now"], virtual_clock=True)
+    pacer.start()
+    try:
+        update = pacer.update(10_000, FRONTIER, 30.0)
+        assert update.scale is not None
+        assert not [t for t in threading.enumerate() if t.name.endswith("pace-planner")]
     finally:
         pacer.stop()

@@ -208,7 +208,7 @@ def test_table_of_a_run_without_carbon(plain: EnergyController) -> None:
     lines = dict(line.strip().split("  ", 1) for line in table.splitlines())
     assert lines["GPUs"].strip() == "1x NVIDIA A40 (simulated)"
     assert lines["steps"].strip() == str(STEPS)
-    assert lines["pre-job power limit"].strip() == "300 W"
+    assert lines["pre-job power limit"].strip() == "300 W (every GPU put back to it at the end)"
     assert "carbon intensity from" not in lines
 
 

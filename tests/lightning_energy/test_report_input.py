@@ -159,3 +159,41 @@ def test_the_unchanged_report_is_read(good_report: dict[str, Any], tmp_path: Pat
     path = tmp_path / "run.json"
     path.write_text(json.dumps(good_report), encoding="utf-8")
     assert main(["report", str(path)]) == EXIT_OK
+
+
+#: Summary fields the table shows, with the row that shows each.
+_MEASURED_ROWS = {
+    "steps": "steps",
+    "energy_j": "energy",
+    "duration_s": "time (device clock)",
+    "energy_saved_j": "energy saved vs. full power",
+    "slowdown": "slowdown vs. full power",
+}
+
+
+@_SETTINGS
+@given(
+    fields=st.sets(st.sampled_from(sorted(_MEASURED_ROWS)), min_size=1),
+    absent=st.booleans(),
+)
+def test_a_value_the_report_lacks_is_shown_as_not_measured(
+    good_report: dict[str, Any], tmp_path: Path, fields: set[str], absent: bool
+) -> None:
+    report = copy.deepcopy(good_report)
+    for field in fields:
+        if absent:
+            del report["summary"][field]
+        else:
+            report["summary"][field] = None
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(report), encoding="utf-8")
+    rows = {
+        name: value.strip()
+        for name, value in (
+            line.strip().split("  ", 1) for line in _read_and_render(path).splitlines()
+        )
+    }
+    for field in fields:
+        assert rows[_MEASURED_ROWS[field]] == "not measured", field
+    if "energy_j" in fields:
+        assert rows["energy saved vs. full power"] == "not measured"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_energy.errors import StoreError
-from lightning_energy.store import JobId, Store
+from lightning_energy.store import JobId, Store, TrialRecord
 
 JOB = JobId("resnet50-imagenet", "NVIDIA A40", 2)
 
@@ -93,3 +93,65 @@ def test_history_of_a_store_with_bad_settings_fails_with_one_message(
     assert err.startswith("error:") and "settings of job 'resnet50-imagenet'" in err
     with sqlite3.connect(path) as conn:  # nothing was changed
         assert conn.execute("SELECT settings FROM le_jobs").fetchone() == ("not json",)
+
+
+_TRIAL_COLUMNS = (
+    "run_id",
+    "batch_size",
+    "power_limit_w",
+    "epochs",
+    "energy_j",
+    "time_s",
+    "cost",
+    "eta",
+    "converged",
+    "metric",
+    "started_at",
+    "finished_at",
+)
+
+
+@_SETTINGS
+@given(column=st.sampled_from(_TRIAL_COLUMNS), value=st.one_of(_CELLS, st.none()))
+def test_any_stored_trial_field_is_read_or_refused_by_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], column: str, value: object
+) -> None:
+    from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, main
+
+    path = _fresh(tmp_path)
+    with Store.open(f"sqlite:///{path}") as store:
+        store.add_trial(
+            TrialRecord(JOB, 32, 250.0, 3, 4.2e6, 3600.0, 5e6, 0.5, True, 1.7e9, 1.7e9 + 3600)
+        )
+    with sqlite3.connect(path) as conn:
+        try:
+            conn.execute(f"UPDATE le_trials SET {column} = ?", (value,))
+        except sqlite3.IntegrityError:
+            return  # NOT NULL or UNIQUE: SQLite itself keeps it out
+    capsys.readouterr()
+    code = main(["history", "--store", f"sqlite:///{path}"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if code == EXIT_OK:
+        with Store.open(f"sqlite:///{path}") as store:
+            (trial,) = store.trials()
+        assert isinstance(trial.energy_j, float) and isinstance(trial.batch_size, int)
+        assert isinstance(trial.converged, bool)
+    else:
+        assert code == EXIT_FAILURE
+        assert err.startswith("error: trial 1") and f"{column} holds" in err
+
+
+def test_history_names_the_field_that_holds_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_energy.cli import EXIT_FAILURE, main
+
+    path = _fresh(tmp_path)
+    with Store.open(f"sqlite:///{path}") as store:
+        store.add_trial(TrialRecord(JOB, 32, 250.0, 3, 4.2e6, 3600.0, 5e6, 0.5, True, 1.0, 2.0))
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_trials SET energy_j = 'a lot'")
+    assert main(["history", "--store", f"sqlite:///{path}"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "energy_j holds 'a lot' (str), not a finite number" in err

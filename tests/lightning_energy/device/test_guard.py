@@ -126,6 +126,7 @@ def test_exception_and_keyboard_interrupt_restore(lease_dir: Path, error: BaseEx
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.usefixtures("default_signal_handlers")
 def test_real_sigint_restores_then_raises_keyboard_interrupt(lease_dir: Path) -> None:
     gpus = gpus_of(None)
     with pytest.raises(KeyboardInterrupt), GPUGuard(gpus, lease_dir=lease_dir) as guard:

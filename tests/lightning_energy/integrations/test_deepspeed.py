@@ -210,7 +210,7 @@ def test_the_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(
     script = ROOT / "examples" / "deepspeed" / "train.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_port", str(free_port()), str(script)]
-    command += ["--iterations", "36", "--stage-times-s", "0.2:0.4,0.3:0.6"]
+    command += ["--iterations", "36"]  # the example's default stages: a heavier last one
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     env.pop("LIGHTNING_ENERGY_CONFIG", None)
     done = subprocess.run(
