@@ -322,8 +322,8 @@ class AcceleratorEnergy(EnergyAdapter):
         self, controller: EnergyController, optimizer: torch.optim.Optimizer
     ) -> None:
         """A training starts: the window in progress (of an earlier training) pauses, and
-        is discarded when the workload declared differs: the per-device batch size of the first data loader
-        prepared, the accumulation steps and the parameters the optimizer trains."""
+        is discarded when the workload declared differs: the per-device batch size of the
+        first data loader prepared, the accumulation steps and the parameters trained."""
         accelerator = self._accelerator()
         assert accelerator is not None  # it prepared the optimizer stepping now
         controller.handle(Interruption("a new training"))
