@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from carbon.accounting import emissions_g
-
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
     from carbon.monitor import CarbonMonitor
@@ -260,6 +258,8 @@ class CarbonPacer:
         Returns:
             (seconds since the job's start, cumulative grams) after every step.
         """
+        from carbon.accounting import emissions_g
+
         out: list[tuple[float, float]] = []
         grams = 0.0
         t0 = start.timestamp()

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from carbon.accounting import emissions_g
 from lightning_energy.controller.events import Decision
 from lightning_energy.controller.readings import AFTER_PROFILE, INTERVAL, Readings
 from lightning_energy.pacing import utc_now
@@ -238,6 +237,8 @@ class RunLedger:
     # ------------------------------------------------------------------ carbon
     def _account_carbon(self, energy_j: float) -> dict[str, float | None]:
         """Grams emitted during the interval just closed, at the intensity then in force."""
+        from carbon.accounting import emissions_g  # only jobs with a carbon: section need it
+
         assert self.intensity is not None
         grams = emissions_g(energy_j, self.intensity)
         self.emissions_g += grams

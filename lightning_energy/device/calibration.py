@@ -4,7 +4,8 @@
 power, power-limit range, clock range, and a training step's time and power across power
 limits and locked SM clocks) and writes one JSON file. :func:`load_calibration` reads such
 a file back and :class:`CalibratedModel` replays it as a simulated GPU's model, so that
-``device: {backend: simulated, calibration: FILE}`` simulates the measured GPU:
+``device: {backend: simulated, calibration: FILE}`` simulates the measured GPU (a file of a
+read-only run, which sweeps no setting, cannot: its sweeps come from ``--change-settings``):
 
 * every sweep row (a power limit or a locked clock) gives a point ``(SM clock, time per
   step, power)``; power at a clock is interpolated linearly between the measured clocks
@@ -348,6 +349,12 @@ def _parse(data: Mapping[str, Any], path: Path) -> Calibration:
             f"{' and '.join(_SWEEPS)}: {len(points)} usable row(s) at "
             f"{len({c for c, _, _ in points})} clock(s) is not enough; use rows at two or more "
             "SM clocks (each with sm_clock_mhz, time_per_step_s, power_w)"
+            + (
+                " (a read-only calibration sweeps nothing: run calibrate.py with "
+                "--change-settings on a GPU you own)"
+                if data.get("mode") == "read-only"
+                else ""
+            )
         )
     if read.problems:
         where = f"calibration {str(path)!r}"

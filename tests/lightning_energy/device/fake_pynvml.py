@@ -14,7 +14,7 @@ reasons; :meth:`FakeDevice.reload_driver` sends the energy counter back to 0.
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import math
 import types
 from dataclasses import dataclass, field
@@ -95,10 +95,11 @@ class FakeDevice:
         points = self.history
         if not points or t_s <= points[0][0]:
             return points[0][1] if points else self.true_energy_mj
-        for (t0, e0), (t1, e1) in itertools.pairwise(points):
-            if t0 <= t_s <= t1:
-                return e0 if t1 == t0 else e0 + (e1 - e0) * (t_s - t0) / (t1 - t0)
-        return points[-1][1]
+        k = bisect.bisect_left(points, (t_s, -math.inf))  # the first point at or after t_s
+        if k == len(points):
+            return points[-1][1]
+        (t0, e0), (t1, e1) = points[k - 1], points[k]
+        return e0 if t1 == t0 else e0 + (e1 - e0) * (t_s - t0) / (t1 - t0)
 
     def reload_driver(self) -> None:
         """The driver reloads: the energy counter starts again from 0."""
