@@ -49,6 +49,7 @@ from typing import Any
 from carbon.accounting import J_PER_KWH
 from lightning_energy.controller import EnergyController
 from lightning_energy.errors import EnergyError
+from lightning_energy.summary_rows import power_limit_rows
 
 __all__ = [
     "REPORT_VERSION",
@@ -57,7 +58,6 @@ __all__ = [
     "chosen_power_limits_w",
     "format_report",
     "load_report",
-    "power_limit_rows",
     "save_report",
     "write_report",
 ]
@@ -404,39 +404,6 @@ def chosen_power_limits_w(report: Mapping[str, Any]) -> list[float]:
         if float(value) not in limits:
             limits.append(float(value))
     return limits
-
-
-def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> list[tuple[str, str]]:
-    """What a run did with power limits, as summary rows: the limits chosen, a profile that
-    did not finish, and what every GPU was put back to at the end.
-
-    Args:
-        summary: a run summary (``RunSummary.to_dict()`` or a checked report's section).
-        chosen: the limits chosen after profiling, in the order applied.
-    """
-    applied = summary.get("power_limits_applied") or 0
-    rows: list[tuple[str, str]] = []
-    if summary.get("profile_complete") is False:
-        measured = summary.get("power_limits_measured") or 0
-        candidates = summary.get("power_limit_candidates") or 0
-        rows.append(
-            (
-                "power-limit profile",
-                f"not finished: {measured:.0f} of {candidates:.0f} limits measured",
-            )
-        )
-    if chosen:
-        rows.append(("power limits chosen", ", ".join(f"{p:.0f} W" for p in chosen)))
-    elif applied:
-        plural = "limit" if applied == 1 else "limits"
-        rows.append(("power limits chosen", f"none ({applied:.0f} {plural} set while profiling)"))
-    else:
-        rows.append(("power limits chosen", "none (GPU settings unchanged)"))
-    pre = summary.get("pre_job_power_limit_w")
-    if pre is not None:
-        restored = " (every GPU put back to it at the end)" if chosen or applied else ""
-        rows.append(("pre-job power limit", f"{float(pre):.0f} W{restored}"))
-    return rows
 
 
 def format_report(report: Mapping[str, Any]) -> str:

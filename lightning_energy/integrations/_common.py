@@ -30,7 +30,7 @@ from lightning_energy.controller import (
     RunSummary,
 )
 from lightning_energy.errors import ConfigError
-from lightning_energy.report import power_limit_rows
+from lightning_energy.summary_rows import power_limit_rows
 
 __all__ = [
     "EnergyAdapter",
