@@ -80,6 +80,9 @@ _IDLE_SHARE = 0.15
 # one polling period): long enough for the energy counter to measure idle power, then the
 # pause is decided again at the measured power.
 _IDLE_PROBE_S = 60.0
+# At the end of this many first steps of a run the guard looks for a clock lock the job did
+# not make: NVML shows one only while work runs under it, never on the idle GPU of setup.
+_FOREIGN_CLOCK_CHECK_STEPS = 3
 
 
 class EnergyController:
@@ -140,6 +143,7 @@ class EnergyController:
         self._ranks: list[RankInfo] = []
         self._plan = JobPlan(True, (), None)
         self._counts_energy = True
+        self._clock_checks_left = _FOREIGN_CLOCK_CHECK_STEPS
         self._wake: socket.socket | None = None
         self._power_limit_w: float | None = None
         self._static_limit_w: float | None = None
@@ -609,6 +613,7 @@ class EnergyController:
         run_step = self.devices.run_step
         if run_step is not None:
             run_step()
+        self._check_foreign_clocks()
         self._ledger.count_step()
         if self._session.count_step():
             self._close_window()
@@ -616,6 +621,14 @@ class EnergyController:
             self._ledger.next_interval(self._power_limit_w)
             if self.config.carbon is not None:
                 self._pace()
+
+    def _check_foreign_clocks(self) -> None:
+        """During the first steps, while the step's work keeps the GPUs busy: let the guard
+        look for an administrator's clock lock (one NVML reading per GPU)."""
+        if self._clock_checks_left > 0:
+            self._clock_checks_left -= 1
+            assert self._guard is not None
+            self._guard.check_foreign_clocks()
 
     def _interrupt(self, reason: str) -> None:
         if self._session.window is None:

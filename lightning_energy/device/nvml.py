@@ -33,6 +33,7 @@ reason while this process holds no lock, or application clocks away from their d
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
@@ -472,17 +473,15 @@ class NVMLGPU:
         """Why the SM clocks are under a setting this process did not make, or None.
 
         NVML cannot read a clock lock back; an administrator's lock (``nvidia-smi -lgc``)
-        shows as the applications-clocks-setting clock event reason, and application
-        clocks (``-ac``) as a graphics application clock away from its default. Drivers
-        that report neither are taken to have no foreign setting.
+        shows as the applications-clocks-setting clock event reason, and only while work
+        runs under it (an idle GPU reports ``GpuIdle`` alone), and application clocks
+        (``-ac``) as a graphics application clock away from its default. The application
+        clocks are read once (they do not follow the load), so every later call costs one
+        NVML call. Drivers that report neither are taken to have no foreign setting.
         """
-        nvml = self._nvml
-        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
-        )
-        if self._locked is None and reasons_fn is not None:
+        if self._locked is None:
             try:
-                reasons = int(self._get("clock_event_reasons", reasons_fn, self._physical))
+                reasons = self.clock_event_reasons()
             except NotSupportedError:
                 reasons = 0
             if reasons & _APPLICATIONS_CLOCKS_SETTING:
@@ -491,25 +490,23 @@ class NVMLGPU:
                     "applications-clocks-setting clock event reason: an administrator's "
                     "`nvidia-smi -lgc` or `-ac`)"
                 )
+        return self._applications_clock_setting
+
+    @functools.cached_property
+    def _applications_clock_setting(self) -> str | None:
+        """Why the graphics application clock is away from its default (``-ac``), or None."""
+        nvml = self._nvml
+        read = functools.partial(self._get, "applications_clock")
+        graphics = (self._physical, _NVML_CLOCK_GRAPHICS)
         try:
-            current = self._get(
-                "applications_clock",
-                nvml.nvmlDeviceGetApplicationsClock,
-                self._physical,
-                _NVML_CLOCK_GRAPHICS,
-            )
-            default = self._get(
-                "applications_clock",
-                nvml.nvmlDeviceGetDefaultApplicationsClock,
-                self._physical,
-                _NVML_CLOCK_GRAPHICS,
-            )
+            current = int(read(nvml.nvmlDeviceGetApplicationsClock, *graphics))
+            default = int(read(nvml.nvmlDeviceGetDefaultApplicationsClock, *graphics))
         except NotSupportedError:
             return None
-        if int(current) != int(default):
+        if current != default:
             return (
-                f"its graphics application clock is {int(current)} MHz, not the default "
-                f"{int(default)} MHz (an administrator's `nvidia-smi -ac`)"
+                f"its graphics application clock is {current} MHz, not the default "
+                f"{default} MHz (an administrator's `nvidia-smi -ac`)"
             )
         return None
 

@@ -19,11 +19,11 @@ from lightning_energy.device import (
     SimulatedSpec,
     simulated_gpus,
 )
-from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.nvml import NVMLGPU, nvml_gpus
 from lightning_energy.device.simulated import (
     BOARDS,
     CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING,
+    CLOCK_EVENT_GPU_IDLE,
     Board,
 )
 from lightning_energy.errors import ConfigError, DriverError, NotSupportedError
@@ -126,29 +126,6 @@ def test_board_options_are_validated_together() -> None:
         SimulatedGPU(PHYSICS_PRESETS["a100"], board=Board(enforced_power_limit_w=0.0))
 
 
-# ----------------------------------------------------------------- foreign clock lock
-def test_foreign_clock_lock_is_invisible_to_read_back_but_not_to_event_reasons() -> None:
-    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005), setting_latency_s=0.0)
-    assert gpu.locked_clocks_mhz() is None
-    assert gpu.clock_event_reasons() & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
-    assert gpu.foreign_clock_setting() is not None
-    assert gpu.run_work(0.1, 1.0) == pytest.approx(0.1 * 1410 / 1005)  # it does slow work
-
-
-def test_guard_leaves_an_administrators_clock_lock_alone(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005))
-    with (
-        caplog.at_level(logging.WARNING, logger="lightning_energy"),
-        GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard,
-    ):
-        assert guard.lock_clocks_mhz(600, 900) is None
-        assert guard.set_power_limit_w(300.0) == 300.0  # power limits still apply
-    assert gpu.foreign_clock_lock_mhz() == (1005, 1005)  # not released by the restore
-    assert sum("left alone" in r.getMessage() for r in caplog.records) == 1
-
-
 # ---------------------------------------------------------------- enforced power limit
 def _controller(tmp_path: Path, gpu: SimulatedGPU, limits: list[float]) -> EnergyController:
     config = EnergyConfig.from_mapping(
@@ -241,14 +218,25 @@ def test_power_sampler_prefers_the_instant_field_and_falls_back(
         gpu.close()
 
 
-def test_nvml_sees_an_administrators_clock_lock(rude: FakeNVML) -> None:
+def test_nvml_sees_an_administrators_clock_lock_only_under_load(rude: FakeNVML) -> None:
+    device = rude.devices[0]
+    device.locked = (1005, 1005)  # `nvidia-smi -lgc 1005,1005` before the job
     (gpu,) = nvml_gpus()
     try:
-        assert gpu.foreign_clock_setting() is None
-        rude.devices[0].clock_event_reasons = CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+        assert gpu.locked_clocks_mhz() is None  # NVML cannot read a lock back
+        assert gpu.clock_event_reasons() == CLOCK_EVENT_GPU_IDLE
+        assert gpu.foreign_clock_setting() is None  # idle: the lock does not show
+        device.busy = True
+        assert gpu.clock_event_reasons() & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
         assert "nvidia-smi -lgc" in (gpu.foreign_clock_setting() or "")
-        rude.devices[0].clock_event_reasons = 0
-        rude.devices[0].applications_clock_mhz = 1005
+    finally:
+        gpu.close()
+
+
+def test_nvml_sees_application_clocks_idle_or_busy(rude: FakeNVML) -> None:
+    rude.devices[0].applications_clock_mhz = 1005  # `nvidia-smi -ac`
+    (gpu,) = nvml_gpus()
+    try:
         assert "1005 MHz" in (gpu.foreign_clock_setting() or "")
     finally:
         gpu.close()
