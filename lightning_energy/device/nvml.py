@@ -38,6 +38,7 @@ import importlib
 import itertools
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,10 +75,13 @@ _FUNCTION_NOT_FOUND = ("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
 _APPLICATIONS_CLOCKS_SETTING = 0x2  # nvmlClocksEventReasonApplicationsClocksSetting
 _NVML_CLOCK_GRAPHICS = 0
 # How long, and how often, energy_counter_period_s polls the counter.
-_COUNTER_PROBE_S = 0.35
+_COUNTER_PROBE_S = 1.0
 _COUNTER_PROBE_INTERVAL_S = 0.002
 # The period assumed when the counter does not move twice during the probe.
 _DEFAULT_COUNTER_PERIOD_S = 0.1
+# The counter period measured on each physical GPU (by UUID), for the life of the process.
+_counter_periods_s: dict[str, float] = {}
+_counter_periods_lock = threading.Lock()
 _session_lock = threading.Lock()
 _session_refs = 0
 
@@ -306,11 +310,16 @@ class NVMLGPU:
                 self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
                 self._uuid = _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, handle))
                 self._is_mig, self._physical = self._mig_info()
+                self._physical_uuid = (
+                    self._uuid
+                    if self._physical is handle
+                    else _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, self._physical))
+                )
             except GPULostError:
                 # Fell off the bus before the job: it keeps an identity of its own, every
                 # later call raises GPULostError, and the job observes (missing readings).
                 self._name = "NVIDIA GPU (lost)"
-                self._uuid = f"GPU-lost-{index}"
+                self._uuid = self._physical_uuid = f"GPU-lost-{index}"
                 self._is_mig, self._physical = False, handle
         except BaseException:
             self._session.release()
@@ -359,6 +368,11 @@ class NVMLGPU:
     def is_mig(self) -> bool:
         """True for a MIG instance or a GPU in MIG mode: observe-only."""
         return self._is_mig
+
+    @property
+    def physical_uuid(self) -> str:
+        """The UUID of the physical GPU: a MIG instance's parent, else :attr:`uuid`."""
+        return self._physical_uuid
 
     def _check_settable(self, operation: str) -> None:
         if self._is_mig:
@@ -597,15 +611,22 @@ class NVMLGPU:
         return self.power_w()
 
     def energy_counter_period_s(self) -> float:
-        """How often the energy counter moves, measured once by polling it (cached).
+        """How often the energy counter moves, measured by polling it (once per GPU).
 
-        The counter is polled every 2 ms for up to 0.35 s; the period is the shortest
-        interval between two changes. If it does not change twice (an idle GPU, a slow
-        counter), 0.1 s is assumed. GPUs without a counter integrate sampled power: their
-        period is the sampling interval.
+        The counter is polled every 2 ms for about 1 s; the period is the median interval
+        between two changes, so an update that comes early or late does not decide it. The
+        measurement is kept for the physical GPU for the life of the process: opening the
+        GPU again (another fit, a MIG instance of it) does not poll again. If the counter
+        does not change twice (a slow counter), 0.1 s is assumed, and polled again on the
+        next opening. GPUs without a counter integrate sampled power: their period is the
+        sampling interval.
         """
         if self._counter_period_s is None:
-            self._counter_period_s = self._probe_counter_period_s()
+            with _counter_periods_lock:
+                known_s = _counter_periods_s.get(self._physical_uuid)
+            if known_s is None:
+                known_s = self._probe_counter_period_s()
+            self._counter_period_s = known_s
         return self._counter_period_s
 
     def _probe_counter_period_s(self) -> float:
@@ -616,14 +637,13 @@ class NVMLGPU:
             return self._power_sample_interval_s
         changes: list[float] = []
         start = self._clock()
-        while self._clock() - start < _COUNTER_PROBE_S and len(changes) < 4:
+        while self._clock() - start < _COUNTER_PROBE_S:
             self._sleep(_COUNTER_PROBE_INTERVAL_S)
             value = self._get("energy", read, self._physical)
             if value != last:
                 changes.append(self._clock())
                 last = value
-        intervals = [b - a for a, b in itertools.pairwise(changes)]
-        if not intervals:
+        if len(changes) < 2:
             logger.debug(
                 "GPU %d: the energy counter did not move twice in %.2f s; assuming it moves "
                 "every %.2f s.",
@@ -632,7 +652,10 @@ class NVMLGPU:
                 _DEFAULT_COUNTER_PERIOD_S,
             )
             return _DEFAULT_COUNTER_PERIOD_S
-        return min(intervals)
+        period_s = statistics.median(b - a for a, b in itertools.pairwise(changes))
+        with _counter_periods_lock:
+            _counter_periods_s[self._physical_uuid] = period_s
+        return period_s
 
     def energy_j(self) -> float:
         """Cumulative energy in joules: the hardware counter, or sampled power where the GPU

@@ -197,6 +197,34 @@ def test_nvml_counter_period_is_measured(rude: FakeNVML) -> None:
         gpu.close()
 
 
+def test_nvml_counter_period_is_the_median_of_a_jittery_counter(rude: FakeNVML) -> None:
+    """Updates come up to 40 ms early or late: some intervals are 20 ms, some 180 ms."""
+    rude.devices[0].energy_update_jitter_s = 0.04
+    gpu = NVMLGPU(rude.devices[0], 0, clock=rude.clock, sleep=rude.sleep)
+    try:
+        start_s = rude.now_s
+        assert gpu.energy_counter_period_s() == pytest.approx(0.1, abs=0.015)
+        assert rude.now_s - start_s == pytest.approx(1.0, abs=0.01)  # polled for about 1 s
+    finally:
+        gpu.close()
+
+
+def test_nvml_counter_period_is_probed_once_per_gpu(rude: FakeNVML) -> None:
+    device = rude.devices[0]
+    first = NVMLGPU(device, 0, clock=rude.clock, sleep=rude.sleep)
+    second = NVMLGPU(device, 1, clock=rude.clock, sleep=rude.sleep)
+    try:
+        period_s = first.energy_counter_period_s()
+        reads = rude.call_counts["nvmlDeviceGetTotalEnergyConsumption"]
+        probed_at_s = rude.now_s
+        assert second.energy_counter_period_s() == period_s  # the same GPU, opened again
+        assert rude.now_s == probed_at_s
+        assert rude.call_counts["nvmlDeviceGetTotalEnergyConsumption"] == reads
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("instant", ["function_not_found", "unsupported"])
 def test_power_sampler_prefers_the_instant_field_and_falls_back(
     instant: str, monkeypatch: pytest.MonkeyPatch
