@@ -23,7 +23,10 @@ measures it). Elsewhere energy is integrated from sampled power by a background 
 :meth:`NVMLGPU.close`. It samples the instantaneous power field
 (``NVML_FI_DEV_POWER_INSTANT``) where the driver has it, because
 ``nvmlDeviceGetPowerUsage`` is a 1 s average on Ampere and Hopper; older drivers
-(``FUNCTION_NOT_FOUND``, or the field not supported) fall back to ``nvmlDeviceGetPowerUsage``.
+(``FUNCTION_NOT_FOUND``, or an error code for the field itself: ``NOT_SUPPORTED``, or
+``INVALID_ARGUMENT`` from a driver that does not know it) fall back to
+``nvmlDeviceGetPowerUsage``. The field's value is read from the union member its
+``valueType`` names, which differs between drivers.
 
 NVML cannot read a clock lock back, so an administrator's ``nvidia-smi -lgc`` (or
 application clocks set with ``-ac``) is found through its side effects:
@@ -72,6 +75,8 @@ _HANDLE_OPERATIONS = frozenset({"get_handle"})
 # pynvml names, with their values for versions of nvidia-ml-py that lack them.
 _FIELD_POWER_INSTANT = ("NVML_FI_DEV_POWER_INSTANT", 186)
 _FUNCTION_NOT_FOUND = ("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+# The member of a field value's union that each value type names (nvmlValueType_t order).
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 _APPLICATIONS_CLOCKS_SETTING = 0x2  # nvmlClocksEventReasonApplicationsClocksSetting
 _NVML_CLOCK_GRAPHICS = 0
 # How long, and how often, energy_counter_period_s polls the counter.
@@ -572,8 +577,11 @@ class NVMLGPU:
         """The power drawn now, from the ``NVML_FI_DEV_POWER_INSTANT`` field.
 
         Raises:
-            NotSupportedError: the driver lacks the field or ``nvmlDeviceGetFieldValues``
-                (``FUNCTION_NOT_FOUND``).
+            NotSupportedError: the driver lacks ``nvmlDeviceGetFieldValues``
+                (``FUNCTION_NOT_FOUND``), or answers for the field with an error code
+                (``NOT_SUPPORTED``, ``INVALID_ARGUMENT`` for a field it does not know...)
+                or a value type this package does not read.
+            GPULostError: the GPU fell off the bus.
         """
         nvml = self._nvml
         get_fields = getattr(nvml, "nvmlDeviceGetFieldValues", None)
@@ -585,11 +593,22 @@ class NVMLGPU:
             )
         field = getattr(nvml, *_FIELD_POWER_INSTANT)
         (value,) = self._get("instant_power", get_fields, self._physical, [field])
-        if value.nvmlReturn != 0:
+        code, kind = int(value.nvmlReturn), int(value.valueType)
+        if code == nvml.NVML_ERROR_GPU_IS_LOST:
             raise translate_nvml_error(
-                nvml.NVMLError(value.nvmlReturn), gpu_index=self._index, operation="instant_power"
+                nvml.NVMLError(code), gpu_index=self._index, operation="instant_power"
             )
-        return float(value.value.uiVal) / 1000.0
+        if code != 0 or not 0 <= kind < len(_VALUE_MEMBERS):
+            # A driver that does not know the field answers for it with its own code
+            # (NOT_SUPPORTED, or INVALID_ARGUMENT on older drivers).
+            why = nvml.NVMLError(code) if code != 0 else f"value type {kind}"
+            raise NotSupportedError(
+                f"the driver does not give field {field} ({why})",
+                gpu_index=self._index,
+                operation="instant_power",
+            )
+        # Milliwatts, in the union member its value type names (drivers differ).
+        return float(getattr(value.value, _VALUE_MEMBERS[kind])) / 1000.0
 
     def _sample_power_w(self) -> float:
         """Power for the energy integration: instantaneous where the driver has it."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import sys
 from pathlib import Path
 
 import pytest
-from fake_pynvml import FakeNVML, a100, make_module
+from fake_pynvml import VALUE_TYPES, FakeNVML, NvmlFieldValue, NvmlValue, a100, make_module
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
@@ -225,7 +226,7 @@ def test_nvml_counter_period_is_probed_once_per_gpu(rude: FakeNVML) -> None:
         second.close()
 
 
-@pytest.mark.parametrize("instant", ["function_not_found", "unsupported"])
+@pytest.mark.parametrize("instant", ["function_not_found", "unsupported", "unknown_field"])
 def test_power_sampler_prefers_the_instant_field_and_falls_back(
     instant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -244,6 +245,43 @@ def test_power_sampler_prefers_the_instant_field_and_falls_back(
             gpu.instant_power_w()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize(
+    "value_type",
+    [
+        "NVML_VALUE_TYPE_DOUBLE",
+        "NVML_VALUE_TYPE_UNSIGNED_INT",
+        "NVML_VALUE_TYPE_UNSIGNED_LONG",
+        "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG",
+        "NVML_VALUE_TYPE_SIGNED_LONG_LONG",
+        "NVML_VALUE_TYPE_SIGNED_INT",
+    ],
+)
+def test_instant_power_is_read_from_the_member_its_value_type_names(
+    rude: FakeNVML, value_type: str
+) -> None:
+    """Drivers differ in the type they give field 186; the other union members hold the
+    same bytes read as another type."""
+    rude.devices[0].instant_power_value_type = VALUE_TYPES[value_type]
+    (gpu,) = nvml_gpus()
+    try:
+        assert gpu.instant_power_w() == 300.0
+    finally:
+        gpu.close()
+
+
+def test_the_fake_field_value_is_laid_out_as_pynvmls() -> None:
+    real = importlib.import_module("pynvml")
+    assert not isinstance(real, FakeNVML)
+
+    def layout(struct: type) -> list[tuple[str, str]]:
+        return [(name, kind.__name__) for name, kind in struct._fields_]  # type: ignore[attr-defined]
+
+    assert layout(NvmlFieldValue)[:-1] == layout(real.c_nvmlFieldValue_t)[:-1]
+    assert layout(NvmlValue) == layout(real.c_nvmlValue_t)
+    assert {name: getattr(real, name) for name in VALUE_TYPES} == VALUE_TYPES
+    assert real.NVML_FI_DEV_POWER_INSTANT == FakeNVML.NVML_FI_DEV_POWER_INSTANT
 
 
 def test_nvml_sees_an_administrators_clock_lock_only_under_load(rude: FakeNVML) -> None:
