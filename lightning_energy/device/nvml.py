@@ -302,6 +302,8 @@ class NVMLGPU:
         self._index = index
         self._power_sample_interval_s = power_sample_interval_s
         self._sampler: PowerSampler | None = None
+        self._sampler_lock = threading.Lock()  # one sampler, however many threads read
+        self._closed = False
         self._locked: tuple[int, int] | None = None
         self._clocks: list[int] | None = None
         self._synchronize: Callable[[], None] | None = None
@@ -679,22 +681,35 @@ class NVMLGPU:
     def energy_j(self) -> float:
         """Cumulative energy in joules: the hardware counter, or sampled power where the GPU
         has none (pre-Volta)."""
-        if self._sampler is None:
+        sampler = self._sampler
+        if sampler is None:
             try:
                 mj = self._get(
                     "energy", self._nvml.nvmlDeviceGetTotalEnergyConsumption, self._physical
                 )
             except NotSupportedError:
+                sampler = self._power_sampler()
+            else:
+                return float(mj) / 1000.0
+        return sampler.energy_j()
+
+    def _power_sampler(self) -> PowerSampler:
+        """The power sampler, started by the first thread that needs it."""
+        with self._sampler_lock:
+            if self._sampler is None:
+                if self._closed:
+                    raise DriverError(
+                        "the GPU was closed", gpu_index=self._index, operation="energy"
+                    )
                 logger.info(
                     "GPU %d (%s) has no energy counter: integrating sampled power instead.",
                     self._index,
                     self._name,
                 )
-                self._sampler = PowerSampler(self._sample_power_w, self._power_sample_interval_s)
-                self._sampler.start()
-            else:
-                return float(mj) / 1000.0
-        return self._sampler.energy_j()
+                sampler = PowerSampler(self._sample_power_w, self._power_sample_interval_s)
+                sampler.start()
+                self._sampler = sampler
+            return self._sampler
 
     def synchronize(self) -> None:
         """Wait for queued CUDA work on this GPU (no-op without CUDA in torch)."""
@@ -724,8 +739,11 @@ class NVMLGPU:
 
     def close(self) -> None:
         """Stop the power sampler, if any, and release NVML (idempotent)."""
-        if self._sampler is not None:
-            self._sampler.stop()
+        with self._sampler_lock:
+            self._closed = True
+            sampler = self._sampler
+        if sampler is not None:
+            sampler.stop()
         self._session.release()
 
     def __enter__(self) -> NVMLGPU:

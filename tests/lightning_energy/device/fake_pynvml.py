@@ -29,6 +29,7 @@ import math
 import random
 import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,8 @@ class FakeDevice:
     mig_instances: list[FakeDevice] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML code
+    # function name -> called inside that call before it answers (threads can meet there)
+    hooks: dict[str, Callable[[], object]] = field(default_factory=dict)
     # Reason bits reported while busy besides a lock's 0x2 (e.g. 0x4 software power cap).
     clock_event_reasons: int = 0
     busy: bool = False  # running work: idle GPUs report GpuIdle (0x1) only
@@ -253,6 +256,8 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
         mod.call_counts[fn] += 1
         if not state["initialised"]:
             raise NVMLError(ERROR_CODES["NVML_ERROR_UNINITIALIZED"])
+        if device is not None and fn in device.hooks:
+            device.hooks[fn]()
         if device is not None and device.lost:
             raise NVMLError(ERROR_CODES["NVML_ERROR_GPU_IS_LOST"])
         if device is not None and fn in device.errors:
