@@ -6,10 +6,14 @@ becomes a typed :class:`~lightning_energy.errors.DeviceError` carrying the GPU i
 operation (see :func:`translate_nvml_error`).
 
 GPU selection follows ``CUDA_VISIBLE_DEVICES`` so that process-local index ``i`` is the GPU
-that ``torch.device("cuda", i)`` uses: entries may be NVML indices, GPU UUIDs (``GPU-...``,
-unique prefixes accepted as CUDA does) or MIG instance UUIDs (``MIG-...``). Indices are in
-NVML (PCI bus) order; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA numbers GPUs the
-same way.
+that ``torch.device("cuda", i)`` uses: entries may be indices, GPU UUIDs (``GPU-...``,
+unique prefixes accepted as CUDA does) or MIG instance UUIDs (``MIG-...``). Indices count in
+CUDA's order, which is NVML's (PCI bus) order under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
+when every GPU is the same model; otherwise CUDA is asked for the UUID of each
+process-local GPU, and without CUDA the indices are refused (:class:`ConfigError`). UUIDs
+are looked up with ``nvmlDeviceGetHandleByUUID``, then, when that fails (it answers
+``GPU_IS_LOST`` if it meets a GPU that fell off the bus while searching), among the GPUs
+that answer: a lost GPU elsewhere on the node does not stop the others being found.
 
 MIG instances are observed, never changed: power and clock settings belong to the whole
 physical GPU, shared with other instances, so their setters raise
@@ -49,7 +53,15 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from lightning_energy.device.base import LeaseSource
+from lightning_energy.device.cuda import (
+    ORDER_VAR,
+    CudaRuntime,
+    TorchCuda,
+    cuda_device_order,
+    normalise_uuid,
+)
 from lightning_energy.errors import (
+    ConfigError,
     DeviceError,
     DriverError,
     GPULostError,
@@ -764,28 +776,25 @@ def _cuda_synchronizer(index: int) -> Callable[[], None]:
     return lambda: torch.cuda.synchronize(device)
 
 
-def _visible_handles(nvml: ModuleType) -> list[object]:
-    """NVML handles of the GPUs CUDA lets this process see, in process-local order.
+def _visible(nvml: ModuleType) -> list[int | object]:
+    """What ``CUDA_VISIBLE_DEVICES`` names, in process-local order: an ``int`` is an index
+    into CUDA's numbering of every GPU, anything else the NVML handle a UUID entry names.
 
-    As CUDA does, the first ``CUDA_VISIBLE_DEVICES`` entry that names no GPU (``-1``, an
-    index out of range, an unknown or ambiguous UUID) ends the list.
+    As CUDA does, the first entry that names no GPU (``-1``, an index out of range, an
+    unknown or ambiguous UUID) ends the list. Without the variable every GPU is visible.
     """
     count = _call("get_count", None, nvml.nvmlDeviceGetCount)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return [_call("get_handle", i, nvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
-    handles: list[object] = []
+        return list(range(count))
+    named: list[int | object] = []
     for entry in (e.strip() for e in visible.split(",")):
-        local = len(handles)
+        item: int | object | None
         if entry.lstrip("-").isdigit():
-            handle = (
-                _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, int(entry))
-                if 0 <= int(entry) < count
-                else None
-            )
+            item = int(entry) if 0 <= int(entry) < count else None
         else:
-            handle = _handle_by_uuid(nvml, entry, local, count)
-        if handle is None:
+            item = _handle_by_uuid(nvml, entry, len(named))
+        if item is None:
             if entry != "-1":
                 logger.info(
                     "CUDA_VISIBLE_DEVICES entry %r names no GPU: it and later entries are "
@@ -793,24 +802,130 @@ def _visible_handles(nvml: ModuleType) -> list[object]:
                     entry,
                 )
             break
+        named.append(item)
+    return named
+
+
+def _visible_handles(nvml: ModuleType, cuda: CudaRuntime | None = None) -> list[object]:
+    """NVML handles of the GPUs CUDA lets this process see, in process-local order.
+
+    Index entries of ``CUDA_VISIBLE_DEVICES`` (and process-local indices without it) count
+    in CUDA's order, which is NVML's (PCI bus) order only under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on GPUs that are all one model. Otherwise CUDA is
+    asked for the UUID of each process-local GPU.
+
+    Args:
+        nvml: the pynvml module.
+        cuda: the CUDA side (default :class:`~lightning_energy.device.cuda.TorchCuda`).
+
+    Raises:
+        ConfigError: CUDA may number the GPUs differently from NVML and is not available to
+            say how.
+    """
+    named = _visible(nvml)
+    if not any(isinstance(item, int) for item in named):
+        return named
+    models = _models(nvml)
+    if cuda_device_order() == "PCI_BUS_ID" or len(models) <= 1:
+        return [
+            _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, item)
+            if isinstance(item, int)
+            else item
+            for local, item in enumerate(named)
+        ]
+    runtime = cuda if cuda is not None else TorchCuda()
+    if not runtime.is_available():
+        raise ConfigError(
+            f"{ORDER_VAR}={cuda_device_order()!r} with different GPU models {sorted(models)}: "
+            "CUDA numbers them fastest first, NVML by PCI bus, and CUDA is not available to "
+            f"tell which GPU a process-local index is; set {ORDER_VAR}=PCI_BUS_ID, or pass "
+            "the framework's CUDA device",
+            source=f"env {ORDER_VAR}",
+        )
+    handles: list[object] = []
+    for local in range(runtime.device_count()):
+        uuid = runtime.uuid(local)
+        handle = _handle_for_cuda_uuid(nvml, uuid, local)
+        if handle is None:
+            raise GPUNotFoundError(
+                f"CUDA's GPU {local} has UUID {uuid!r}, which no NVML GPU that answers has",
+                gpu_index=local,
+                operation="get_handle",
+            )
         handles.append(handle)
     return handles
 
 
-def _handle_by_uuid(nvml: ModuleType, entry: str, local: int, count: int) -> object | None:
-    """The GPU or MIG instance whose UUID is ``entry`` or uniquely starts with it."""
+def _models(nvml: ModuleType) -> set[str]:
+    """The model names of every GPU NVML lists (a GPU that fell off the bus has none)."""
+    models = set()
+    for i in range(_call("get_count", None, nvml.nvmlDeviceGetCount)):
+        try:
+            handle = _call("get_handle", i, nvml.nvmlDeviceGetHandleByIndex, i)
+            models.add(_text(_call("get_name", i, nvml.nvmlDeviceGetName, handle)))
+        except GPULostError:
+            continue
+    return models
+
+
+def _asked_by_uuid(nvml: ModuleType, uuids: Sequence[str], local: int) -> object | None:
+    """The handle NVML gives for the first of ``uuids`` it finds, or None.
+
+    ``nvmlDeviceGetHandleByUUID`` may initialise other GPUs while it searches and then
+    answers ``GPU_IS_LOST`` for a GPU that is not the one asked for: any failure is None,
+    and the caller lists the GPUs instead (:func:`_answering`).
+    """
+    lookup = getattr(nvml, "nvmlDeviceGetHandleByUUID", None)
+    if lookup is None:
+        return None
+    for uuid in uuids:
+        try:
+            return _call("get_handle", local, lookup, uuid.encode())
+        except DeviceError:
+            continue
+    return None
+
+
+def _answering(nvml: ModuleType, local: int) -> tuple[list[tuple[str, object]], list[int]]:
+    """Every GPU and MIG instance that answers, as ``(UUID, handle)``, and the NVML
+    indices of the GPUs that fell off the bus (left out)."""
+    found: list[tuple[str, object]] = []
+    lost: list[int] = []
+    for i in range(_call("get_count", local, nvml.nvmlDeviceGetCount)):
+        try:
+            handle = _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, i)
+            found.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, handle)), handle))
+        except GPULostError:
+            lost.append(i)
+            continue
+        found.extend(_mig_instances(nvml, handle, local))
+    return found, lost
+
+
+def _handle_by_uuid(nvml: ModuleType, entry: str, local: int) -> object | None:
+    """The GPU or MIG instance whose UUID is the ``CUDA_VISIBLE_DEVICES`` entry ``entry``,
+    or uniquely starts with it (as CUDA accepts), or None."""
     if not entry:
         return None
-    candidates: list[tuple[str, object]] = []
-    for i in range(count):
-        handle = _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, i)
-        candidates.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, handle)), handle))
-        if entry.startswith("MIG-"):
-            candidates.extend(_mig_instances(nvml, handle, local))
+    handle = _asked_by_uuid(nvml, [entry], local)
+    if handle is not None:
+        return handle
+    candidates, _lost = _answering(nvml, local)
     matches = [h for uuid, h in candidates if uuid == entry]
     if not matches:
         matches = [h for uuid, h in candidates if uuid.startswith(entry)]
     return matches[0] if len(matches) == 1 else None
+
+
+def _handle_for_cuda_uuid(nvml: ModuleType, uuid: str, local: int) -> object | None:
+    """The GPU or MIG instance CUDA reports as ``uuid`` (bare, as CUDA gives it, or with
+    NVML's prefix), or None when no GPU that answers has it."""
+    bare = normalise_uuid(uuid)
+    handle = _asked_by_uuid(nvml, [f"GPU-{bare}", f"MIG-{bare}"], local)
+    if handle is not None:
+        return handle
+    candidates, _lost = _answering(nvml, local)
+    return next((h for text, h in candidates if normalise_uuid(text) == bare), None)
 
 
 def _mig_instances(nvml: ModuleType, handle: object, local: int) -> list[tuple[str, object]]:
@@ -833,14 +948,16 @@ def visible_gpu_count() -> int:
 
     Raises:
         DriverError: pynvml is missing or NVML fails to initialise.
-        GPUNotFoundError: a ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
     """
     with NVMLSession():
-        return len(_visible_handles(_pynvml()))
+        return len(_visible(_pynvml()))
 
 
 def nvml_gpus(
-    indices: Sequence[int] | None = None, *, power_sample_interval_s: float = 0.05
+    indices: Sequence[int] | None = None,
+    *,
+    power_sample_interval_s: float = 0.05,
+    cuda: CudaRuntime | None = None,
 ) -> list[NVMLGPU]:
     """Open GPUs through NVML.
 
@@ -849,16 +966,20 @@ def nvml_gpus(
             visible GPUs.
         power_sample_interval_s: sampling period of the fallback energy integration on GPUs
             without an energy counter.
+        cuda: the CUDA side, asked when CUDA may number the GPUs differently from NVML
+            (default :class:`~lightning_energy.device.cuda.TorchCuda`).
 
     Returns:
         One :class:`NVMLGPU` per index; close each when done.
 
     Raises:
+        ConfigError: CUDA may number the GPUs differently from NVML and is not available
+            to say how (set ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
         DriverError: pynvml is missing or NVML fails to initialise.
         GPUNotFoundError: an index or ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
     """
     with NVMLSession():
-        handles = _visible_handles(_pynvml())
+        handles = _visible_handles(_pynvml(), cuda)
         wanted = range(len(handles)) if indices is None else indices
         bad = [i for i in wanted if not 0 <= i < len(handles)]
         if bad:

@@ -25,9 +25,12 @@ from lightning_energy.errors import (
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, devices: list[FakeDevice]) -> FakeNVML:
+    """The fake NVML over ``devices``; CUDA numbers GPUs as NVML does (PCI bus order), so
+    indices name the same GPUs on both sides, also on mixed models."""
     module = make_module(devices)
     monkeypatch.setitem(sys.modules, "pynvml", module)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return module
 
 
