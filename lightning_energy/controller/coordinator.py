@@ -54,6 +54,7 @@ from lightning_energy.job import (
     agree,
     describe_shared,
     job_totals,
+    measuring_ranks,
     node_name,
 )
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
@@ -301,8 +302,9 @@ class EnergyController:
     def _agree(self, devices: DeviceSet, guard: GPUGuard) -> None:
         """Take the lease and find out, with every rank, who optimises (one job, one plan).
 
-        Two collectives: which GPUs each rank opened (a GPU opened by two ranks is driven
-        and measured by the lower one only), then whether each rank can change its GPUs.
+        Two collectives: which GPUs each rank opened (a physical GPU opened by two ranks,
+        itself or as MIG instances, is driven and measured by the lower one only), then
+        whether each rank can change its GPUs.
         In strict mode a rank that cannot makes every rank raise the same error, so no rank
         is left waiting in a collective.
         """
@@ -310,7 +312,12 @@ class EnergyController:
 
         collective = self.collective
         single = collective.world_size == 1
-        me = RankInfo(collective.rank, self._node, tuple(g.uuid for g in devices.gpus))
+        me = RankInfo(
+            collective.rank,
+            self._node,
+            tuple(g.uuid for g in devices.gpus),
+            tuple(g.physical_uuid for g in devices.gpus),
+        )
         self._ranks = (
             [me]
             if single
@@ -823,6 +830,7 @@ class EnergyController:
             wait_s = min(wait_s, _IDLE_PROBE_S)
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
+        measuring = measuring_ranks(self._ranks)  # each physical GPU counted once
         waiter, self._wake = socket.socketpair()
         waiter.setblocking(False)
         self._wake.setblocking(False)
@@ -838,10 +846,10 @@ class EnergyController:
                 m: Measurement | None = ledger.next_interval(self._power_limit_w)
                 if m is not None:
                     idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
-                if idle_s > 0:  # job-wide idle power, as every rank idles alike
+                if idle_s > 0:  # job-wide idle power, as every measuring rank idles alike
                     # Measured from the first period on: the next decision weighs the pause
                     # at the power it really draws, not at the guess it was started with.
-                    ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
+                    ledger.idle_power_w = idle_j / idle_s * measuring
                 update = self.collective.broadcast(self._pace_update())
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh

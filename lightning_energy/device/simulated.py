@@ -371,6 +371,11 @@ class SimulatedGPU:
         """Always False: simulated GPUs are whole GPUs."""
         return False
 
+    @property
+    def physical_uuid(self) -> str:
+        """The :attr:`uuid`: a whole GPU is its own physical GPU."""
+        return self._uuid
+
     # ------------------------------------------------------------------- faults
     def inject_fault(
         self,
