@@ -352,12 +352,14 @@ class EnergyController:
     def _probe_permission(self, devices: DeviceSet, guard: GPUGuard) -> None:
         """Find out now, before training, whether settings may be changed.
 
-        Setting every GPU to its own pre-job limit changes nothing (the guard clamps to it)
-        but fails without permission (observe-only, or an error in strict mode).
+        Setting each GPU, on its own, to its pre-job limit changes nothing but fails without
+        permission (observe-only, or an error in strict mode). One limit for all GPUs would
+        not do: the guard keeps a request for several GPUs equal across them, lowering
+        those whose pre-job limits are higher.
         """
         if self.config.power_limit.enabled and not guard.observe_only:
-            pre = [guard.pre_job_power_limit_w(i) for i in range(len(devices))]
-            guard.set_power_limit_w(max(pre))
+            for i in range(len(devices)):  # after a refusal the guard changes nothing more
+                guard.set_power_limit_w(guard.pre_job_power_limit_w(i), gpus=[i])
 
     def _start(self, devices: DeviceSet, guard: GPUGuard) -> None:
         simulated = devices.backend == "simulated"
