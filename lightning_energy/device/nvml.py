@@ -35,7 +35,8 @@ measures it). Elsewhere energy is integrated from sampled power by a background 
 NVML cannot read a clock lock back, so an administrator's ``nvidia-smi -lgc`` (or
 application clocks set with ``-ac``) is found through its side effects:
 :meth:`NVMLGPU.foreign_clock_setting` reports the applications-clocks-setting clock event
-reason while this process holds no lock, or application clocks away from their default.
+reason while this process holds no lock (NVML shows it only while work runs held back by
+the lock), or application clocks away from their default.
 """
 
 from __future__ import annotations
