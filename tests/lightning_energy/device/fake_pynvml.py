@@ -18,7 +18,8 @@ be read back; it shows only in the clock event reasons, and only while the GPU i
 ``busy``: an idle GPU reports ``GpuIdle`` (0x1) and nothing else, as NVML does. A ``lost``
 GPU answers every call with ``GPU_IS_LOST`` (its handle is still listed by index), and
 ``nvmlDeviceGetHandleByUUID``, which initialises the GPUs it searches, fails the same way
-when it meets a lost GPU before the one asked for. ``call_counts`` counts every call.
+when it meets a lost GPU before the one asked for. ``call_counts`` counts every call, and a
+device's ``hooks`` run inside the calls they name (threads can be made to meet there).
 """
 
 from __future__ import annotations
