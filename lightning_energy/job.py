@@ -4,10 +4,12 @@ Every rank of a job makes the same collective calls at the same steps, so whethe
 optimises must be one decision, not one per rank: a rank that cannot change its GPU (no
 permission on one node, a MIG instance, a GPU leased by another job) still takes part in
 every profiling window, observing, while the others optimise. At setup each rank shares
-what it drives (:class:`RankInfo`); :func:`shared_gpus` finds GPUs that two processes of
-the job open (a wrong local rank, every process given ``CUDA_VISIBLE_DEVICES=0``): the
-lowest rank drives and measures such a GPU, the others observe it and count none of its
-energy. Then each rank shares whether it can change its GPUs, and :func:`agree` turns the
+what it drives (:class:`RankInfo`); :func:`shared_gpus` finds physical GPUs that two
+processes of the job open: the same GPU (a wrong local rank, every process given
+``CUDA_VISIBLE_DEVICES=0``), or MIG instances of one GPU, each of which reports the whole
+GPU's power and energy. The lowest rank on a physical GPU drives and measures it, the others
+observe it and count none of its energy (:func:`measuring_ranks` counts the ranks that
+measure). Then each rank shares whether it can change its GPUs, and :func:`agree` turns the
 answers into one :class:`JobPlan`, identical on every rank.
 
 At the end of a run :func:`job_totals` sums what every rank measured into the job's own
@@ -36,7 +38,9 @@ __all__ = [
     "JobPlan",
     "RankInfo",
     "agree",
+    "describe_shared",
     "job_totals",
+    "measuring_ranks",
     "node_name",
     "shared_gpus",
 ]
@@ -72,51 +76,100 @@ class RankInfo:
     Attributes:
         rank: the global rank.
         node: the node it runs on (:func:`node_name`).
-        gpus: the UUIDs of the GPUs it opened.
+        gpus: the UUIDs of the GPUs (or MIG instances) it opened.
+        physical: the UUID of the physical GPU of each of ``gpus`` (a MIG instance's
+            parent); empty when each is a whole GPU.
     """
 
     rank: int
     node: str
     gpus: tuple[str, ...]
+    physical: tuple[str, ...] = ()
+
+    @property
+    def physical_gpus(self) -> tuple[str, ...]:
+        """The physical GPU of each of :attr:`gpus`."""
+        return self.physical or self.gpus
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for a collective."""
-        return {"rank": self.rank, "node": self.node, "gpus": list(self.gpus)}
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "gpus": list(self.gpus),
+            "physical": list(self.physical),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankInfo:
         """The inverse of :meth:`to_dict`."""
-        return cls(int(data["rank"]), str(data["node"]), tuple(str(g) for g in data["gpus"]))
+        return cls(
+            int(data["rank"]),
+            str(data["node"]),
+            tuple(str(g) for g in data["gpus"]),
+            tuple(str(g) for g in data.get("physical", ())),
+        )
 
 
 def shared_gpus(ranks: Sequence[RankInfo], rank: int) -> dict[str, int]:
-    """The GPUs of ``rank`` that a lower rank of the job also opened.
+    """The GPUs of ``rank`` whose physical GPU a lower rank of the job also opened (the same
+    GPU, or another MIG instance of it).
 
     Returns:
-        ``{uuid: the lowest rank that opened it}`` for each such GPU (empty when this rank
-        drives its GPUs alone).
+        ``{uuid: the lowest rank on its physical GPU}`` for each such GPU (empty when this
+        rank drives and measures its GPUs alone).
     """
-    first: dict[str, int] = {}
-    for info in sorted(ranks, key=lambda r: r.rank):
-        for uuid in info.gpus:
-            first.setdefault(uuid, info.rank)
+    first = _lowest_ranks(ranks)
     mine = next((info for info in ranks if info.rank == rank), None)
     if mine is None:
         return {}
-    return {uuid: first[uuid] for uuid in mine.gpus if first[uuid] != rank}
+    return {
+        uuid: first[physical]
+        for uuid, physical in zip(mine.gpus, mine.physical_gpus, strict=True)
+        if first[physical] != rank
+    }
+
+
+def measuring_ranks(ranks: Sequence[RankInfo]) -> int:
+    """How many ranks measure their GPUs: those sharing no physical GPU with a lower rank
+    (each physical GPU of the job is measured by exactly one of them)."""
+    first = _lowest_ranks(ranks)
+    return sum(all(first[p] == info.rank for p in info.physical_gpus) for info in ranks)
+
+
+def _lowest_ranks(ranks: Sequence[RankInfo]) -> dict[str, int]:
+    """``{physical GPU UUID: the lowest rank that opened it}``."""
+    first: dict[str, int] = {}
+    for info in sorted(ranks, key=lambda r: r.rank):
+        for physical in info.physical_gpus:
+            first.setdefault(physical, info.rank)
+    return first
 
 
 def describe_shared(shared: Mapping[str, int], ranks: Sequence[RankInfo]) -> str:
-    """Why a rank observes GPUs another rank of its job drives (one sentence)."""
-    nodes = {info.rank: info.node for info in ranks}
-    parts = [
-        f"{uuid} is also opened by rank {r} on {nodes.get(r, '?')}" for uuid, r in shared.items()
-    ]
-    return (
-        "; ".join(parts) + " of this job (two processes on one GPU: check the local rank, "
-        "the devices given to the trainer and CUDA_VISIBLE_DEVICES); the lower rank drives "
-        "and measures it"
-    )
+    """Why a rank observes GPUs another rank of its job drives and measures (one sentence)."""
+    by_rank = {info.rank: info for info in ranks}
+    physical_of = {
+        uuid: physical
+        for info in ranks
+        for uuid, physical in zip(info.gpus, info.physical_gpus, strict=True)
+    }
+    parts = []
+    for uuid, r in shared.items():
+        lower = by_rank.get(r)
+        where = f"rank {r} on {lower.node if lower else '?'}"
+        if lower is not None and uuid in lower.gpus:
+            parts.append(
+                f"{uuid} is also opened by {where} of this job (two processes on one GPU: "
+                "check the local rank, the devices given to the trainer and "
+                "CUDA_VISIBLE_DEVICES)"
+            )
+        else:
+            parts.append(
+                f"{uuid} is a MIG instance of {physical_of.get(uuid, '?')}, which {where} of "
+                "this job also uses (every MIG instance reports its whole GPU's energy)"
+            )
+    return "; ".join(parts) + "; the lower rank drives and measures it"
 
 
 @dataclass(frozen=True)

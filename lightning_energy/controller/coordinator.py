@@ -54,6 +54,7 @@ from lightning_energy.job import (
     agree,
     describe_shared,
     job_totals,
+    measuring_ranks,
     node_name,
 )
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
@@ -80,6 +81,9 @@ _IDLE_SHARE = 0.15
 # one polling period): long enough for the energy counter to measure idle power, then the
 # pause is decided again at the measured power.
 _IDLE_PROBE_S = 60.0
+# At the end of this many first steps of a run the guard looks for a clock lock the job did
+# not make: NVML shows one only while work runs under it, never on the idle GPU of setup.
+_FOREIGN_CLOCK_CHECK_STEPS = 3
 
 
 class EnergyController:
@@ -140,6 +144,7 @@ class EnergyController:
         self._ranks: list[RankInfo] = []
         self._plan = JobPlan(True, (), None)
         self._counts_energy = True
+        self._clock_checks_left = _FOREIGN_CLOCK_CHECK_STEPS
         self._wake: socket.socket | None = None
         self._power_limit_w: float | None = None
         self._static_limit_w: float | None = None
@@ -296,8 +301,9 @@ class EnergyController:
     def _agree(self, devices: DeviceSet, guard: GPUGuard) -> None:
         """Take the lease and find out, with every rank, who optimises (one job, one plan).
 
-        Two collectives: which GPUs each rank opened (a GPU opened by two ranks is driven
-        and measured by the lower one only), then whether each rank can change its GPUs.
+        Two collectives: which GPUs each rank opened (a physical GPU opened by two ranks,
+        itself or as MIG instances, is driven and measured by the lower one only), then
+        whether each rank can change its GPUs.
         In strict mode a rank that cannot makes every rank raise the same error, so no rank
         is left waiting in a collective.
         """
@@ -305,7 +311,12 @@ class EnergyController:
 
         collective = self.collective
         single = collective.world_size == 1
-        me = RankInfo(collective.rank, self._node, tuple(g.uuid for g in devices.gpus))
+        me = RankInfo(
+            collective.rank,
+            self._node,
+            tuple(g.uuid for g in devices.gpus),
+            tuple(g.physical_uuid for g in devices.gpus),
+        )
         self._ranks = (
             [me]
             if single
@@ -340,12 +351,14 @@ class EnergyController:
     def _probe_permission(self, devices: DeviceSet, guard: GPUGuard) -> None:
         """Find out now, before training, whether settings may be changed.
 
-        Setting every GPU to its own pre-job limit changes nothing (the guard clamps to it)
-        but fails without permission (observe-only, or an error in strict mode).
+        Setting each GPU, on its own, to its pre-job limit changes nothing but fails without
+        permission (observe-only, or an error in strict mode). One limit for all GPUs would
+        not do: the guard keeps a request for several GPUs equal across them, lowering
+        those whose pre-job limits are higher.
         """
         if self.config.power_limit.enabled and not guard.observe_only:
-            pre = [guard.pre_job_power_limit_w(i) for i in range(len(devices))]
-            guard.set_power_limit_w(max(pre))
+            for i in range(len(devices)):  # after a refusal the guard changes nothing more
+                guard.set_power_limit_w(guard.pre_job_power_limit_w(i), gpus=[i])
 
     def _start(self, devices: DeviceSet, guard: GPUGuard) -> None:
         simulated = devices.backend == "simulated"
@@ -635,6 +648,7 @@ class EnergyController:
         run_step = self.devices.run_step
         if run_step is not None:
             run_step()
+        self._check_foreign_clocks()
         self._ledger.count_step()
         if self._session.count_step():
             self._close_window()
@@ -642,6 +656,14 @@ class EnergyController:
             self._ledger.next_interval(self._power_limit_w)
             if self.config.carbon is not None:
                 self._pace()
+
+    def _check_foreign_clocks(self) -> None:
+        """During the first steps, while the step's work keeps the GPUs busy: let the guard
+        look for an administrator's clock lock (one NVML reading per GPU)."""
+        if self._clock_checks_left > 0:
+            self._clock_checks_left -= 1
+            assert self._guard is not None
+            self._guard.check_foreign_clocks()
 
     def _interrupt(self, reason: str) -> None:
         """Something other than training runs next: a measuring window pauses (what runs
@@ -877,6 +899,7 @@ class EnergyController:
             wait_s = min(wait_s, _IDLE_PROBE_S)
         update: PaceUpdate | None = first
         idle_j = idle_s = 0.0
+        measuring = measuring_ranks(self._ranks)  # each physical GPU counted once
         waiter, self._wake = socket.socketpair()
         waiter.setblocking(False)
         self._wake.setblocking(False)
@@ -892,10 +915,10 @@ class EnergyController:
                 m: Measurement | None = ledger.next_interval(self._power_limit_w)
                 if m is not None:
                     idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
-                if idle_s > 0:  # job-wide idle power, as every rank idles alike
+                if idle_s > 0:  # job-wide idle power, as every measuring rank idles alike
                     # Measured from the first period on: the next decision weighs the pause
                     # at the power it really draws, not at the guess it was started with.
-                    ledger.idle_power_w = idle_j / idle_s * self.collective.world_size
+                    ledger.idle_power_w = idle_j / idle_s * measuring
                 update = self.collective.broadcast(self._pace_update(paused=True))
                 if update is not None:
                     ledger.intensity = update.intensity_g_per_kwh

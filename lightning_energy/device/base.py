@@ -74,6 +74,12 @@ class GPU(Protocol):
         """True for a MIG instance: settings are per physical GPU, so we only observe."""
         ...
 
+    @property
+    def physical_uuid(self) -> str:
+        """The UUID of the physical GPU whose power and energy this GPU reports: a MIG
+        instance's parent (every instance reports the whole GPU's), else :attr:`uuid`."""
+        ...
+
     def power_limit_constraints_w(self) -> tuple[float, float]:
         """The (min, max) power limit the driver accepts."""
         ...

@@ -358,11 +358,30 @@ class GPUGuard:
             except DeviceError:
                 self._pre_clocks[i] = None
 
+    def check_foreign_clocks(self) -> None:
+        """Look for a clock setting this job did not make, on every GPU it has not locked.
+
+        NVML cannot read a lock back and shows an administrator's ``nvidia-smi -lgc`` only
+        while work runs under it (an idle GPU reports nothing but idleness), so the check
+        at :meth:`acquire` misses a lock on an idle GPU: the controller calls this at the
+        end of the first training steps, and :meth:`lock_clocks_mhz` checks again before
+        each lock. A lock found makes clocks off limits for the rest of the run (never
+        locked, so never reset at restore), with one warning. One reading per GPU (a GPU
+        whose reading fails is skipped); a no-op once clocks are off limits, when
+        observe-only, or once restored.
+        """
+        with self._critical():
+            self._ensure_acquired()
+            if not self._changes_blocked():
+                self._check_foreign_clocks(range(len(self._gpus)))
+
     def _check_foreign_clocks(self, targets: Iterable[int]) -> bool:
         """Leave clocks alone when someone else set them (e.g. ``nvidia-smi -lgc``).
 
         NVML cannot read a lock back, so locking ours and resetting it at the end would
-        silently release an administrator's lock. Returns whether clocks are off limits.
+        silently release an administrator's lock. GPUs whose clocks this guard locked are
+        skipped: their reasons show the guard's own lock, which replaced any other.
+        Returns whether clocks are off limits.
         """
         if self._clocks_unsupported is not None:
             return True

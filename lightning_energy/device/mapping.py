@@ -10,12 +10,16 @@ rank on ``cuda:0`` whatever its local rank.
 
 :func:`nvml_gpu_for_device` therefore asks CUDA for the UUID of the framework's device
 (``torch.cuda.get_device_properties(device).uuid``, which already reflects both variables)
-and opens the NVML GPU, or MIG instance, with that UUID. The CUDA side is a small
-:class:`CudaRuntime` protocol, so the mapping is tested without a GPU.
+and opens the NVML GPU, or MIG instance, with that UUID (``nvmlDeviceGetHandleByUUID``,
+then the GPUs that answer: a GPU elsewhere on the node that fell off the bus does not stop
+the lookup). The CUDA side is a small :class:`CudaRuntime` protocol
+(:mod:`~lightning_energy.device.cuda`), so the mapping is tested without a GPU.
 
-Without a CUDA device (a CPU run on a machine with GPUs), process-local index ``i`` is taken
-to be the ``i``-th GPU ``CUDA_VISIBLE_DEVICES`` names in NVML order; :func:`check_device_order`
-refuses that when CUDA's fastest-first order could differ from NVML's.
+Without a CUDA device (a CPU run on a machine with GPUs), process-local index ``i`` is the
+``i``-th GPU ``CUDA_VISIBLE_DEVICES`` names (:func:`~lightning_energy.device.nvml.nvml_gpus`
+counts index entries in CUDA's order, through CUDA's UUIDs where that order may differ from
+NVML's); :func:`check_device_order` refuses an index among visible GPUs of different models
+under CUDA's fastest-first order.
 
 Example:
     >>> gpu = nvml_gpu_for_device(torch.device("cuda", 1))  # doctest: +SKIP
@@ -26,13 +30,21 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from lightning_energy.device.cuda import (
+    ORDER_VAR,
+    CudaRuntime,
+    TorchCuda,
+    cuda_device_order,
+    normalise_uuid,
+)
 from lightning_energy.device.nvml import (
     NVMLGPU,
     NVMLSession,
+    _answering,
     _call,
-    _mig_instances,
+    _handle_for_cuda_uuid,
     _pynvml,
     _text,
     _visible_handles,
@@ -51,69 +63,12 @@ __all__ = [
     "visible_gpu_names",
 ]
 
-_ORDER_VAR = "CUDA_DEVICE_ORDER"
 _VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
-
-
-class CudaRuntime(Protocol):
-    """The CUDA side of the mapping: what ``torch.cuda`` tells about process-local GPUs."""
-
-    def is_available(self) -> bool:
-        """True when CUDA can be used."""
-        ...
-
-    def device_count(self) -> int:
-        """How many GPUs this process sees (after ``CUDA_VISIBLE_DEVICES``)."""
-        ...
-
-    def current_device(self) -> int:
-        """The process-local index of the current device."""
-        ...
-
-    def uuid(self, index: int) -> str:
-        """The UUID of process-local GPU ``index`` (with or without ``GPU-``/``MIG-``)."""
-        ...
-
-
-class TorchCuda:
-    """:class:`CudaRuntime` over ``torch.cuda``."""
-
-    def is_available(self) -> bool:
-        import torch
-
-        return bool(torch.cuda.is_available())
-
-    def device_count(self) -> int:
-        import torch
-
-        return int(torch.cuda.device_count())
-
-    def current_device(self) -> int:
-        import torch
-
-        return int(torch.cuda.current_device())
-
-    def uuid(self, index: int) -> str:
-        import torch
-
-        return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def normalise_uuid(uuid: str) -> str:
-    """``uuid`` without its ``GPU-`` or ``MIG-`` prefix, in lower case.
-
-    CUDA reports bare UUIDs, NVML prefixed ones; both name the same board or MIG instance.
-    """
-    text = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if text.startswith(prefix):
-            return text[len(prefix) :]
-    return text
 
 
 def _environment() -> str:
     """The two variables as they are set, for error messages."""
-    return ", ".join(f"{var}={os.environ.get(var)!r}" for var in (_VISIBLE_VAR, _ORDER_VAR))
+    return ", ".join(f"{var}={os.environ.get(var)!r}" for var in (_VISIBLE_VAR, ORDER_VAR))
 
 
 def nvml_gpu_for_device(
@@ -123,6 +78,9 @@ def nvml_gpu_for_device(
     power_sample_interval_s: float = 0.05,
 ) -> NVMLGPU:
     """Open the NVML GPU (or MIG instance) the framework's CUDA ``device`` is.
+
+    The GPU is asked of NVML by its UUID; a GPU elsewhere on the node that fell off the
+    bus does not stop it being found.
 
     Args:
         device: the framework's root device, e.g. ``torch.device("cuda", 1)``; ``cuda``
@@ -138,6 +96,8 @@ def nvml_gpu_for_device(
         DriverError: CUDA is not available, or NVML fails to initialise.
         GPUNotFoundError: the device index is not visible to CUDA, or no NVML GPU has its
             UUID.
+        GPULostError: no NVML GPU that answers has its UUID, and some GPU fell off the bus
+            (the device's own, most likely).
     """
     if device.type != "cuda":
         raise ConfigError(f"device={str(device)!r}: an NVML GPU needs a 'cuda' device")
@@ -158,21 +118,21 @@ def nvml_gpu_for_device(
     wanted = normalise_uuid(runtime.uuid(index))
     with NVMLSession():
         nvml = _pynvml()
-        seen: list[str] = []
-        for nvml_index in range(_call("get_count", index, nvml.nvmlDeviceGetCount)):
-            handle = _call("get_handle", index, nvml.nvmlDeviceGetHandleByIndex, nvml_index)
-            candidates = [(_text(_call("get_uuid", index, nvml.nvmlDeviceGetUUID, handle)), handle)]
-            candidates.extend(_mig_instances(nvml, handle, index))
-            for uuid, candidate in candidates:
-                if normalise_uuid(uuid) == wanted:
-                    return NVMLGPU(
-                        candidate, index, power_sample_interval_s=power_sample_interval_s
-                    )
-                seen.append(uuid)
+        handle = _handle_for_cuda_uuid(nvml, wanted, index)
+        if handle is not None:
+            return NVMLGPU(handle, index, power_sample_interval_s=power_sample_interval_s)
+        answering, lost = _answering(nvml, index)
+    if lost:
+        raise GPULostError(
+            f"device 'cuda:{index}' has UUID {wanted!r}, which no NVML GPU that answers has: "
+            f"the GPU(s) at NVML index {lost} fell off the bus",
+            gpu_index=index,
+            operation="map_device",
+        )
     raise GPUNotFoundError(
         f"device 'cuda:{index}' has UUID {wanted!r}, which no NVML GPU has (NVML lists "
-        f"{seen}; {_environment()}): CUDA and NVML see different GPUs (a container or "
-        "driver mismatch)",
+        f"{[uuid for uuid, _ in answering]}; {_environment()}): CUDA and NVML see different "
+        "GPUs (a container or driver mismatch)",
         gpu_index=index,
         operation="map_device",
     )
@@ -192,23 +152,25 @@ def check_device_order(names_in_nvml_order: list[str]) -> None:
     Raises:
         ConfigError: mixed models under the fastest-first order.
     """
-    order = os.environ.get(_ORDER_VAR, "FASTEST_FIRST").strip().upper() or "FASTEST_FIRST"
+    order = cuda_device_order()
     if order == "PCI_BUS_ID" or len(set(names_in_nvml_order)) <= 1:
         return
     raise ConfigError(
-        f"{_ORDER_VAR}={order!r} with different GPU models {sorted(set(names_in_nvml_order))}: "
+        f"{ORDER_VAR}={order!r} with different GPU models {sorted(set(names_in_nvml_order))}: "
         "CUDA numbers them fastest first, NVML by PCI bus, so a GPU index cannot be matched; "
-        f"set {_ORDER_VAR}=PCI_BUS_ID, or pass the framework's CUDA device",
-        source=f"env {_ORDER_VAR}",
+        f"set {ORDER_VAR}=PCI_BUS_ID, or pass the framework's CUDA device",
+        source=f"env {ORDER_VAR}",
     )
 
 
 def visible_gpu_names() -> list[str]:
-    """Model names of the GPUs ``CUDA_VISIBLE_DEVICES`` names, in NVML order.
+    """Model names of the GPUs ``CUDA_VISIBLE_DEVICES`` names, in process-local order.
 
     A GPU that fell off the bus has no name to give and is left out.
 
     Raises:
+        ConfigError: CUDA may number the GPUs differently from NVML and is not available to
+            say how.
         DriverError: pynvml is missing or NVML fails to initialise.
     """
     names = []

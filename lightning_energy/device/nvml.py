@@ -6,10 +6,14 @@ becomes a typed :class:`~lightning_energy.errors.DeviceError` carrying the GPU i
 operation (see :func:`translate_nvml_error`).
 
 GPU selection follows ``CUDA_VISIBLE_DEVICES`` so that process-local index ``i`` is the GPU
-that ``torch.device("cuda", i)`` uses: entries may be NVML indices, GPU UUIDs (``GPU-...``,
-unique prefixes accepted as CUDA does) or MIG instance UUIDs (``MIG-...``). Indices are in
-NVML (PCI bus) order; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA numbers GPUs the
-same way.
+that ``torch.device("cuda", i)`` uses: entries may be indices, GPU UUIDs (``GPU-...``,
+unique prefixes accepted as CUDA does) or MIG instance UUIDs (``MIG-...``). Indices count in
+CUDA's order, which is NVML's (PCI bus) order under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
+when every GPU is the same model; otherwise CUDA is asked for the UUID of each
+process-local GPU, and without CUDA the indices are refused (:class:`ConfigError`). UUIDs
+are looked up with ``nvmlDeviceGetHandleByUUID``, then, when that fails (it answers
+``GPU_IS_LOST`` if it meets a GPU that fell off the bus while searching), among the GPUs
+that answer: a lost GPU elsewhere on the node does not stop the others being found.
 
 MIG instances are observed, never changed: power and clock settings belong to the whole
 physical GPU, shared with other instances, so their setters raise
@@ -23,20 +27,26 @@ measures it). Elsewhere energy is integrated from sampled power by a background 
 :meth:`NVMLGPU.close`. It samples the instantaneous power field
 (``NVML_FI_DEV_POWER_INSTANT``) where the driver has it, because
 ``nvmlDeviceGetPowerUsage`` is a 1 s average on Ampere and Hopper; older drivers
-(``FUNCTION_NOT_FOUND``, or the field not supported) fall back to ``nvmlDeviceGetPowerUsage``.
+(``FUNCTION_NOT_FOUND``, or an error code for the field itself: ``NOT_SUPPORTED``, or
+``INVALID_ARGUMENT`` from a driver that does not know it) fall back to
+``nvmlDeviceGetPowerUsage``. The field's value is read from the union member its
+``valueType`` names, which differs between drivers.
 
 NVML cannot read a clock lock back, so an administrator's ``nvidia-smi -lgc`` (or
 application clocks set with ``-ac``) is found through its side effects:
 :meth:`NVMLGPU.foreign_clock_setting` reports the applications-clocks-setting clock event
-reason while this process holds no lock, or application clocks away from their default.
+reason while this process holds no lock (NVML shows it only while work runs held back by
+the lock), or application clocks away from their default.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +54,15 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from lightning_energy.device.base import LeaseSource
+from lightning_energy.device.cuda import (
+    ORDER_VAR,
+    CudaRuntime,
+    TorchCuda,
+    cuda_device_order,
+    normalise_uuid,
+)
 from lightning_energy.errors import (
+    ConfigError,
     DeviceError,
     DriverError,
     GPULostError,
@@ -70,13 +88,18 @@ _HANDLE_OPERATIONS = frozenset({"get_handle"})
 # pynvml names, with their values for versions of nvidia-ml-py that lack them.
 _FIELD_POWER_INSTANT = ("NVML_FI_DEV_POWER_INSTANT", 186)
 _FUNCTION_NOT_FOUND = ("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+# The member of a field value's union that each value type names (nvmlValueType_t order).
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 _APPLICATIONS_CLOCKS_SETTING = 0x2  # nvmlClocksEventReasonApplicationsClocksSetting
 _NVML_CLOCK_GRAPHICS = 0
 # How long, and how often, energy_counter_period_s polls the counter.
-_COUNTER_PROBE_S = 0.35
+_COUNTER_PROBE_S = 1.0
 _COUNTER_PROBE_INTERVAL_S = 0.002
 # The period assumed when the counter does not move twice during the probe.
 _DEFAULT_COUNTER_PERIOD_S = 0.1
+# The counter period measured on each physical GPU (by UUID), for the life of the process.
+_counter_periods_s: dict[str, float] = {}
+_counter_periods_lock = threading.Lock()
 _session_lock = threading.Lock()
 _session_refs = 0
 
@@ -292,6 +315,8 @@ class NVMLGPU:
         self._index = index
         self._power_sample_interval_s = power_sample_interval_s
         self._sampler: PowerSampler | None = None
+        self._sampler_lock = threading.Lock()  # one sampler, however many threads read
+        self._closed = False
         self._locked: tuple[int, int] | None = None
         self._clocks: list[int] | None = None
         self._synchronize: Callable[[], None] | None = None
@@ -305,11 +330,16 @@ class NVMLGPU:
                 self._name = _text(self._get("get_name", nvml.nvmlDeviceGetName, handle))
                 self._uuid = _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, handle))
                 self._is_mig, self._physical = self._mig_info()
+                self._physical_uuid = (
+                    self._uuid
+                    if self._physical is handle
+                    else _text(self._get("get_uuid", nvml.nvmlDeviceGetUUID, self._physical))
+                )
             except GPULostError:
                 # Fell off the bus before the job: it keeps an identity of its own, every
                 # later call raises GPULostError, and the job observes (missing readings).
                 self._name = "NVIDIA GPU (lost)"
-                self._uuid = f"GPU-lost-{index}"
+                self._uuid = self._physical_uuid = f"GPU-lost-{index}"
                 self._is_mig, self._physical = False, handle
         except BaseException:
             self._session.release()
@@ -358,6 +388,11 @@ class NVMLGPU:
     def is_mig(self) -> bool:
         """True for a MIG instance or a GPU in MIG mode: observe-only."""
         return self._is_mig
+
+    @property
+    def physical_uuid(self) -> str:
+        """The UUID of the physical GPU: a MIG instance's parent, else :attr:`uuid`."""
+        return self._physical_uuid
 
     def _check_settable(self, operation: str) -> None:
         if self._is_mig:
@@ -472,17 +507,15 @@ class NVMLGPU:
         """Why the SM clocks are under a setting this process did not make, or None.
 
         NVML cannot read a clock lock back; an administrator's lock (``nvidia-smi -lgc``)
-        shows as the applications-clocks-setting clock event reason, and application
-        clocks (``-ac``) as a graphics application clock away from its default. Drivers
-        that report neither are taken to have no foreign setting.
+        shows as the applications-clocks-setting clock event reason, and only while work
+        runs under it (an idle GPU reports ``GpuIdle`` alone), and application clocks
+        (``-ac``) as a graphics application clock away from its default. The application
+        clocks are read once (they do not follow the load), so every later call costs one
+        NVML call. Drivers that report neither are taken to have no foreign setting.
         """
-        nvml = self._nvml
-        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
-        )
-        if self._locked is None and reasons_fn is not None:
+        if self._locked is None:
             try:
-                reasons = int(self._get("clock_event_reasons", reasons_fn, self._physical))
+                reasons = self.clock_event_reasons()
             except NotSupportedError:
                 reasons = 0
             if reasons & _APPLICATIONS_CLOCKS_SETTING:
@@ -491,25 +524,23 @@ class NVMLGPU:
                     "applications-clocks-setting clock event reason: an administrator's "
                     "`nvidia-smi -lgc` or `-ac`)"
                 )
+        return self._applications_clock_setting
+
+    @functools.cached_property
+    def _applications_clock_setting(self) -> str | None:
+        """Why the graphics application clock is away from its default (``-ac``), or None."""
+        nvml = self._nvml
+        read = functools.partial(self._get, "applications_clock")
+        graphics = (self._physical, _NVML_CLOCK_GRAPHICS)
         try:
-            current = self._get(
-                "applications_clock",
-                nvml.nvmlDeviceGetApplicationsClock,
-                self._physical,
-                _NVML_CLOCK_GRAPHICS,
-            )
-            default = self._get(
-                "applications_clock",
-                nvml.nvmlDeviceGetDefaultApplicationsClock,
-                self._physical,
-                _NVML_CLOCK_GRAPHICS,
-            )
+            current = int(read(nvml.nvmlDeviceGetApplicationsClock, *graphics))
+            default = int(read(nvml.nvmlDeviceGetDefaultApplicationsClock, *graphics))
         except NotSupportedError:
             return None
-        if int(current) != int(default):
+        if current != default:
             return (
-                f"its graphics application clock is {int(current)} MHz, not the default "
-                f"{int(default)} MHz (an administrator's `nvidia-smi -ac`)"
+                f"its graphics application clock is {current} MHz, not the default "
+                f"{default} MHz (an administrator's `nvidia-smi -ac`)"
             )
         return None
 
@@ -561,8 +592,11 @@ class NVMLGPU:
         """The power drawn now, from the ``NVML_FI_DEV_POWER_INSTANT`` field.
 
         Raises:
-            NotSupportedError: the driver lacks the field or ``nvmlDeviceGetFieldValues``
-                (``FUNCTION_NOT_FOUND``).
+            NotSupportedError: the driver lacks ``nvmlDeviceGetFieldValues``
+                (``FUNCTION_NOT_FOUND``), or answers for the field with an error code
+                (``NOT_SUPPORTED``, ``INVALID_ARGUMENT`` for a field it does not know...)
+                or a value type this package does not read.
+            GPULostError: the GPU fell off the bus.
         """
         nvml = self._nvml
         get_fields = getattr(nvml, "nvmlDeviceGetFieldValues", None)
@@ -574,11 +608,22 @@ class NVMLGPU:
             )
         field = getattr(nvml, *_FIELD_POWER_INSTANT)
         (value,) = self._get("instant_power", get_fields, self._physical, [field])
-        if value.nvmlReturn != 0:
+        code, kind = int(value.nvmlReturn), int(value.valueType)
+        if code == nvml.NVML_ERROR_GPU_IS_LOST:
             raise translate_nvml_error(
-                nvml.NVMLError(value.nvmlReturn), gpu_index=self._index, operation="instant_power"
+                nvml.NVMLError(code), gpu_index=self._index, operation="instant_power"
             )
-        return float(value.value.uiVal) / 1000.0
+        if code != 0 or not 0 <= kind < len(_VALUE_MEMBERS):
+            # A driver that does not know the field answers for it with its own code
+            # (NOT_SUPPORTED, or INVALID_ARGUMENT on older drivers).
+            why = nvml.NVMLError(code) if code != 0 else f"value type {kind}"
+            raise NotSupportedError(
+                f"the driver does not give field {field} ({why})",
+                gpu_index=self._index,
+                operation="instant_power",
+            )
+        # Milliwatts, in the union member its value type names (drivers differ).
+        return float(getattr(value.value, _VALUE_MEMBERS[kind])) / 1000.0
 
     def _sample_power_w(self) -> float:
         """Power for the energy integration: instantaneous where the driver has it."""
@@ -600,15 +645,22 @@ class NVMLGPU:
         return self.power_w()
 
     def energy_counter_period_s(self) -> float:
-        """How often the energy counter moves, measured once by polling it (cached).
+        """How often the energy counter moves, measured by polling it (once per GPU).
 
-        The counter is polled every 2 ms for up to 0.35 s; the period is the shortest
-        interval between two changes. If it does not change twice (an idle GPU, a slow
-        counter), 0.1 s is assumed. GPUs without a counter integrate sampled power: their
-        period is the sampling interval.
+        The counter is polled every 2 ms for about 1 s; the period is the median interval
+        between two changes, so an update that comes early or late does not decide it. The
+        measurement is kept for the physical GPU for the life of the process: opening the
+        GPU again (another fit, a MIG instance of it) does not poll again. If the counter
+        does not change twice (a slow counter), 0.1 s is assumed, and polled again on the
+        next opening. GPUs without a counter integrate sampled power: their period is the
+        sampling interval.
         """
         if self._counter_period_s is None:
-            self._counter_period_s = self._probe_counter_period_s()
+            with _counter_periods_lock:
+                known_s = _counter_periods_s.get(self._physical_uuid)
+            if known_s is None:
+                known_s = self._probe_counter_period_s()
+            self._counter_period_s = known_s
         return self._counter_period_s
 
     def _probe_counter_period_s(self) -> float:
@@ -619,14 +671,13 @@ class NVMLGPU:
             return self._power_sample_interval_s
         changes: list[float] = []
         start = self._clock()
-        while self._clock() - start < _COUNTER_PROBE_S and len(changes) < 4:
+        while self._clock() - start < _COUNTER_PROBE_S:
             self._sleep(_COUNTER_PROBE_INTERVAL_S)
             value = self._get("energy", read, self._physical)
             if value != last:
                 changes.append(self._clock())
                 last = value
-        intervals = [b - a for a, b in itertools.pairwise(changes)]
-        if not intervals:
+        if len(changes) < 2:
             logger.debug(
                 "GPU %d: the energy counter did not move twice in %.2f s; assuming it moves "
                 "every %.2f s.",
@@ -635,27 +686,43 @@ class NVMLGPU:
                 _DEFAULT_COUNTER_PERIOD_S,
             )
             return _DEFAULT_COUNTER_PERIOD_S
-        return min(intervals)
+        period_s = statistics.median(b - a for a, b in itertools.pairwise(changes))
+        with _counter_periods_lock:
+            _counter_periods_s[self._physical_uuid] = period_s
+        return period_s
 
     def energy_j(self) -> float:
         """Cumulative energy in joules: the hardware counter, or sampled power where the GPU
         has none (pre-Volta)."""
-        if self._sampler is None:
+        sampler = self._sampler
+        if sampler is None:
             try:
                 mj = self._get(
                     "energy", self._nvml.nvmlDeviceGetTotalEnergyConsumption, self._physical
                 )
             except NotSupportedError:
+                sampler = self._power_sampler()
+            else:
+                return float(mj) / 1000.0
+        return sampler.energy_j()
+
+    def _power_sampler(self) -> PowerSampler:
+        """The power sampler, started by the first thread that needs it."""
+        with self._sampler_lock:
+            if self._sampler is None:
+                if self._closed:
+                    raise DriverError(
+                        "the GPU was closed", gpu_index=self._index, operation="energy"
+                    )
                 logger.info(
                     "GPU %d (%s) has no energy counter: integrating sampled power instead.",
                     self._index,
                     self._name,
                 )
-                self._sampler = PowerSampler(self._sample_power_w, self._power_sample_interval_s)
-                self._sampler.start()
-            else:
-                return float(mj) / 1000.0
-        return self._sampler.energy_j()
+                sampler = PowerSampler(self._sample_power_w, self._power_sample_interval_s)
+                sampler.start()
+                self._sampler = sampler
+            return self._sampler
 
     def synchronize(self) -> None:
         """Wait for queued CUDA work on this GPU (no-op without CUDA in torch)."""
@@ -685,8 +752,11 @@ class NVMLGPU:
 
     def close(self) -> None:
         """Stop the power sampler, if any, and release NVML (idempotent)."""
-        if self._sampler is not None:
-            self._sampler.stop()
+        with self._sampler_lock:
+            self._closed = True
+            sampler = self._sampler
+        if sampler is not None:
+            sampler.stop()
         self._session.release()
 
     def __enter__(self) -> NVMLGPU:
@@ -707,28 +777,25 @@ def _cuda_synchronizer(index: int) -> Callable[[], None]:
     return lambda: torch.cuda.synchronize(device)
 
 
-def _visible_handles(nvml: ModuleType) -> list[object]:
-    """NVML handles of the GPUs CUDA lets this process see, in process-local order.
+def _visible(nvml: ModuleType) -> list[int | object]:
+    """What ``CUDA_VISIBLE_DEVICES`` names, in process-local order: an ``int`` is an index
+    into CUDA's numbering of every GPU, anything else the NVML handle a UUID entry names.
 
-    As CUDA does, the first ``CUDA_VISIBLE_DEVICES`` entry that names no GPU (``-1``, an
-    index out of range, an unknown or ambiguous UUID) ends the list.
+    As CUDA does, the first entry that names no GPU (``-1``, an index out of range, an
+    unknown or ambiguous UUID) ends the list. Without the variable every GPU is visible.
     """
     count = _call("get_count", None, nvml.nvmlDeviceGetCount)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return [_call("get_handle", i, nvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
-    handles: list[object] = []
+        return list(range(count))
+    named: list[int | object] = []
     for entry in (e.strip() for e in visible.split(",")):
-        local = len(handles)
+        item: int | object | None
         if entry.lstrip("-").isdigit():
-            handle = (
-                _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, int(entry))
-                if 0 <= int(entry) < count
-                else None
-            )
+            item = int(entry) if 0 <= int(entry) < count else None
         else:
-            handle = _handle_by_uuid(nvml, entry, local, count)
-        if handle is None:
+            item = _handle_by_uuid(nvml, entry, len(named))
+        if item is None:
             if entry != "-1":
                 logger.info(
                     "CUDA_VISIBLE_DEVICES entry %r names no GPU: it and later entries are "
@@ -736,24 +803,130 @@ def _visible_handles(nvml: ModuleType) -> list[object]:
                     entry,
                 )
             break
+        named.append(item)
+    return named
+
+
+def _visible_handles(nvml: ModuleType, cuda: CudaRuntime | None = None) -> list[object]:
+    """NVML handles of the GPUs CUDA lets this process see, in process-local order.
+
+    Index entries of ``CUDA_VISIBLE_DEVICES`` (and process-local indices without it) count
+    in CUDA's order, which is NVML's (PCI bus) order only under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on GPUs that are all one model. Otherwise CUDA is
+    asked for the UUID of each process-local GPU.
+
+    Args:
+        nvml: the pynvml module.
+        cuda: the CUDA side (default :class:`~lightning_energy.device.cuda.TorchCuda`).
+
+    Raises:
+        ConfigError: CUDA may number the GPUs differently from NVML and is not available to
+            say how.
+    """
+    named = _visible(nvml)
+    if not any(isinstance(item, int) for item in named):
+        return named
+    models = _models(nvml)
+    if cuda_device_order() == "PCI_BUS_ID" or len(models) <= 1:
+        return [
+            _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, item)
+            if isinstance(item, int)
+            else item
+            for local, item in enumerate(named)
+        ]
+    runtime = cuda if cuda is not None else TorchCuda()
+    if not runtime.is_available():
+        raise ConfigError(
+            f"{ORDER_VAR}={cuda_device_order()!r} with different GPU models {sorted(models)}: "
+            "CUDA numbers them fastest first, NVML by PCI bus, and CUDA is not available to "
+            f"tell which GPU a process-local index is; set {ORDER_VAR}=PCI_BUS_ID, or pass "
+            "the framework's CUDA device",
+            source=f"env {ORDER_VAR}",
+        )
+    handles: list[object] = []
+    for local in range(runtime.device_count()):
+        uuid = runtime.uuid(local)
+        handle = _handle_for_cuda_uuid(nvml, uuid, local)
+        if handle is None:
+            raise GPUNotFoundError(
+                f"CUDA's GPU {local} has UUID {uuid!r}, which no NVML GPU that answers has",
+                gpu_index=local,
+                operation="get_handle",
+            )
         handles.append(handle)
     return handles
 
 
-def _handle_by_uuid(nvml: ModuleType, entry: str, local: int, count: int) -> object | None:
-    """The GPU or MIG instance whose UUID is ``entry`` or uniquely starts with it."""
+def _models(nvml: ModuleType) -> set[str]:
+    """The model names of every GPU NVML lists (a GPU that fell off the bus has none)."""
+    models = set()
+    for i in range(_call("get_count", None, nvml.nvmlDeviceGetCount)):
+        try:
+            handle = _call("get_handle", i, nvml.nvmlDeviceGetHandleByIndex, i)
+            models.add(_text(_call("get_name", i, nvml.nvmlDeviceGetName, handle)))
+        except GPULostError:
+            continue
+    return models
+
+
+def _asked_by_uuid(nvml: ModuleType, uuids: Sequence[str], local: int) -> object | None:
+    """The handle NVML gives for the first of ``uuids`` it finds, or None.
+
+    ``nvmlDeviceGetHandleByUUID`` may initialise other GPUs while it searches and then
+    answers ``GPU_IS_LOST`` for a GPU that is not the one asked for: any failure is None,
+    and the caller lists the GPUs instead (:func:`_answering`).
+    """
+    lookup = getattr(nvml, "nvmlDeviceGetHandleByUUID", None)
+    if lookup is None:
+        return None
+    for uuid in uuids:
+        try:
+            return _call("get_handle", local, lookup, uuid.encode())
+        except DeviceError:
+            continue
+    return None
+
+
+def _answering(nvml: ModuleType, local: int) -> tuple[list[tuple[str, object]], list[int]]:
+    """Every GPU and MIG instance that answers, as ``(UUID, handle)``, and the NVML
+    indices of the GPUs that fell off the bus (left out)."""
+    found: list[tuple[str, object]] = []
+    lost: list[int] = []
+    for i in range(_call("get_count", local, nvml.nvmlDeviceGetCount)):
+        try:
+            handle = _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, i)
+            found.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, handle)), handle))
+        except GPULostError:
+            lost.append(i)
+            continue
+        found.extend(_mig_instances(nvml, handle, local))
+    return found, lost
+
+
+def _handle_by_uuid(nvml: ModuleType, entry: str, local: int) -> object | None:
+    """The GPU or MIG instance whose UUID is the ``CUDA_VISIBLE_DEVICES`` entry ``entry``,
+    or uniquely starts with it (as CUDA accepts), or None."""
     if not entry:
         return None
-    candidates: list[tuple[str, object]] = []
-    for i in range(count):
-        handle = _call("get_handle", local, nvml.nvmlDeviceGetHandleByIndex, i)
-        candidates.append((_text(_call("get_uuid", local, nvml.nvmlDeviceGetUUID, handle)), handle))
-        if entry.startswith("MIG-"):
-            candidates.extend(_mig_instances(nvml, handle, local))
+    handle = _asked_by_uuid(nvml, [entry], local)
+    if handle is not None:
+        return handle
+    candidates, _lost = _answering(nvml, local)
     matches = [h for uuid, h in candidates if uuid == entry]
     if not matches:
         matches = [h for uuid, h in candidates if uuid.startswith(entry)]
     return matches[0] if len(matches) == 1 else None
+
+
+def _handle_for_cuda_uuid(nvml: ModuleType, uuid: str, local: int) -> object | None:
+    """The GPU or MIG instance CUDA reports as ``uuid`` (bare, as CUDA gives it, or with
+    NVML's prefix), or None when no GPU that answers has it."""
+    bare = normalise_uuid(uuid)
+    handle = _asked_by_uuid(nvml, [f"GPU-{bare}", f"MIG-{bare}"], local)
+    if handle is not None:
+        return handle
+    candidates, _lost = _answering(nvml, local)
+    return next((h for text, h in candidates if normalise_uuid(text) == bare), None)
 
 
 def _mig_instances(nvml: ModuleType, handle: object, local: int) -> list[tuple[str, object]]:
@@ -776,14 +949,16 @@ def visible_gpu_count() -> int:
 
     Raises:
         DriverError: pynvml is missing or NVML fails to initialise.
-        GPUNotFoundError: a ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
     """
     with NVMLSession():
-        return len(_visible_handles(_pynvml()))
+        return len(_visible(_pynvml()))
 
 
 def nvml_gpus(
-    indices: Sequence[int] | None = None, *, power_sample_interval_s: float = 0.05
+    indices: Sequence[int] | None = None,
+    *,
+    power_sample_interval_s: float = 0.05,
+    cuda: CudaRuntime | None = None,
 ) -> list[NVMLGPU]:
     """Open GPUs through NVML.
 
@@ -792,16 +967,20 @@ def nvml_gpus(
             visible GPUs.
         power_sample_interval_s: sampling period of the fallback energy integration on GPUs
             without an energy counter.
+        cuda: the CUDA side, asked when CUDA may number the GPUs differently from NVML
+            (default :class:`~lightning_energy.device.cuda.TorchCuda`).
 
     Returns:
         One :class:`NVMLGPU` per index; close each when done.
 
     Raises:
+        ConfigError: CUDA may number the GPUs differently from NVML and is not available
+            to say how (set ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
         DriverError: pynvml is missing or NVML fails to initialise.
         GPUNotFoundError: an index or ``CUDA_VISIBLE_DEVICES`` entry matches no GPU.
     """
     with NVMLSession():
-        handles = _visible_handles(_pynvml())
+        handles = _visible_handles(_pynvml(), cuda)
         wanted = range(len(handles)) if indices is None else indices
         bad = [i for i in wanted if not 0 <= i < len(handles)]
         if bad:

@@ -135,8 +135,9 @@ class Board:
             top: the enforced limit is the lower of it and the set limit (None: none).
         foreign_clock_lock_mhz: an SM clock lock an administrator set before the job
             (``nvidia-smi -lgc``): work runs under it, :meth:`SimulatedGPU.locked_clocks_mhz`
-            does not show it (NVML cannot read a lock back), the clock event reasons do.
-            Locking or resetting clocks replaces it.
+            does not show it (NVML cannot read a lock back), the clock event reasons do,
+            but only under load (see :meth:`SimulatedGPU.clock_event_reasons`). Locking or
+            resetting clocks replaces it.
     """
 
     energy_counter_period_s: float = 0.0
@@ -337,6 +338,7 @@ class SimulatedGPU:
         self._cuda_error: str | None = None
         self._foreign_lock = self.board.foreign_clock_lock_mhz
         self._power_capped = False
+        self._clock_held = False  # the last work ran below its clock because of a lock
         self._work_clock_mhz: int | None = None
         if self.state_path is not None and self.state_path.exists():
             self._load_state(self.state_path)
@@ -368,6 +370,11 @@ class SimulatedGPU:
     def is_mig(self) -> bool:
         """Always False: simulated GPUs are whole GPUs."""
         return False
+
+    @property
+    def physical_uuid(self) -> str:
+        """The :attr:`uuid`: a whole GPU is its own physical GPU."""
+        return self._uuid
 
     # ------------------------------------------------------------------- faults
     def inject_fault(
@@ -572,20 +579,25 @@ class SimulatedGPU:
     def clock_event_reasons(self) -> int:
         """NVML clock event (throttle) reason bits now.
 
-        :data:`CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING` while any clock lock is in force
-        (this process's or an administrator's), :data:`CLOCK_EVENT_SW_POWER_CAP` when the
-        last work was held below its clock by the power limit, :data:`CLOCK_EVENT_GPU_IDLE`
-        when the GPU is not working.
+        NVML reports what held the clocks back in its latest sample of the GPU, so the
+        reasons describe the last piece of work while no time has passed since it ended
+        (or while it runs, seen from another thread):
+        :data:`CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING` when a clock lock (this process's
+        or an administrator's) held it below the clock it would have run at,
+        :data:`CLOCK_EVENT_SW_POWER_CAP` when the power limit did.
+        Once the clock has moved on without work on this GPU (:meth:`idle`, another GPU's
+        work on the shared clock), the GPU is idle and reports :data:`CLOCK_EVENT_GPU_IDLE`
+        alone: a lock does not show on an idle GPU.
         """
         with self._lock:
             self._check("clock_event_reasons")
             self._settle()
-            reasons = 0
-            if self._locked is not None or self._foreign_lock is not None:
-                reasons |= CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
             if self._last_work_power_w is None:
-                reasons |= CLOCK_EVENT_GPU_IDLE
-            elif self._power_capped:
+                return CLOCK_EVENT_GPU_IDLE
+            reasons = 0
+            if self._clock_held:
+                reasons |= CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+            if self._power_capped:
                 reasons |= CLOCK_EVENT_SW_POWER_CAP
             return reasons
 
@@ -601,7 +613,8 @@ class SimulatedGPU:
         """Why the SM clocks are under a setting this process did not make, or None.
 
         Detected as on NVML: the applications-clocks-setting event reason while this
-        process holds no lock.
+        process holds no lock, so only right after work the lock held back (see
+        :meth:`clock_event_reasons`).
         """
         reasons = self.clock_event_reasons()
         with self._lock:
@@ -769,11 +782,12 @@ class SimulatedGPU:
         )
         self._power_capped = duration_s > unlimited_s
         clock_for = getattr(self.model, "clock_for", None)
-        self._work_clock_mhz = (
-            clock_for(compute_bound_share, self._enforced(limit_w), max_clock)
-            if clock_for is not None
-            else None
-        )
+        if clock_for is None:  # trace models have no clocks: a lock holds nothing back
+            self._work_clock_mhz, self._clock_held = None, False
+        else:
+            enforced_w = self._enforced(limit_w)
+            self._work_clock_mhz = clock_for(compute_bound_share, enforced_w, max_clock)
+            self._clock_held = self._work_clock_mhz < clock_for(compute_bound_share, enforced_w)
         return self._noisy(duration_s * self.slowdown), self._noisy(power_w)
 
     def _account_work(self, duration_s: float, power_w: float) -> None:

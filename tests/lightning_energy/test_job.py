@@ -17,7 +17,16 @@ import pytest
 from lightning_energy.collectives import GatherCollective
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.job import Capability, RankInfo, agree, job_totals, node_name, shared_gpus
+from lightning_energy.job import (
+    Capability,
+    RankInfo,
+    agree,
+    describe_shared,
+    job_totals,
+    measuring_ranks,
+    node_name,
+    shared_gpus,
+)
 from tests.lightning_energy.processes import free_port, run_module_ranks
 
 WORKER = "tests.lightning_energy.job_worker"
@@ -34,6 +43,25 @@ def test_a_gpu_opened_by_two_ranks_belongs_to_the_lowest() -> None:
     assert shared_gpus(ranks, 1) == {"GPU-x": 0}
     assert shared_gpus(ranks, 2) == {"GPU-x": 0}
     assert shared_gpus([RankInfo(0, "a", ("GPU-x",)), RankInfo(1, "b", ("GPU-y",))], 1) == {}
+
+
+def test_mig_instances_of_one_gpu_are_measured_by_the_lowest_rank() -> None:
+    """Every MIG instance reports its whole GPU's energy: count it for one rank only."""
+    ranks = [
+        RankInfo(0, "a#0", ("MIG-a",), ("GPU-p",)),
+        RankInfo(1, "a#0", ("MIG-b",), ("GPU-p",)),
+        RankInfo(2, "a#0", ("MIG-c",), ("GPU-q",)),
+    ]
+    assert shared_gpus(ranks, 0) == {}
+    assert shared_gpus(ranks, 1) == {"MIG-b": 0}
+    assert shared_gpus(ranks, 2) == {}
+    assert measuring_ranks(ranks) == 2  # one per physical GPU
+    why = describe_shared(shared_gpus(ranks, 1), ranks)
+    assert "MIG-b" in why and "GPU-p" in why and "rank 0" in why
+    assert "local rank" not in why  # not a launcher mistake
+    assert [RankInfo.from_dict(r.to_dict()) for r in ranks] == ranks
+    whole = RankInfo(0, "a#0", ("GPU-x",))  # a whole GPU is its own physical GPU
+    assert whole.physical_gpus == ("GPU-x",)
 
 
 def test_the_job_optimises_when_any_rank_can_and_names_the_others() -> None:

@@ -8,15 +8,29 @@ module's own clock (:meth:`FakeNVML.advance`, also its ``sleep``); its energy co
 moves only every ``energy_update_period_s`` and ``nvmlDeviceGetPowerUsage`` returns the
 average over the last ``power_average_s`` (1 s on Ampere and Hopper), while the
 instantaneous power field (``NVML_FI_DEV_POWER_INSTANT``) gives the draw now, or is
-missing as on older drivers. An administrator's clock lock shows only in the clock event
-reasons; :meth:`FakeDevice.reload_driver` sends the energy counter back to 0.
+missing as on older drivers (which answer for that field with their own error code), in
+the union member its ``valueType`` names, as the real ``nvmlFieldValue_t`` holds it. Each
+counter update may come early or late (``energy_update_jitter_s``), as the updates of real
+boards do. :meth:`FakeDevice.reload_driver` sends the energy counter back to 0.
+
+A clock lock (``locked``: this process's or an administrator's ``nvidia-smi -lgc``) cannot
+be read back; it shows only in the clock event reasons, and only while the GPU is
+``busy``: an idle GPU reports ``GpuIdle`` (0x1) and nothing else, as NVML does. A ``lost``
+GPU answers every call with ``GPU_IS_LOST`` (its handle is still listed by index), and
+``nvmlDeviceGetHandleByUUID``, which initialises the GPUs it searches, fails the same way
+when it meets a lost GPU before the one asked for. ``call_counts`` counts every call, and a
+device's ``hooks`` run inside the calls they name (threads can be made to meet there).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import math
+import random
 import types
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +58,49 @@ class NVMLError(Exception):
     def __str__(self) -> str:
         names = {v: k for k, v in ERROR_CODES.items()}
         return names.get(self.value, f"NVML error {self.value}")
+
+
+# pynvml's valueType constants: each names the member of nvmlValue_t, in its order.
+VALUE_TYPES = {
+    "NVML_VALUE_TYPE_DOUBLE": 0,
+    "NVML_VALUE_TYPE_UNSIGNED_INT": 1,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG": 2,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 3,
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 4,
+    "NVML_VALUE_TYPE_SIGNED_INT": 5,
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
+}
+CLOCK_EVENT_GPU_IDLE = 0x1
+CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING = 0x2
+
+
+class NvmlValue(ctypes.Union):
+    """``pynvml.c_nvmlValue_t``: one value, read through the member its type names (the
+    others reinterpret the same bytes)."""
+
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class NvmlFieldValue(ctypes.Structure):
+    """``pynvml.c_nvmlFieldValue_t``: one field's answer, with its own return code."""
+
+    _fields_ = [
+        ("fieldId", ctypes.c_uint32),
+        ("scopeId", ctypes.c_uint32),
+        ("timestamp", ctypes.c_int64),
+        ("latencyUsec", ctypes.c_int64),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", NvmlValue),
+    ]
 
 
 @dataclass
@@ -75,17 +132,26 @@ class FakeDevice:
     mig_instances: list[FakeDevice] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML code
-    clock_event_reasons: int = 0  # e.g. 0x2 (applications clocks setting) under -lgc
+    # function name -> called inside that call before it answers (threads can meet there)
+    hooks: dict[str, Callable[[], object]] = field(default_factory=dict)
+    # Reason bits reported while busy besides a lock's 0x2 (e.g. 0x4 software power cap).
+    clock_event_reasons: int = 0
+    busy: bool = False  # running work: idle GPUs report GpuIdle (0x1) only
+    lost: bool = False  # fell off the bus: every call on it answers GPU_IS_LOST
     sm_clock_mhz: int = 1410  # the SM clock now when no lock holds it
     temperature_c: int = 45
     persistence_mode: int = 1
     applications_clock_mhz: int = 1410
     default_applications_clock_mhz: int = 1410
-    # "supported", "unsupported" (the field's own return code) or "function_not_found"
-    # (a driver without nvmlDeviceGetFieldValues).
+    # "supported", "unsupported" (the field answers NOT_SUPPORTED), "unknown_field" (a
+    # driver that does not know field 186: INVALID_ARGUMENT) or "function_not_found" (a
+    # driver without nvmlDeviceGetFieldValues).
     instant_power: str = "supported"
+    instant_power_value_type: int = VALUE_TYPES["NVML_VALUE_TYPE_UNSIGNED_INT"]
     draw_mw: float | None = None  # set: power and energy follow the module's clock
     energy_update_period_s: float = 0.0
+    # Each update comes up to this much early or late (below half the period).
+    energy_update_jitter_s: float = 0.0
     power_average_s: float = 0.0
     true_energy_mj: float = 0.0
     history: list[tuple[float, float]] = field(default_factory=list)
@@ -100,6 +166,19 @@ class FakeDevice:
             return points[-1][1]
         (t0, e0), (t1, e1) = points[k - 1], points[k]
         return e0 if t1 == t0 else e0 + (e1 - e0) * (t_s - t0) / (t1 - t0)
+
+    def last_update_s(self, t_s: float) -> float:
+        """When the energy counter last moved at or before ``t_s``."""
+        period = self.energy_update_period_s
+        if period <= 0:
+            return t_s
+        jitter = self.energy_update_jitter_s
+
+        def update(k: int) -> float:
+            return k * period + jitter * (2.0 * random.Random(k).random() - 1.0)
+
+        k = math.floor(t_s / period)
+        return max(u for u in (update(k - 1), update(k), update(k + 1)) if u <= t_s)
 
     def reload_driver(self) -> None:
         """The driver reloads: the energy counter starts again from 0."""
@@ -118,6 +197,7 @@ class FakeNVML(types.ModuleType):
         calls: setter calls, e.g. ``("set_power_limit", uuid, milliwatts)``.
         init_error: an NVML code ``nvmlInit`` fails with (None: it succeeds).
         now_s: the module's clock, moved by :meth:`advance` (and ``sleep``).
+        call_counts: how many times each NVML function was called.
     """
 
     NVMLError = NVMLError
@@ -135,6 +215,7 @@ class FakeNVML(types.ModuleType):
         self.calls: list[tuple[Any, ...]] = []
         self.init_error: int | None = None
         self.now_s = 0.0
+        self.call_counts: Counter[str] = Counter()
 
     def clock(self) -> float:
         """The module's clock in seconds."""
@@ -151,10 +232,8 @@ class FakeNVML(types.ModuleType):
                 device.history.append((start, device.true_energy_mj))
             device.true_energy_mj += device.draw_mw * seconds
             device.history.append((end, device.true_energy_mj))
-            period = device.energy_update_period_s
-            tick = math.floor(end / period) * period if period > 0 else end
             if device.energy_mj is not None:  # None: no counter (pre-Volta)
-                device.energy_mj = int(device.true_energy_at(tick))
+                device.energy_mj = int(device.true_energy_at(device.last_update_s(end)))
             average = device.power_average_s
             if average > 0:
                 since = max(end - average, device.history[0][0])
@@ -172,12 +251,17 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
     """Build a fake ``pynvml`` module over ``devices``."""
     mod = FakeNVML(devices)
     state: dict[str, Any] = {"initialised": 0}
-    for name, code in ERROR_CODES.items():
+    for name, code in {**ERROR_CODES, **VALUE_TYPES}.items():
         setattr(mod, name, code)
 
     def check(fn: str, device: FakeDevice | None = None) -> None:
+        mod.call_counts[fn] += 1
         if not state["initialised"]:
             raise NVMLError(ERROR_CODES["NVML_ERROR_UNINITIALIZED"])
+        if device is not None and fn in device.hooks:
+            device.hooks[fn]()
+        if device is not None and device.lost:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_GPU_IS_LOST"])
         if device is not None and fn in device.errors:
             raise NVMLError(device.errors[fn])
 
@@ -201,6 +285,19 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
         if not 0 <= i < len(devices):
             raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
         return devices[i]
+
+    def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> FakeDevice:
+        check("nvmlDeviceGetHandleByUUID")
+        text = uuid.decode() if isinstance(uuid, bytes) else uuid
+        if not text.startswith(("GPU-", "MIG-")):
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        for device in devices:  # initialising each GPU it meets, a lost one included
+            if device.lost:
+                raise NVMLError(ERROR_CODES["NVML_ERROR_GPU_IS_LOST"])
+            for candidate in (device, *device.mig_instances):
+                if candidate.uuid == text:
+                    return candidate
+        raise NVMLError(ERROR_CODES["NVML_ERROR_NOT_FOUND"])
 
     def getter(fn: str, attr: str) -> Any:
         def get(handle: FakeDevice) -> Any:
@@ -265,7 +362,10 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
 
     def nvmlDeviceGetCurrentClocksEventReasons(handle: FakeDevice) -> int:
         check("nvmlDeviceGetCurrentClocksEventReasons", handle)
-        return handle.clock_event_reasons | (0x2 if handle.locked is not None else 0)
+        if not handle.busy:
+            return CLOCK_EVENT_GPU_IDLE
+        held = CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING if handle.locked is not None else 0
+        return handle.clock_event_reasons | held
 
     def nvmlDeviceGetClockInfo(handle: FakeDevice, clock_type: int) -> int:
         check("nvmlDeviceGetClockInfo", handle)
@@ -295,20 +395,20 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
         check("nvmlDeviceGetFieldValues", handle)
         if handle.instant_power == "function_not_found":
             raise NVMLError(ERROR_CODES["NVML_ERROR_FUNCTION_NOT_FOUND"])
-        values = []
-        for field_id in field_ids:
-            supported = field_id == mod.NVML_FI_DEV_POWER_INSTANT and (
-                handle.instant_power == "supported"
-            )
-            draw = handle.draw_mw if handle.draw_mw is not None else handle.power_mw
-            values.append(
-                types.SimpleNamespace(
-                    fieldId=field_id,
-                    nvmlReturn=0 if supported else ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"],
-                    value=types.SimpleNamespace(uiVal=int(draw) if supported else 0),
-                )
-            )
-        return values
+        values = (NvmlFieldValue * len(field_ids))()
+        draw = handle.draw_mw if handle.draw_mw is not None else handle.power_mw
+        for value, field_id in zip(values, field_ids, strict=True):
+            value.fieldId = field_id
+            known = field_id == mod.NVML_FI_DEV_POWER_INSTANT
+            if known and handle.instant_power == "supported":
+                value.valueType = handle.instant_power_value_type
+                member = NvmlValue._fields_[value.valueType][0]
+                setattr(value.value, member, float(draw) if member == "dVal" else int(draw))
+            elif known and handle.instant_power == "unsupported":
+                value.nvmlReturn = ERROR_CODES["NVML_ERROR_NOT_SUPPORTED"]
+            else:
+                value.nvmlReturn = ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"]
+        return list(values)
 
     def nvmlDeviceGetMigMode(handle: FakeDevice) -> list[int]:
         check("nvmlDeviceGetMigMode", handle)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import sys
 from pathlib import Path
 
 import pytest
-from fake_pynvml import FakeNVML, a100, make_module
+from fake_pynvml import VALUE_TYPES, FakeNVML, NvmlFieldValue, NvmlValue, a100, make_module
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
@@ -19,11 +20,11 @@ from lightning_energy.device import (
     SimulatedSpec,
     simulated_gpus,
 )
-from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.nvml import NVMLGPU, nvml_gpus
 from lightning_energy.device.simulated import (
     BOARDS,
     CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING,
+    CLOCK_EVENT_GPU_IDLE,
     Board,
 )
 from lightning_energy.errors import ConfigError, DriverError, NotSupportedError
@@ -126,29 +127,6 @@ def test_board_options_are_validated_together() -> None:
         SimulatedGPU(PHYSICS_PRESETS["a100"], board=Board(enforced_power_limit_w=0.0))
 
 
-# ----------------------------------------------------------------- foreign clock lock
-def test_foreign_clock_lock_is_invisible_to_read_back_but_not_to_event_reasons() -> None:
-    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005), setting_latency_s=0.0)
-    assert gpu.locked_clocks_mhz() is None
-    assert gpu.clock_event_reasons() & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
-    assert gpu.foreign_clock_setting() is not None
-    assert gpu.run_work(0.1, 1.0) == pytest.approx(0.1 * 1410 / 1005)  # it does slow work
-
-
-def test_guard_leaves_an_administrators_clock_lock_alone(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    gpu = _gpu(foreign_clock_lock_mhz=(1005, 1005))
-    with (
-        caplog.at_level(logging.WARNING, logger="lightning_energy"),
-        GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard,
-    ):
-        assert guard.lock_clocks_mhz(600, 900) is None
-        assert guard.set_power_limit_w(300.0) == 300.0  # power limits still apply
-    assert gpu.foreign_clock_lock_mhz() == (1005, 1005)  # not released by the restore
-    assert sum("left alone" in r.getMessage() for r in caplog.records) == 1
-
-
 # ---------------------------------------------------------------- enforced power limit
 def _controller(tmp_path: Path, gpu: SimulatedGPU, limits: list[float]) -> EnergyController:
     config = EnergyConfig.from_mapping(
@@ -220,7 +198,35 @@ def test_nvml_counter_period_is_measured(rude: FakeNVML) -> None:
         gpu.close()
 
 
-@pytest.mark.parametrize("instant", ["function_not_found", "unsupported"])
+def test_nvml_counter_period_is_the_median_of_a_jittery_counter(rude: FakeNVML) -> None:
+    """Updates come up to 40 ms early or late: some intervals are 20 ms, some 180 ms."""
+    rude.devices[0].energy_update_jitter_s = 0.04
+    gpu = NVMLGPU(rude.devices[0], 0, clock=rude.clock, sleep=rude.sleep)
+    try:
+        start_s = rude.now_s
+        assert gpu.energy_counter_period_s() == pytest.approx(0.1, abs=0.015)
+        assert rude.now_s - start_s == pytest.approx(1.0, abs=0.01)  # polled for about 1 s
+    finally:
+        gpu.close()
+
+
+def test_nvml_counter_period_is_probed_once_per_gpu(rude: FakeNVML) -> None:
+    device = rude.devices[0]
+    first = NVMLGPU(device, 0, clock=rude.clock, sleep=rude.sleep)
+    second = NVMLGPU(device, 1, clock=rude.clock, sleep=rude.sleep)
+    try:
+        period_s = first.energy_counter_period_s()
+        reads = rude.call_counts["nvmlDeviceGetTotalEnergyConsumption"]
+        probed_at_s = rude.now_s
+        assert second.energy_counter_period_s() == period_s  # the same GPU, opened again
+        assert rude.now_s == probed_at_s
+        assert rude.call_counts["nvmlDeviceGetTotalEnergyConsumption"] == reads
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("instant", ["function_not_found", "unsupported", "unknown_field"])
 def test_power_sampler_prefers_the_instant_field_and_falls_back(
     instant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,14 +247,62 @@ def test_power_sampler_prefers_the_instant_field_and_falls_back(
         gpu.close()
 
 
-def test_nvml_sees_an_administrators_clock_lock(rude: FakeNVML) -> None:
+@pytest.mark.parametrize(
+    "value_type",
+    [
+        "NVML_VALUE_TYPE_DOUBLE",
+        "NVML_VALUE_TYPE_UNSIGNED_INT",
+        "NVML_VALUE_TYPE_UNSIGNED_LONG",
+        "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG",
+        "NVML_VALUE_TYPE_SIGNED_LONG_LONG",
+        "NVML_VALUE_TYPE_SIGNED_INT",
+    ],
+)
+def test_instant_power_is_read_from_the_member_its_value_type_names(
+    rude: FakeNVML, value_type: str
+) -> None:
+    """Drivers differ in the type they give field 186; the other union members hold the
+    same bytes read as another type."""
+    rude.devices[0].instant_power_value_type = VALUE_TYPES[value_type]
     (gpu,) = nvml_gpus()
     try:
-        assert gpu.foreign_clock_setting() is None
-        rude.devices[0].clock_event_reasons = CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
+        assert gpu.instant_power_w() == 300.0
+    finally:
+        gpu.close()
+
+
+def test_the_fake_field_value_is_laid_out_as_pynvmls() -> None:
+    real = importlib.import_module("pynvml")
+    assert not isinstance(real, FakeNVML)
+
+    def layout(struct: type) -> list[tuple[str, str]]:
+        return [(name, kind.__name__) for name, kind in struct._fields_]  # type: ignore[attr-defined]
+
+    assert layout(NvmlFieldValue)[:-1] == layout(real.c_nvmlFieldValue_t)[:-1]
+    assert layout(NvmlValue) == layout(real.c_nvmlValue_t)
+    assert {name: getattr(real, name) for name in VALUE_TYPES} == VALUE_TYPES
+    assert real.NVML_FI_DEV_POWER_INSTANT == FakeNVML.NVML_FI_DEV_POWER_INSTANT
+
+
+def test_nvml_sees_an_administrators_clock_lock_only_under_load(rude: FakeNVML) -> None:
+    device = rude.devices[0]
+    device.locked = (1005, 1005)  # `nvidia-smi -lgc 1005,1005` before the job
+    (gpu,) = nvml_gpus()
+    try:
+        assert gpu.locked_clocks_mhz() is None  # NVML cannot read a lock back
+        assert gpu.clock_event_reasons() == CLOCK_EVENT_GPU_IDLE
+        assert gpu.foreign_clock_setting() is None  # idle: the lock does not show
+        device.busy = True
+        assert gpu.clock_event_reasons() & CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
         assert "nvidia-smi -lgc" in (gpu.foreign_clock_setting() or "")
-        rude.devices[0].clock_event_reasons = 0
-        rude.devices[0].applications_clock_mhz = 1005
+    finally:
+        gpu.close()
+
+
+def test_nvml_sees_application_clocks_idle_or_busy(rude: FakeNVML) -> None:
+    rude.devices[0].applications_clock_mhz = 1005  # `nvidia-smi -ac`
+    (gpu,) = nvml_gpus()
+    try:
         assert "1005 MHz" in (gpu.foreign_clock_setting() or "")
     finally:
         gpu.close()

@@ -92,6 +92,24 @@ def test_unusable_gpu_at_start_up_raises_in_strict_mode(tmp_path: Path) -> None:
     assert gpu.settings() == gpu.initial_settings
 
 
+def test_the_permission_probe_leaves_every_gpu_at_its_own_limit(tmp_path: Path) -> None:
+    """Setup finds out whether settings may change by setting what is there: GPUs whose
+    operators left different limits keep them (the guard keeps limits equal across GPUs
+    only when it is asked for one limit for all)."""
+    devices = _devices(count=2)
+    capped, full = devices.gpus
+    assert isinstance(capped, SimulatedGPU) and isinstance(full, SimulatedGPU)
+    capped.set_power_limit_w(250.0)  # an operator's cap before the job
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    try:
+        controller.setup()
+        assert not controller.observe_only
+        assert [g.power_limit_w() for g in (capped, full)] == [250.0, 300.0]
+    finally:
+        controller.teardown()
+        capped.set_power_limit_w(capped.initial_settings[0])
+
+
 def test_gpu_lost_mid_run_restores_what_it_can_and_keeps_observing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,7 +17,8 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DEVICE_ENV_VAR, NVMLGPU, SimulatedSpec, mapping, open_devices
 from lightning_energy.device.mapping import normalise_uuid, nvml_gpu_for_device
-from lightning_energy.errors import ConfigError, DriverError, GPUNotFoundError
+from lightning_energy.device.nvml import nvml_gpus, visible_gpu_count
+from lightning_energy.errors import ConfigError, DriverError, GPULostError, GPUNotFoundError
 
 _ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", DEVICE_ENV_VAR)
 
@@ -102,6 +103,40 @@ def test_a_mig_instance_is_matched_and_observed(monkeypatch: pytest.MonkeyPatch)
     assert gpu.is_mig
 
 
+@pytest.mark.parametrize("lost", [0, 3])
+def test_a_gpu_lost_elsewhere_does_not_stop_the_mapping(
+    monkeypatch: pytest.MonkeyPatch, lost: int
+) -> None:
+    """NVML lists a GPU that fell off the bus before (its UUID cannot be read; NVML's lookup
+    by UUID may meet it while searching) or after the one this rank trains on."""
+    fake = install(monkeypatch, [a100(i) for i in range(4)])
+    cuda = FakeCuda(fake.devices)
+    fake.devices[lost].lost = True
+    for index in (1, 2):
+        assert nvml_index(fake, opened(torch.device("cuda", index), cuda)) == index
+    assert fake.init_calls == fake.shutdown_calls
+
+
+def test_a_mig_instance_is_matched_past_a_lost_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    parent = a100(1, mig_mode=1)
+    instance = FakeDevice(uuid="MIG-1bbbbbbb-0000-0000-0000-000000000001", parent=parent)
+    parent.mig_instances.append(instance)
+    fake = install(monkeypatch, [a100(0, lost=True), parent])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", instance.uuid)
+    gpu = opened(torch.device("cuda", 0), FakeCuda(fake.devices))
+    assert gpu.uuid == instance.uuid
+    assert gpu.physical_uuid == parent.uuid
+
+
+def test_the_lost_gpu_itself_is_reported_as_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = install(monkeypatch, [a100(0), a100(1)])
+    cuda = FakeCuda(fake.devices)
+    fake.devices[1].lost = True
+    with pytest.raises(GPULostError, match=r"cuda:1.*index \[1\] fell off the bus"):
+        opened(torch.device("cuda", 1), cuda)
+    assert fake.init_calls == fake.shutdown_calls
+
+
 def test_one_visible_gpu_per_process_launchers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray Train / Slurm --gpu-bind: local rank 1 sees only its GPU, as cuda:0."""
     fake = install(monkeypatch, [a100(i) for i in range(2)])
@@ -141,6 +176,7 @@ def test_an_index_on_mixed_models_needs_pci_bus_order(monkeypatch: pytest.Monkey
     """Without a CUDA device, a process-local index can only be matched when CUDA numbers
     the GPUs as NVML does."""
     fake = install(monkeypatch, [a40(0), a100(1)])
+    FakeCuda(fake.devices, available=False).install(monkeypatch)
     with pytest.raises(ConfigError, match=r"CUDA_DEVICE_ORDER='FASTEST_FIRST'.*PCI_BUS_ID"):
         open_devices("nvml", local_rank=0, device=torch.device("cpu"))
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -150,6 +186,63 @@ def test_an_index_on_mixed_models_needs_pci_bus_order(monkeypatch: pytest.Monkey
     finally:
         devices.close()
     assert fake.init_calls == fake.shutdown_calls
+
+
+MIXED_SPEED = {"NVIDIA A100-SXM4-40GB": 2.0, "NVIDIA A40": 1.0}
+
+
+@pytest.mark.parametrize("visible", ["3,1", None])
+def test_integer_entries_on_mixed_models_are_numbered_by_cuda(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None
+) -> None:
+    """NVML order A40, A100, A40, A100; CUDA's fastest-first order A100 (NVML 1), A100 (3),
+    A40 (0), A40 (2): ``3,1`` are CUDA's 4th and 2nd GPUs, NVML's 2 and 3, not NVML's 3 and
+    1, and without the variable process-local GPU ``i`` is CUDA's ``i``-th."""
+    fake = install(monkeypatch, [a40(0), a100(1), a40(2), a100(3)])
+    cuda = FakeCuda(fake.devices, speed=MIXED_SPEED).install(monkeypatch)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    gpus = nvml_gpus()
+    try:
+        assert [normalise_uuid(g.uuid) for g in gpus] == [
+            normalise_uuid(cuda.uuid(i)) for i in range(cuda.device_count())
+        ]
+        assert [nvml_index(fake, g) for g in gpus] == ([2, 3] if visible else [1, 3, 0, 2])
+        assert visible_gpu_count() == len(gpus)
+    finally:
+        for gpu in gpus:
+            gpu.close()
+
+
+def test_integer_entries_on_mixed_models_without_cuda_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = install(monkeypatch, [a40(0), a100(1), a40(2), a100(3)])
+    FakeCuda(fake.devices, speed=MIXED_SPEED, available=False).install(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    with pytest.raises(ConfigError, match=r"CUDA_DEVICE_ORDER='FASTEST_FIRST'.*PCI_BUS_ID"):
+        nvml_gpus()
+    assert visible_gpu_count() == 2  # counting needs no order
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers as NVML does
+    gpus = nvml_gpus()
+    try:
+        assert [nvml_index(fake, g) for g in gpus] == [3, 1]
+    finally:
+        for gpu in gpus:
+            gpu.close()
+    assert fake.init_calls == fake.shutdown_calls
+
+
+def test_integer_entries_on_one_model_need_no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = install(monkeypatch, [a100(i) for i in range(4)])
+    FakeCuda(fake.devices, available=False).install(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    gpus = nvml_gpus()
+    try:
+        assert [nvml_index(fake, g) for g in gpus] == [3, 1]
+    finally:
+        for gpu in gpus:
+            gpu.close()
 
 
 def test_simulated_backend_follows_the_device_index_else_the_rank() -> None:

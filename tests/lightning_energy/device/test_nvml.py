@@ -25,9 +25,12 @@ from lightning_energy.errors import (
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, devices: list[FakeDevice]) -> FakeNVML:
+    """The fake NVML over ``devices``; CUDA numbers GPUs as NVML does (PCI bus order), so
+    indices name the same GPUs on both sides, also on mixed models."""
     module = make_module(devices)
     monkeypatch.setitem(sys.modules, "pynvml", module)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return module
 
 
@@ -314,6 +317,40 @@ def test_energy_falls_back_to_a_power_sampler_stopped_on_close(
             gpu.energy_j()
     gpu.close()
     assert _sampler_threads() == []
+
+
+def test_threads_reading_energy_at_once_start_one_power_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    device = a100(0, energy_mj=None, power_mw=200_000)
+    _install(monkeypatch, [device])
+    meet = threading.Barrier(2, timeout=30)  # both threads inside the first energy read
+    device.hooks["nvmlDeviceGetTotalEnergyConsumption"] = meet.wait
+    (gpu,) = nvml_gpus(power_sample_interval_s=0.001)
+    try:
+        readings: list[float] = []
+        threads = [threading.Thread(target=lambda: readings.append(gpu.energy_j())) for _ in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert len(readings) == 2
+        assert len(_sampler_threads()) == 1
+    finally:
+        gpu.close()
+    assert _sampler_threads() == []
+
+
+def test_a_closed_gpu_starts_no_power_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(monkeypatch, [a100(0, energy_mj=None), a100(1, energy_mj=None)])
+    closed, still_open = nvml_gpus()  # NVML stays initialised for the other one
+    closed.close()
+    try:
+        with pytest.raises(DriverError, match="closed"):
+            closed.energy_j()
+        assert _sampler_threads() == []
+    finally:
+        still_open.close()
 
 
 def test_power_sampler_integrates_a_step_function() -> None:

@@ -45,6 +45,8 @@ def test_nvml_clock_temperature_persistence(fake: FakeNVML, gpu: NVMLGPU) -> Non
     gpu.set_locked_clocks_mhz(1005, 1005)
     try:
         assert gpu.sm_clock_mhz() == 1005
+        assert gpu.clock_event_reasons() == 0x1  # idle: GpuIdle, the lock does not show
+        device.busy = True
         assert gpu.clock_event_reasons() & 0x2
     finally:
         gpu.reset_locked_clocks()
