@@ -183,12 +183,12 @@ def _nvml_checks(config: EnergyConfig | None, lease_dir: str | None) -> Iterator
     try:
         try:
             gpus = nvml_gpus()
-        except DeviceError as exc:
+        except (DeviceError, ConfigError) as exc:
             yield Check(
                 "nvml",
                 FAIL,
                 f"NVML initialised but the GPUs cannot be listed: {exc}",
-                "check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`",
+                "check CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER and `nvidia-smi -L`",
             )
             return
         if not gpus:

@@ -29,11 +29,9 @@ from lightning_energy.device.base import GPU, DeviceSet, GPUInfo, gpu_info
 from lightning_energy.device.mapping import (
     CudaRuntime,
     TorchCuda,
-    check_device_order,
     nvml_gpu_for_device,
-    visible_gpu_names,
 )
-from lightning_energy.device.nvml import NVMLGPU, NVMLSession, nvml_gpus, visible_gpu_count
+from lightning_energy.device.nvml import NVMLGPU, nvml_gpus, visible_gpu_count
 from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.simulated import (
     FAULT_OPERATIONS,
@@ -137,11 +135,8 @@ def _nvml_set(
     if device is not None and device.type == "cuda":
         gpus = [nvml_gpu_for_device(device, cuda)]
     else:
-        wanted = [local_rank] if local_rank is not None else indices
-        with NVMLSession():  # one NVML initialisation for the order check and the GPUs
-            if wanted is not None:
-                check_device_order(visible_gpu_names())
-            gpus = nvml_gpus(wanted)
+        # nvml_gpus numbers the visible GPUs as CUDA does (or refuses when it cannot).
+        gpus = nvml_gpus([local_rank] if local_rank is not None else indices)
     return DeviceSet(gpus=gpus, clock=time.perf_counter, backend="nvml")
 
 

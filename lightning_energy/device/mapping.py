@@ -18,8 +18,8 @@ the lookup). The CUDA side is a small :class:`CudaRuntime` protocol
 Without a CUDA device (a CPU run on a machine with GPUs), process-local index ``i`` is the
 ``i``-th GPU ``CUDA_VISIBLE_DEVICES`` names (:func:`~lightning_energy.device.nvml.nvml_gpus`
 counts index entries in CUDA's order, through CUDA's UUIDs where that order may differ from
-NVML's); :func:`check_device_order` refuses an index among visible GPUs of different models
-under CUDA's fastest-first order.
+NVML's, and refusing with a :class:`~lightning_energy.errors.ConfigError` where CUDA cannot
+say how it numbers them).
 
 Example:
     >>> gpu = nvml_gpu_for_device(torch.device("cuda", 1))  # doctest: +SKIP
@@ -36,18 +36,14 @@ from lightning_energy.device.cuda import (
     ORDER_VAR,
     CudaRuntime,
     TorchCuda,
-    cuda_device_order,
     normalise_uuid,
 )
 from lightning_energy.device.nvml import (
     NVMLGPU,
     NVMLSession,
     _answering,
-    _call,
     _handle_for_cuda_uuid,
     _pynvml,
-    _text,
-    _visible_handles,
 )
 from lightning_energy.errors import ConfigError, DriverError, GPULostError, GPUNotFoundError
 
@@ -57,10 +53,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CudaRuntime",
     "TorchCuda",
-    "check_device_order",
     "normalise_uuid",
     "nvml_gpu_for_device",
-    "visible_gpu_names",
 ]
 
 _VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
@@ -136,49 +130,3 @@ def nvml_gpu_for_device(
         gpu_index=index,
         operation="map_device",
     )
-
-
-def check_device_order(names_in_nvml_order: list[str]) -> None:
-    """Refuse to take process-local index ``i`` as the ``i``-th visible NVML GPU when CUDA
-    may number the GPUs differently.
-
-    CUDA's default order, ``FASTEST_FIRST``, puts faster GPUs first and breaks ties by PCI
-    bus id: on GPUs that are all the same model it is NVML's order; on mixed models it is
-    not, unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-
-    Args:
-        names_in_nvml_order: the model names of the GPUs visible to this process.
-
-    Raises:
-        ConfigError: mixed models under the fastest-first order.
-    """
-    order = cuda_device_order()
-    if order == "PCI_BUS_ID" or len(set(names_in_nvml_order)) <= 1:
-        return
-    raise ConfigError(
-        f"{ORDER_VAR}={order!r} with different GPU models {sorted(set(names_in_nvml_order))}: "
-        "CUDA numbers them fastest first, NVML by PCI bus, so a GPU index cannot be matched; "
-        f"set {ORDER_VAR}=PCI_BUS_ID, or pass the framework's CUDA device",
-        source=f"env {ORDER_VAR}",
-    )
-
-
-def visible_gpu_names() -> list[str]:
-    """Model names of the GPUs ``CUDA_VISIBLE_DEVICES`` names, in process-local order.
-
-    A GPU that fell off the bus has no name to give and is left out.
-
-    Raises:
-        ConfigError: CUDA may number the GPUs differently from NVML and is not available to
-            say how.
-        DriverError: pynvml is missing or NVML fails to initialise.
-    """
-    names = []
-    with NVMLSession():
-        nvml = _pynvml()
-        for i, handle in enumerate(_visible_handles(nvml)):
-            try:
-                names.append(_text(_call("get_name", i, nvml.nvmlDeviceGetName, handle)))
-            except GPULostError:
-                continue  # no model to compare: the GPU fell off the bus (observed, not driven)
-    return names

@@ -83,17 +83,19 @@ class RecoveryResult:
 
 
 def _open_nvml_gpu(gpu_uuid: str, index: int) -> GPU:
-    """Open a GPU by UUID through NVML, whatever ``CUDA_VISIBLE_DEVICES`` says; ``index``
-    only labels its errors."""
-    from lightning_energy.device.nvml import NVMLGPU, NVMLSession, translate_nvml_error
+    """Open a GPU by UUID through NVML, whatever ``CUDA_VISIBLE_DEVICES`` says (past a lost
+    GPU elsewhere on the node, which NVML's own by-UUID lookup stops at); ``index`` only
+    labels its errors."""
+    from lightning_energy.device.nvml import NVMLGPU, NVMLSession, _handle_for_cuda_uuid, _pynvml
 
     with NVMLSession():
-        import pynvml
-
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
-        except pynvml.NVMLError as exc:
-            raise translate_nvml_error(exc, operation="get_handle") from exc
+        handle = _handle_for_cuda_uuid(_pynvml(), gpu_uuid, index)
+        if handle is None:
+            raise GPUNotFoundError(
+                f"no GPU with UUID {gpu_uuid!r} answers NVML on this node",
+                gpu_index=index,
+                operation="get_handle",
+            )
         return NVMLGPU(handle, index)
 
 

@@ -287,3 +287,19 @@ def test_unsafe_lease_directory_fails_and_refused_files_are_listed(
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "WARN  leases  1 file(s) are refused" in out and "FIFO" in out
+
+
+def test_mixed_models_that_cannot_be_numbered_are_a_failed_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without CUDA, GPUs of different models cannot be numbered as CUDA numbers them under
+    its fastest-first order: doctor says so and how to fix it, without a traceback."""
+    from tests.lightning_energy.device.fake_cuda import FakeCuda
+
+    fake = _install(monkeypatch, make_module([a100(0, name="NVIDIA A40"), a100(1)]))
+    FakeCuda(fake.devices, available=False).install(monkeypatch)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "Traceback" not in out
+    assert "FAIL" in _lines(out)["nvml"] and "PCI_BUS_ID" in out

@@ -597,3 +597,21 @@ def test_recover_reopens_real_gpus_by_uuid_through_nvml(
     assert results["GPU-of-another-node"].status == "skipped"
     assert fake.init_calls == fake.shutdown_calls  # the re-opened GPU was closed
     assert lease_files(lease_dir) == ["GPU-not-on-this-node.json", "GPU-of-another-node.json"]
+
+
+def test_recover_restores_a_gpu_past_a_lost_one_elsewhere_on_the_node(
+    lease_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's by-UUID lookup initialises every GPU it meets and answers GPU_IS_LOST at a
+    lost one before the GPU asked for: recover still finds and restores that GPU."""
+    from fake_pynvml import a100, make_module
+
+    lost = a100(0, lost=True)
+    device = a100(1, limit_mw=200_000)
+    fake = make_module([lost, device])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gone = dataclasses.replace(ProcessIdentity.current(), boot_id="an-earlier-boot")
+    LeaseStore(lease_dir).write(_nvml_lease(device.uuid, gone, 350.0))
+    (result,) = recover(lease_dir)
+    assert result.status == "restored", result
+    assert device.limit_mw == 350_000
