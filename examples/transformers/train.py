@@ -7,7 +7,8 @@ Runs on CPU in a few seconds; the GPU is simulated by energy.yaml, nothing is do
 
 The second command resumes from the last checkpoint: the power-limit profile saved in it
 is reused, nothing is profiled again. The script prints one JSON line at the end: the
-chosen power limit, the steps, and the energy keys found in the Trainer's log history.
+chosen power limit, the steps this process ran (and the step it resumed at), and the
+energy keys found in the Trainer's log history.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     result = {
         "power_limit_w": summary.power_limit_w,
         "steps": summary.steps,
+        "resumed_at_step": summary.resumed_at_step,
         "energy_saved_j": summary.energy_saved_j,
         "decisions": [d["reason"] for d in energy.controller.decisions],
         "logged_keys": logged,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import select
 import socket
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from lightning_energy.errors import (
     DeviceError,
     EnergyError,
     JobSetupError,
+    LeaseConflictError,
 )
 from lightning_energy.job import (
     Capability,
@@ -240,7 +242,7 @@ class EnergyController:
     def _clock(self) -> float:
         return self.devices.clock()
 
-    def setup(self, *, collective: Collective | None = None) -> None:
+    def setup(self, *, collective: Collective | None = None, observe: str | None = None) -> None:
         """Open the GPUs, take their lease and start measuring a run. Idempotent.
 
         After :meth:`teardown`, ``setup`` starts a new run (a second ``fit``): a new lease
@@ -249,6 +251,9 @@ class EnergyController:
 
         Args:
             collective: how ranks agree from this run on (a new trainer's); None: keep.
+            observe: why this run may not change its GPUs although it could (another run
+                of this process drives them): it takes no lease and only observes, with
+                one warning saying so (strict mode: a ``LeaseConflictError``).
 
         Raises:
             ConfigError: candidate power limits outside every GPU's allowed range.
@@ -275,7 +280,7 @@ class EnergyController:
             install_signal_handlers=self._install_signal_handlers,
         )
         try:
-            self._agree(devices, guard)
+            self._agree(devices, guard, observe)
             guard.add_signal_listener(self._on_signal)
             self._start(devices, guard)
         except BaseException:
@@ -298,14 +303,14 @@ class EnergyController:
         if chosen is not None:
             self._use_profile(chosen, f"reuse profile of workload {self._session.workload}")
 
-    def _agree(self, devices: DeviceSet, guard: GPUGuard) -> None:
+    def _agree(self, devices: DeviceSet, guard: GPUGuard, observe: str | None) -> None:
         """Take the lease and find out, with every rank, who optimises (one job, one plan).
 
         Two collectives: which GPUs each rank opened (a physical GPU opened by two ranks,
         itself or as MIG instances, is driven and measured by the lower one only), then
-        whether each rank can change its GPUs.
-        In strict mode a rank that cannot makes every rank raise the same error, so no rank
-        is left waiting in a collective.
+        whether each rank can change its GPUs (not when ``observe`` says why). In strict
+        mode a rank that cannot makes every rank raise the same error, so no rank is left
+        waiting in a collective.
         """
         from lightning_energy.job import shared_gpus
 
@@ -328,6 +333,10 @@ class EnergyController:
             guard.observe(describe_shared(shared, self._ranks))
         failure: str | None = None
         try:
+            if observe is not None and self.config.strict:
+                raise LeaseConflictError(observe, owner_pid=os.getpid())
+            if observe is not None:
+                guard.observe(observe)
             guard.acquire()
             self._probe_permission(devices, guard)
         except EnergyError as exc:
@@ -941,7 +950,7 @@ class EnergyController:
 
     @property
     def steps(self) -> int:
-        """Training steps seen."""
+        """The job's training steps so far (a resumed run counts on from its checkpoint's)."""
         return self._ledger.step
 
     @property
@@ -994,7 +1003,8 @@ class EnergyController:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume without profiling again (JSON-serialisable)."""
+        """Everything needed to resume without profiling again (JSON-serialisable), and the
+        job's totals at this step: its steps and the energy they used, up to this step."""
         gpus = [gpu_info(g) for g in self.devices.gpus]
         return {
             "version": _STATE_VERSION,
@@ -1002,11 +1012,12 @@ class EnergyController:
             "workload": self._session.workload,
             "optimizers": self._session.state_dict(),
             "steps": self._ledger.step,
-            "energy_j": self._ledger.energy_j,
+            "energy_j": self._ledger.job_energy_so_far_j(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`.
+        """Resume from :meth:`state_dict`: the profiles and choice, and the job's steps
+        and energy so far (this run's summary stays its own and says where it resumed).
 
         Raises:
             CheckpointMismatchError: the state was saved on another GPU model or by an
@@ -1028,8 +1039,7 @@ class EnergyController:
         self._session.load_state_dict(
             state.get("optimizers", {}), str(state.get("workload", "default"))
         )
-        self._ledger.step = int(state.get("steps", 0))
-        self._ledger.energy_j = float(state.get("energy_j", 0.0))
+        self._ledger.resume(int(state.get("steps", 0)), float(state.get("energy_j", 0.0)))
         if self._is_setup:
             self._session.optimizer()
             chosen = self._session.known_choice()

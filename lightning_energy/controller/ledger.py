@@ -36,8 +36,12 @@ Profile = dict[float, tuple[float, float]]
 class RunSummary:
     """What a run used and saved.
 
+    Every field covers this process's run, from setup to teardown, also when the run
+    resumed a job from a checkpoint: ``resumed_at_step`` and ``energy_before_resume_j``
+    say where the job stood then (add them for the job's totals so far).
+
     Attributes:
-        steps: training steps seen.
+        steps: training steps run.
         energy_j: energy used by this process's GPUs.
         duration_s: device-clock time from setup to teardown.
         power_limit_w: the power limit chosen and in force at the end of the run (None:
@@ -63,9 +67,14 @@ class RunSummary:
             also the same job run carbon-unaware (the selector's limit, no pacing) and at
             full power, from the end of profiling on the intensities observed (cumulative
             series in ``baselines``), and the deadline and whether it was met.
-        job_energy_j: energy used by every GPU of the job, each counted once (None until
-            the ranks have compared numbers at the end of a run; ``energy_j`` is this
-            process's own share).
+        job_energy_j: energy used by every GPU of the job in this run, each counted once
+            (None until the ranks have compared numbers at the end of a run; ``energy_j``
+            is this process's own share).
+        read_error: why GPU readings failed during the run (None: they never did).
+        resumed_at_step: the steps the job had run when this run resumed it from a
+            checkpoint (0: not resumed).
+        energy_before_resume_j: the energy the checkpoint counted for those steps (0: not
+            resumed).
     """
 
     steps: int
@@ -83,6 +92,8 @@ class RunSummary:
     power_limits_measured: int = 0
     power_limit_candidates: int = 0
     power_limits_applied: int = 0
+    resumed_at_step: int = 0
+    energy_before_resume_j: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -107,8 +118,12 @@ class RunLedger:
         self._log_every_n_steps = log_every_n_steps
         self._clock = clock
         self.readings = Readings(on_lost)
+        #: The job's training steps: those of the checkpoint resumed, then this run's.
         self.step = 0
+        #: The energy of this run's closed logging intervals.
         self.energy_j = 0.0
+        self.resumed_at_step = 0
+        self.energy_before_resume_j = 0.0
         self.interval_steps = 0
         self.start_s = 0.0
         self.end_s: float | None = None
@@ -175,6 +190,20 @@ class RunLedger:
         """Whether the logging interval has run its steps."""
         return self.interval_steps >= self._log_every_n_steps
 
+    def resume(self, steps: int, energy_j: float) -> None:
+        """The job resumes from a checkpoint taken after ``steps`` steps that used
+        ``energy_j``: the steps count on from there, this run's own numbers stay its own."""
+        self.resumed_at_step = steps - (self.step - self.resumed_at_step)
+        self.step = steps
+        self.energy_before_resume_j = energy_j
+
+    def job_energy_so_far_j(self) -> float:
+        """The job's energy up to now (what a checkpoint holds): the energy of the
+        checkpoint resumed, of this run's closed intervals and of the open one so far."""
+        m = self.readings.peek(INTERVAL)
+        open_j = m.energy_j if m is not None and not m.missing else 0.0
+        return self.energy_before_resume_j + self.energy_j + open_j
+
     def lose_metrics(self) -> None:
         """Readings failed: the last metrics no longer stand."""
         self.metrics = {}
@@ -216,7 +245,7 @@ class RunLedger:
             else self.metrics.get("energy/step_j", 0.0),
             "energy/power_w": m.average_power_w,
             "energy/power_limit_w": float(power_limit_w or 0.0),
-            "energy/total_j": self.energy_j,
+            "energy/total_j": self.energy_before_resume_j + self.energy_j,
         }
         entry: dict[str, Any] = {
             "step": self.step,
@@ -378,7 +407,7 @@ class RunLedger:
                 saved_j = steps * e_top / world_size - after.energy_j
                 slowdown = after.duration_s / (steps * t_top)
         self.summary = RunSummary(
-            steps=self.step,
+            steps=self.step - self.resumed_at_step,
             energy_j=self.energy_j,
             duration_s=duration_s,
             power_limit_w=power_limit_w,
@@ -394,6 +423,8 @@ class RunLedger:
             power_limits_applied=len(
                 {d["value"] for d in self.decisions if d["kind"] == "power_limit"}
             ),
+            resumed_at_step=self.resumed_at_step,
+            energy_before_resume_j=self.energy_before_resume_j,
         )
         return self.summary
 

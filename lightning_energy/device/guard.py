@@ -781,8 +781,9 @@ class GPUGuard:
     def _restore_at_exit(self) -> None:
         if not self._restored:
             log.warning(
-                "GPU settings restored at interpreter exit: use `with GPUGuard(...)` or call "
-                "restore() when done."
+                "GPU settings restored at interpreter exit: the run that changed them never "
+                "ended (end it with `controller.teardown()`; a GPUGuard of your own with "
+                "`with GPUGuard(...)` or `restore()`)."
             )
             self.restore()
 

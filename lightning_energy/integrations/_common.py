@@ -10,12 +10,15 @@ workload key and the ranks' collectives over the framework's own ``all_gather``.
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from typing_extensions import Self
@@ -29,7 +32,7 @@ from lightning_energy.controller import (
     EnergyController,
     RunSummary,
 )
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, EnergyError
 from lightning_energy.summary_rows import power_limit_rows
 
 __all__ = [
@@ -44,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 class HasParameters(Protocol):
@@ -87,7 +92,8 @@ def tensor_collective(
 
     Lightning's and Fabric's ``all_gather`` stack one row per rank (a single process gets
     the tensor back as is), Accelerate's ``gather`` concatenates: the rows are read back
-    alike from each.
+    alike from each. Methods of the framework's objects are held weakly: a run that ended
+    never keeps the user's ``Fabric`` or ``Trainer`` alive.
 
     Args:
         rank: this process's global rank.
@@ -97,12 +103,34 @@ def tensor_collective(
         device: where the framework's collectives expect tensors (NCCL rejects CPU ones).
     """
 
+    gather = _held_weakly(all_gather)
+
     def gather_rows(values: list[float]) -> list[list[float]]:
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        gathered = all_gather(tensor).reshape(-1, len(values))
+        gathered = gather(tensor).reshape(-1, len(values))
         return [row.tolist() for row in gathered.cpu()]
 
-    return GatherCollective(rank, world_size, gather_rows, broadcast)
+    return GatherCollective(rank, world_size, gather_rows, _held_weakly(broadcast))
+
+
+def _held_weakly(function: Callable[..., R]) -> Callable[..., R]:
+    """``function``, without keeping the object it is a method of alive.
+
+    Raises (when called):
+        EnergyError: that object is gone (its run ended with it).
+    """
+    if not inspect.ismethod(function):
+        return function
+    method = weakref.WeakMethod(function)
+    name = function.__qualname__
+
+    def call(*args: Any, **kwargs: Any) -> R:
+        bound = method()
+        if bound is None:
+            raise EnergyError(f"{name}: its object no longer exists (the run using it ended)")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def build_config(
@@ -131,11 +159,15 @@ def build_config(
 
 
 def format_summary(summary: RunSummary) -> str:
-    """A short human-readable table of a run summary."""
+    """A short human-readable table of a run summary (this process's run; a resumed run
+    also says where the job resumed)."""
     rows = [
         ("steps", f"{summary.steps}"),
         ("energy (this process)", f"{summary.energy_j / 1000:.2f} kJ"),
     ]
+    if summary.resumed_at_step:
+        before = f"{summary.energy_before_resume_j / 1000:.2f} kJ"
+        rows.insert(1, ("resumed at step", f"{summary.resumed_at_step} ({before} before)"))
     if summary.job_energy_j is not None and summary.job_energy_j != summary.energy_j:
         rows.append(("energy (whole job)", f"{summary.job_energy_j / 1000:.2f} kJ"))
     rows.append(("time", f"{summary.duration_s:.1f} s"))
@@ -188,7 +220,10 @@ class EnergyAdapter:
     totals are a collective), :meth:`_abort` on an exception (no collective). Both restore
     every GPU first, keep the summary and write the report on the main process. Used as a
     context manager, an adapter finishes the run when the block ends normally and aborts
-    it when the block raises.
+    it when the block raises. A run still open at interpreter exit is ended then, with one
+    warning. An adapter pickles at every point of its life: the copy (``ddp_spawn``
+    workers) carries the configuration, the last summary and a state loaded before
+    setup, never the open run, its GPUs or lease.
 
     Args:
         config: a YAML path, a mapping of the YAML schema or an ``EnergyConfig``; None
@@ -213,6 +248,11 @@ class EnergyAdapter:
     #: Lightning Trainer both, through its callbacks entry point and strategies; the
     #: pipeline engines ``perseus:``).
     applied_sections: ClassVar[frozenset[str]] = frozenset()
+    #: What the user writes to end a run of this adapter, for the messages about a run
+    #: that did not end.
+    ended_by: ClassVar[str] = "`with energy:`"
+    #: The adapters with a run open, in this process and others forked from it.
+    _open_runs: ClassVar[weakref.WeakSet[EnergyAdapter]] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -238,6 +278,7 @@ class EnergyAdapter:
         self.controller: EnergyController | None = None
         self.summary: RunSummary | None = None
         self._running = False
+        self._run_pid: int | None = None
         self._main_process = True
         self._pending_state: dict[str, Any] | None = None
 
@@ -265,6 +306,12 @@ class EnergyAdapter:
         """Whether a run is open (set up and not yet finished or aborted)."""
         return self._running
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy gets: everything but the open run (its controller stays here)."""
+        state = self.__dict__.copy()
+        state.update(controller=None, _running=False, _run_pid=None)
+        return state
+
     def _begin_run(
         self,
         controller: EnergyController,
@@ -274,6 +321,9 @@ class EnergyAdapter:
     ) -> EnergyController:
         """Set up a run of ``controller``, then resume the state loaded before setup.
 
+        A GPU that a run of another adapter of this process drives (set up and not ended)
+        is only observed by this run, which says so.
+
         Args:
             controller: this adapter's controller (a new one, or the last run's).
             main_process: whether this is global rank 0 (it logs and writes the report).
@@ -282,44 +332,97 @@ class EnergyAdapter:
         self.controller = controller
         self.summary = None
         self._main_process = main_process
-        controller.setup(collective=collective)
+        controller.setup(collective=collective, observe=self._driven_elsewhere(controller))
         self._running = True
+        self._run_pid = os.getpid()
+        self._open_runs.add(self)
+        atexit.register(self._end_at_exit)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             controller.handle(CheckpointLoad(pending))
         return controller
 
+    def _driven_elsewhere(self, controller: EnergyController) -> str | None:
+        """Why ``controller`` may only observe: a GPU of it that an open run of another
+        adapter of this process drives (None: none is)."""
+        others = [
+            (other, other.controller)
+            for other in list(self._open_runs)
+            if other is not self and other._run_pid == os.getpid() and other.controller
+        ]
+        if not others:
+            return None
+        mine = {gpu.uuid: gpu for gpu in controller.devices.gpus}
+        for other, driving in others:
+            shared = [mine[g.uuid] for g in driving.devices.gpus if g.uuid in mine]
+            if shared:
+                gpus = ", ".join(f"GPU {g.index} ({g.name})" for g in shared)
+                return (
+                    f"{gpus} is driven by the {type(other).__name__} run set up earlier in "
+                    f"this process, which has not ended: end a run with {other.ended_by} "
+                    "before setting up another"
+                )
+        return None
+
     def _finish(self) -> RunSummary | None:
         """End the run normally (every rank): see :func:`finish_run`."""
-        if not self._running or self.controller is None:
+        if not self._mark_ended():
             return self.summary
-        self._running = False
+        assert self.controller is not None
         self.summary = finish_run(
             self.controller, self.config.report, main_process=self._main_process
         )
         return self.summary
 
     def _abort(self, failure: str) -> RunSummary | None:
-        """End the run on an exception: restore every GPU, summarise and, on the main
-        process, write the report; no collective, since another rank may not be there.
+        """End the run on an exception: see :meth:`_end_alone`.
 
         Args:
             failure: what failed (the exception's type), for the warning.
         """
-        if not self._running or self.controller is None:
+        return self._end_alone(f"training failed ({failure}); GPU settings restored")
+
+    def _end_alone(self, message: str, level: int = logging.WARNING) -> RunSummary | None:
+        """End the run where another rank may not be there to answer: restore every GPU,
+        summarise, log ``message`` at ``level`` and, on the main process, write the
+        report; no collective.
+        """
+        if not self._mark_ended():
             return self.summary
-        self._running = False
+        assert self.controller is not None
         controller = self.controller
         self.summary = controller.handle(End()).summary
-        log.warning("training failed (%s); GPU settings restored", failure)
+        log.log(level, "%s", message)
         if self._main_process and self.config.report:
-            from lightning_energy.report import write_report
+            from lightning_energy.report import ReportError, write_report
 
             try:
                 write_report(controller, self.config.report)
-            except OSError as exc:  # the training error matters more than the report
+            except ReportError as exc:  # the training error matters more than the report
                 log.warning("the run report could not be written: %s", exc)
         return self.summary
+
+    def _mark_ended(self) -> bool:
+        """Mark the open run ended; False when there was none."""
+        if not self._running or self.controller is None:
+            return False
+        self._running = False
+        self._open_runs.discard(self)
+        atexit.unregister(self._end_at_exit)
+        return True
+
+    def _end_at_exit(self) -> None:
+        """The interpreter exits with the run still open: end it, saying so.
+
+        The run ends as on an exception (restore, summary, report), without what a
+        subclass undoes of the framework's objects at an exception: the process ends.
+        """
+        if self._run_pid != os.getpid():
+            return  # a forked copy: the process that set the run up ends it
+        self._end_alone(
+            f"the {type(self).__name__} run set up in this process never ended; it ended at "
+            f"interpreter exit (GPU settings restored): end a run with {self.ended_by}"
+        )
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -107,11 +107,26 @@ class _Module(Protocol):
     def parameters(self, recurse: bool = True) -> Iterable[torch.nn.Parameter]: ...
 
     def log_dict(
-        self, dictionary: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, logger: bool
+        self,
+        dictionary: Any,
+        *,
+        on_step: bool,
+        on_epoch: bool,
+        prog_bar: bool,
+        logger: bool,
+        batch_size: int,
     ) -> None: ...
 
     def log(
-        self, name: str, value: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, logger: bool
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool,
+        on_epoch: bool,
+        prog_bar: bool,
+        logger: bool,
+        batch_size: int,
     ) -> None: ...
 
 
@@ -197,7 +212,12 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     def on_train_batch_end(
         self, trainer: _Trainer, pl_module: _Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Close a step; log fresh metrics to the loggers and the progress bar."""
+        """Close a step; log fresh metrics to the loggers and the progress bar.
+
+        The values are logged per step, never averaged over batches: they carry a batch
+        size of their own, since Lightning cannot infer one for every ``training_step``
+        (``def training_step(self, dataloader_iter)`` has no batch).
+        """
         if not self.running or self.controller is None:
             return
         metrics = self.controller.handle(StepEnd()).metrics
@@ -205,7 +225,12 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             return
         if trainer.loggers:
             pl_module.log_dict(
-                dict(metrics), on_step=True, on_epoch=False, prog_bar=False, logger=True
+                dict(metrics),
+                on_step=True,
+                on_epoch=False,
+                prog_bar=False,
+                logger=True,
+                batch_size=1,
             )
         if trainer.progress_bar_callback is not None:
             pl_module.log(
@@ -215,6 +240,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
                 on_epoch=False,
                 prog_bar=True,
                 logger=False,
+                batch_size=1,
             )
 
     @override
@@ -286,11 +312,20 @@ class EnergyStrategyCore:
         self.energy_callback = self.callback_class(energy)
 
     def setup_environment(self) -> None:
-        """Set up the base strategy, then attach the energy callback to the trainer."""
+        """Set up the base strategy, then attach the energy callback to the trainer.
+
+        A trainer that has an energy callback keeps it. The callback goes before the
+        checkpoint callbacks, which Lightning runs last, in a new list: no list the user
+        holds is changed.
+        """
         super().setup_environment()  # type: ignore[misc]
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if not any(isinstance(cb, EnergyCallbackCore) for cb in trainer.callbacks):
-            trainer.callbacks.append(self.energy_callback)
+        callbacks = list(trainer.callbacks)
+        if any(isinstance(cb, EnergyCallbackCore) for cb in callbacks):
+            return
+        checkpoints = [id(cb) for cb in trainer.checkpoint_callbacks]
+        at = next((i for i, cb in enumerate(callbacks) if id(cb) in checkpoints), len(callbacks))
+        trainer.callbacks = [*callbacks[:at], self.energy_callback, *callbacks[at:]]
 
 
 class EnergySingleDeviceCore(EnergyStrategyCore):

@@ -45,7 +45,6 @@ as without it; a pickled copy of the Accelerator carries no energy optimisation.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import multiprocessing.util
@@ -53,7 +52,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import torch
 from accelerate import Accelerator
@@ -65,7 +64,6 @@ from typing_extensions import override
 
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.controller import (
-    End,
     EnergyController,
     Interruption,
     RunSummary,
@@ -90,12 +88,6 @@ ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig
 
 #: The file ``save_state`` writes the energy state to, beside Accelerate's own files.
 CHECKPOINT_FILE = "lightning_energy.json"
-
-_ADVICE = (
-    "call accelerator.end_training() when training ends (after attach_energy(accelerator)), "
-    "or train inside `with attach_energy(accelerator):`, to restore them at once and log "
-    "the summary"
-)
 
 
 def attach_energy(
@@ -165,6 +157,11 @@ class AcceleratorEnergy(EnergyAdapter):
         controller: the energy controller (None when inactive).
         summary: the run summary once closed.
     """
+
+    ended_by: ClassVar[str] = (
+        "`accelerator.end_training()` (after `attach_energy(accelerator)`), or train inside "
+        "`with attach_energy(accelerator):`"
+    )
 
     def __init__(
         self,
@@ -246,15 +243,15 @@ class AcceleratorEnergy(EnergyAdapter):
             self._discover(prepared)
         # Holds the attachment until the Accelerator is gone, then ends the run it left open.
         self._freed = weakref.finalize(accelerator, self._release, "when the Accelerator was freed")
-        self._freed.atexit = False  # interpreter exit has its own, below
-        me = weakref.ref(self)
+        self._freed.atexit = False  # interpreter exit: the base class's _end_at_exit
         # A launcher's worker process (notebook_launcher, debug_launcher) ends with
         # os._exit once the launched function returns or raises: no atexit handler runs.
         multiprocessing.util.Finalize(
-            None, _release, args=(me, "when the worker process ended"), exitpriority=0
+            None,
+            _release,
+            args=(weakref.ref(self), "when the worker process ended"),
+            exitpriority=0,
         )
-        # Registered after the guard's, so it runs first and names what the script wrote.
-        atexit.register(_release, me, "at interpreter exit")
 
     # ------------------------------------------------------------------ steps
     def _discover(self, prepared: object) -> None:
@@ -440,23 +437,25 @@ class AcceleratorEnergy(EnergyAdapter):
         return super()._abort(failure)
 
     def _release(self, when: str) -> None:
-        """The last resort, when the script never ended the run: unhook and restore every
-        GPU without a collective (the other ranks may be gone) nor a report, with one
-        warning naming what the script should call. A no-op once the run ended, and in
-        another process (a forked child)."""
-        controller = self.controller
-        if not self.running or controller is None or os.getpid() != self._pid:
+        """The last resort, when the script never ended the run: unhook, then end it as
+        on an exception (restore every GPU, no collective: the other ranks may be gone),
+        with one warning naming what the script should call. A no-op once the run ended,
+        and in another process (a forked child)."""
+        if not self.running or os.getpid() != self._pid:
             return
         try:
             self._unhook()
-            self._running = False
-            self.summary = controller.handle(End()).summary
+            self._end_alone(
+                f"Energy optimisation was still running {when}: GPU settings restored; end "
+                f"a run with {self.ended_by}"
+            )
         except Exception:  # a finaliser must not raise; the guard's own last resort remains
             log.exception("ending the energy optimisation run %s failed", when)
-            return
-        log.warning(
-            "Energy optimisation was still running %s: GPU settings restored; %s.", when, _ADVICE
-        )
+
+    @override
+    def _end_at_exit(self) -> None:
+        """The interpreter exits with the run still open: end it, naming what to call."""
+        self._release("at interpreter exit")
 
     # ------------------------------------------------------------------ checkpoints
     def _save_state(self, directory: Path) -> None:

@@ -22,13 +22,26 @@ Fabric has no trainer, so the loop makes the calls a ``Trainer`` would make::
 ``fabric.save(path, {"model": model, "energy": energy})`` saves the profile (the callback
 implements ``state_dict``/``load_state_dict``) so ``fabric.load`` resumes without
 profiling again, also when it runs before :meth:`EnergyFabricCallback.setup`.
+
+The loop behaves as without the callback: hooks called before ``setup`` (a loop calling
+them for its other callbacks) do nothing, with one warning; the callback and a ``Fabric``
+holding it pickle at any point (for ``ddp_spawn``), and a ``Fabric`` is never kept alive
+by a run that ended.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
+from lightning_energy.controller import (
+    EnergyController,
+    Event,
+    Interruption,
+    StepEnd,
+    StepResult,
+    StepStart,
+)
 from lightning_energy.integrations._common import EnergyAdapter, tensor_collective
 
 if TYPE_CHECKING:
@@ -37,6 +50,8 @@ if TYPE_CHECKING:
     from lightning_energy.controller import RunSummary
 
 __all__ = ["EnergyFabricCallback"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -78,7 +93,9 @@ class EnergyFabricCallback(EnergyAdapter):
         ConfigError: invalid configuration (before any GPU is touched).
     """
 
+    ended_by: ClassVar[str] = "`with energy:` or `energy.teardown()`"
     _fresh = False
+    _warned_before_setup = False
 
     def setup(self, fabric: _Fabric) -> None:
         """Open this rank's GPU and take its lease (call after ``fabric.launch()``).
@@ -105,28 +122,35 @@ class EnergyFabricCallback(EnergyAdapter):
         )
         self._begin_run(controller, main_process=fabric.is_global_zero, collective=collective)
 
-    def _require(self) -> EnergyController:
-        if self.controller is None:
-            from lightning_energy.errors import EnergyError
-
-            raise EnergyError("call EnergyFabricCallback.setup(fabric) after fabric.launch()")
-        return self.controller
+    def _hook(self, name: str, event: Event) -> StepResult:
+        """Hand a hook's event to the run; before :meth:`setup` nothing happens, and the
+        first such hook says so (a loop may call hooks for its other callbacks)."""
+        if self.controller is not None:
+            return self.controller.handle(event)
+        if not self._warned_before_setup:
+            self._warned_before_setup = True
+            log.warning(
+                "%s called before EnergyFabricCallback.setup(fabric): nothing is measured or "
+                "changed until setup is called (after fabric.launch())",
+                name,
+            )
+        return StepResult()
 
     def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
         """Open a training step (``fabric.call("on_train_batch_start")``)."""
-        self._require().handle(StepStart())
+        self._hook("on_train_batch_start", StepStart())
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         """Close a training step (``fabric.call("on_train_batch_end")``)."""
-        self._fresh = self._require().handle(StepEnd()).metrics is not None
+        self._fresh = self._hook("on_train_batch_end", StepEnd()).metrics is not None
 
     def on_validation_start(self, *args: Any, **kwargs: Any) -> None:
         """Pause profiling while validating (the window in progress is retried)."""
-        self._require().handle(Interruption("validation"))
+        self._hook("on_validation_start", Interruption("validation"))
 
     def on_train_epoch_end(self, *args: Any, **kwargs: Any) -> None:
         """A profiling window must not span an epoch boundary."""
-        self._require().handle(Interruption("epoch end"))
+        self._hook("on_train_epoch_end", Interruption("epoch end"))
 
     def on_exception(self, exception: BaseException) -> None:
         """Restore every GPU and write the report (``fabric.call("on_exception", exc)``)."""
@@ -136,8 +160,15 @@ class EnergyFabricCallback(EnergyAdapter):
         """Declare a new workload (batch size or model change): it is profiled again.
 
         Build the key with :func:`~lightning_energy.integrations._common.workload_key`.
+
+        Raises:
+            EnergyError: before :meth:`setup` (the declaration would be lost).
         """
-        self._require().set_workload(key)
+        if self.controller is None:
+            from lightning_energy.errors import EnergyError
+
+            raise EnergyError("call EnergyFabricCallback.setup(fabric) after fabric.launch()")
+        self.controller.set_workload(key)
 
     @property
     def metrics_fresh(self) -> bool:

@@ -15,11 +15,11 @@ set ``LIGHTNING_ENERGY_CONFIG=energy.yaml`` and change nothing: the
 
 from __future__ import annotations
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
-from lightning_energy.config import load_config
-from lightning_energy.integrations._entry_point import configured_callbacks
+from lightning_energy.integrations._entry_point import entry_point_callbacks
 from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergySingleDeviceCore,
@@ -77,11 +77,9 @@ class EnergySingleDeviceStrategy(EnergySingleDeviceCore, SingleDeviceStrategy):
 
 def callbacks_factory() -> list[Callback]:
     """Entry point: when ``LIGHTNING_ENERGY_CONFIG`` is set, the energy callback and what
-    the file enables (Perseus, batch size); else none."""
-    config = load_config()
-    if config is None:
-        return []
-    return [EnergyCallback(config), *configured_callbacks(config, "lightning.pytorch")]
+    the file enables (Perseus, batch size), each unless the Trainer has one already; put
+    into the Trainer's own list, never the user's (see :mod:`._entry_point`)."""
+    return entry_point_callbacks("lightning.pytorch", EnergyCallback, Trainer)
 
 
 register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

@@ -7,11 +7,11 @@ other's objects). Importing this module does not import ``lightning.pytorch``.
 
 from __future__ import annotations
 
+from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
-from lightning_energy.config import load_config
-from lightning_energy.integrations._entry_point import configured_callbacks
+from lightning_energy.integrations._entry_point import entry_point_callbacks
 from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergySingleDeviceCore,
@@ -48,11 +48,9 @@ class EnergySingleDeviceStrategy(EnergySingleDeviceCore, SingleDeviceStrategy):
 
 def callbacks_factory() -> list[Callback]:
     """Entry point: when ``LIGHTNING_ENERGY_CONFIG`` is set, the energy callback and what
-    the file enables (Perseus, batch size); else none."""
-    config = load_config()
-    if config is None:
-        return []
-    return [EnergyCallback(config), *configured_callbacks(config, "pytorch_lightning")]
+    the file enables (Perseus, batch size), each unless the Trainer has one already; put
+    into the Trainer's own list, never the user's (see :mod:`._entry_point`)."""
+    return entry_point_callbacks("pytorch_lightning", EnergyCallback, Trainer)
 
 
 register_energy_strategies(StrategyRegistry, EnergyDDPStrategy, EnergySingleDeviceStrategy)

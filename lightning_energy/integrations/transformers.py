@@ -17,19 +17,24 @@ What it does with the Trainer's events:
 * The controller's state (power-limit profile and choice) is saved in every checkpoint's
   ``trainer_state.json`` (the Trainer's own mechanism for stateful callbacks) and read
   back by ``trainer.train(resume_from_checkpoint=...)``: no profiling again.
-* ``energy/*`` (and ``carbon/*``) values are added to the Trainer's logs (the console,
-  ``trainer.state.log_history`` and the callbacks after this one).
+* ``energy/*`` (and ``carbon/*``) values are added to the training logs (the loss logged
+  every ``logging_steps``: the console and the callbacks after this one) and to their
+  entries of ``trainer.state.log_history``; never to other logs, so ``train()``,
+  ``evaluate()`` and ``predict()`` return what they return without this callback.
 * A profiling window spanning an evaluation or an epoch end is discarded and retried.
 * ``on_train_end`` (or the ``with`` block, SIGTERM/SIGINT, interpreter exit) restores
   every GPU exactly once; an exception in the ``with`` block also writes the report.
+* ``auto_find_batch_size`` retrying ``train()`` with a smaller batch after running out of
+  memory ends the run of the failed attempt (GPUs restored) and starts another.
 
 Requires ``pip install "lightning-energy[hf]"``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
@@ -64,6 +69,11 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
     Raises:
         ConfigError: invalid configuration, raised here, before training starts.
     """
+
+    ended_by: ClassVar[str] = "`with energy:` around `trainer.train()`"
+    # The step at which the Trainer logs the training loss next (None: no log expected).
+    _training_log_step: int | None = None
+    _batch_size: int | None = None
 
     # ----------------------------------------------------------------- state
     @override
@@ -101,9 +111,24 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Open this rank's GPU, resume a saved profile, declare the workload and its length."""
-        if self.running:  # a previous train() call raised outside ``with``
-            self._abort("an earlier train() call that did not end")
+        """Open this rank's GPU, resume a saved profile, declare the workload and its length.
+
+        A run still open is that of an earlier ``train()`` call that raised: it ends here,
+        quietly when ``auto_find_batch_size`` retries with a smaller batch.
+        """
+        previous_batch_size, self._batch_size = self._batch_size, state.train_batch_size
+        if self.running:
+            smaller = (state.train_batch_size or 0) < (previous_batch_size or 0)
+            if args.auto_find_batch_size and smaller:
+                self._end_alone(
+                    f"train() ran out of memory at a batch size of {previous_batch_size} and "
+                    f"auto_find_batch_size retries it with a smaller batch "
+                    f"({state.train_batch_size}): the energy run of the failed attempt "
+                    "ended (GPU settings restored) and a new one starts",
+                    logging.INFO,
+                )
+            else:  # raised outside ``with energy:``
+                self._abort("an earlier train() call that did not end")
         if state.global_step > 0:  # resumed: the checkpoint's trainer_state.json was loaded
             self.load_state_dict(self._saved_state(state))  # resumed right after setup
         controller = self._begin_run(
@@ -143,6 +168,7 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         """Close an optimizer step (its metrics reach the Trainer's next log, in ``on_log``)."""
         if self.running and self.controller is not None:
             self.controller.handle(StepEnd())
+        self._expect_training_log(state, control)
 
     @override
     def on_evaluate(
@@ -167,6 +193,12 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         """A profiling window must not span an epoch boundary."""
         if self.running and self.controller is not None:
             self.controller.handle(Interruption("epoch end"))
+        self._expect_training_log(state, control)
+
+    def _expect_training_log(self, state: TrainerState, control: TrainerControl) -> None:
+        """Note whether the Trainer logs the training loss next: after a step or an epoch
+        at which it asks for a log (``control.should_log``), before anything else."""
+        self._training_log_step = state.global_step if control.should_log else None
 
     @override
     def on_log(
@@ -177,16 +209,26 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Add the latest ``energy/*`` values to the logs and to ``state.log_history``."""
-        if self.controller is None or logs is None or not self.controller.metrics:
+        """Add the latest ``energy/*`` values to a training log and its history entry.
+
+        A training log is the dictionary the Trainer builds for the loss it logs after a
+        step (and drops after this event); every other log is left as it is: evaluation
+        metrics and the final training metrics are what ``evaluate()`` and ``train()``
+        return.
+        """
+        expected, self._training_log_step = self._training_log_step, None
+        training_log = expected == state.global_step and logs is not None and "loss" in logs
+        if not training_log or not self.running or self.controller is None:
             return
         metrics = dict(self.controller.metrics)
+        if not metrics:
+            return
+        assert logs is not None
         logs.update(metrics)
         # The Trainer appended a copy of ``logs`` (plus the step) just before this event.
-        if state.log_history:
-            last = state.log_history[-1]
-            if last.get("step") == state.global_step and set(logs) - set(metrics) <= set(last):
-                last.update(metrics)
+        last = state.log_history[-1] if state.log_history else {}
+        if last.get("step") == state.global_step and "loss" in last:
+            last.update(metrics)
 
     @override
     def on_train_end(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,10 @@ def make_loader(n: int = 256, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
+@functools.cache
 def module_class(namespace: Any) -> type:
-    """A small MLP classifier as a LightningModule of the given namespace."""
+    """A small MLP classifier as a LightningModule of the given namespace (one class per
+    namespace, found again by name in this module: it pickles, as ``ddp_spawn`` needs)."""
 
     class TinyClassifier(namespace.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self, fail_at_step: int | None = None) -> None:
@@ -41,6 +45,9 @@ def module_class(namespace: Any) -> type:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    name = f"TinyClassifier_{namespace.__name__.replace('.', '_')}"
+    TinyClassifier.__name__ = TinyClassifier.__qualname__ = name
+    globals()[name] = TinyClassifier
     return TinyClassifier
 
 
@@ -87,3 +94,14 @@ def quiet_trainer(ns: Any, callback: Any, tmp_path: Path, steps: int, **kw: Any)
         "logger": False,
     }
     return ns.Trainer(**{**options, **kw})
+
+
+def lightning_namespace(name: str) -> tuple[Any, Any]:
+    """A Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``) and the
+    integration module built on it."""
+    ns = importlib.import_module(name)
+    integ = importlib.import_module(
+        "lightning_energy.integrations."
+        + ("lightning" if name == "lightning.pytorch" else "pytorch_lightning")
+    )
+    return ns, integ

@@ -208,3 +208,22 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     finally:
         controller.teardown()
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_report_that_cannot_be_written_never_hides_the_training_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import lightning.pytorch as ns
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+    from tests.lightning_energy.integrations._models import quiet_trainer
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    callback = EnergyCallback(energy_config(tmp_path, report=str(blocked / "run.json")))
+    trainer = quiet_trainer(ns, callback, tmp_path, 20)
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        trainer.fit(module_class(ns)(fail_at_step=5), make_loader())
+    gpu = callback.controller.devices.gpus[0] if callback.controller else None
+    assert gpu is not None and gpu.power_limit_w() == PRE_JOB_W
+    assert any("report could not be written" in r.getMessage() for r in caplog.records)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,76 +14,22 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.controller import EnergyController, Event, Interruption, StepResult
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.transformers import EnergyTrainerCallback
+from tests.lightning_energy.integrations._hf import (
+    CANDIDATES_W,
+    EXAMPLE,
+    PRE_JOB_W,
+    hf_config,
+    hf_trainer,
+    reset_accelerate,
+)
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformers" / "train.py"
-PRE_JOB_W = 300.0
-CANDIDATES_W = [300.0, 250.0, 200.0, 150.0]
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Keep the Trainer's process-wide side effects inside the test."""
-    # torch sets this variable when the Trainer first asks for its compile cache.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("LIGHTNING_ENERGY_LEASE_DIR", str(tmp_path / "leases"))
-    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def example() -> ModuleType:
-    """examples/transformers/train.py, imported (its model and dataset are reused here)."""
-    spec = importlib.util.spec_from_file_location("transformers_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _config(**power_limit: Any) -> dict[str, Any]:
-    return {
-        # 100 steps an epoch: ~37 s steps, each longer than a profiling window must last.
-        "device": {"backend": "simulated", "gpu": "a40", "steps_per_epoch": 100, "noise_std": 0.02},
-        "power_limit": {
-            "power_limits_w": CANDIDATES_W,
-            "warmup_steps": 2,
-            "settle_steps": 1,
-            **power_limit,
-        },
-        "log_every_n_steps": 5,
-    }
-
-
-def _trainer(
-    example: ModuleType, tmp_path: Path, callback: EnergyTrainerCallback, **args: Any
-) -> Trainer:
-    defaults: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"),
-        "per_device_train_batch_size": 4,
-        "max_steps": 10,
-        "logging_steps": 5,
-        "save_strategy": "no",
-        "report_to": [],
-        "use_cpu": True,
-        "disable_tqdm": True,
-    }
-    defaults.update(args)
-    return Trainer(
-        model=example.TinyRegressor(),
-        args=TrainingArguments(**defaults),
-        train_dataset=example.SyntheticRegression(size=512),
-        eval_dataset=example.SyntheticRegression(size=16),
-        callbacks=[callback],
-    )
+pytestmark = pytest.mark.usefixtures("hf_isolated")
 
 
 def _run_example(
@@ -95,8 +40,7 @@ def _run_example(
 ) -> dict[str, Any]:
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), *args])
     example.main()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
     result: dict[str, Any] = json.loads(lines[-1])
     return result
@@ -129,14 +73,14 @@ def test_example_logs_energy_keys_and_resumes_from_its_checkpoint(
     )
     assert second["decisions"] == ["resumed from checkpoint"]
     assert second["power_limit_w"] == first["power_limit_w"]
-    assert second["steps"] == 170
+    assert (second["resumed_at_step"], second["steps"]) == (150, 20)
 
 
 def test_steps_are_optimizer_steps_under_gradient_accumulation(
     example: ModuleType, tmp_path: Path
 ) -> None:
-    callback = EnergyTrainerCallback(_config(), report=str(tmp_path / "report.json"))
-    trainer = _trainer(example, tmp_path, callback, max_steps=5, gradient_accumulation_steps=3)
+    callback = EnergyTrainerCallback(hf_config(), report=str(tmp_path / "report.json"))
+    trainer = hf_trainer(example, tmp_path, callback, max_steps=5, gradient_accumulation_steps=3)
     trainer.train()
     assert json.loads((tmp_path / "report.json").read_text())
     assert callback.controller is not None and callback.controller.steps == 5
@@ -146,10 +90,10 @@ def test_steps_are_optimizer_steps_under_gradient_accumulation(
 
 
 def test_carbon_section_adds_carbon_keys_to_the_logs(example: ModuleType, tmp_path: Path) -> None:
-    config = {**_config(), "carbon": {"provider": "trace", "region": "DE"}}
+    config = {**hf_config(), "carbon": {"provider": "trace", "region": "DE"}}
     config["device"]["start"] = "2023-06-01T00:00:00"  # a pinned day of the replayed trace
     callback = EnergyTrainerCallback(config)
-    trainer = _trainer(example, tmp_path, callback, max_steps=12)
+    trainer = hf_trainer(example, tmp_path, callback, max_steps=12)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in logged] == [5, 10]
@@ -173,8 +117,8 @@ def test_evaluation_interrupts_profiling_which_still_completes(
         return original(self, event)
 
     monkeypatch.setattr(EnergyController, "handle", spy)
-    callback = EnergyTrainerCallback(_config(selector="energy"))
-    trainer = _trainer(
+    callback = EnergyTrainerCallback(hf_config(selector="energy"))
+    trainer = hf_trainer(
         example, tmp_path, callback, max_steps=90, eval_strategy="steps", eval_steps=7
     )
     trainer.train()
@@ -209,8 +153,8 @@ def _fail_once_the_limit_is_lowered(
 def test_exception_during_training_restores_with_the_context_manager(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    callback = EnergyTrainerCallback(_config())
-    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    callback = EnergyTrainerCallback(hf_config())
+    trainer = hf_trainer(example, tmp_path, callback, max_steps=40)
     _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
     with pytest.raises(RuntimeError, match="boom"), callback:
         trainer.train()
@@ -223,8 +167,8 @@ def test_exception_in_the_with_block_writes_the_report_without_a_collective(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     report = tmp_path / "report.json"
-    callback = EnergyTrainerCallback({**_config(), "report": str(report)})
-    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    callback = EnergyTrainerCallback({**hf_config(), "report": str(report)})
+    trainer = hf_trainer(example, tmp_path, callback, max_steps=40)
     _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
     with pytest.raises(RuntimeError, match="boom"), callback:
         trainer.train()
@@ -239,8 +183,8 @@ def test_exception_in_the_with_block_writes_the_report_without_a_collective(
 def test_train_again_after_a_failure_outside_with_restores_the_first_run(
     example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    callback = EnergyTrainerCallback(_config())
-    trainer = _trainer(example, tmp_path, callback, max_steps=40)
+    callback = EnergyTrainerCallback(hf_config())
+    trainer = hf_trainer(example, tmp_path, callback, max_steps=40)
     forward = _fail_once_the_limit_is_lowered(trainer, callback, monkeypatch)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()
@@ -258,14 +202,13 @@ def test_train_again_after_a_failure_outside_with_restores_the_first_run(
 def test_restoring_callback_states_rebuilds_the_callback_with_its_profile(
     example: ModuleType, tmp_path: Path
 ) -> None:
-    first = EnergyTrainerCallback(_config())
-    _trainer(example, tmp_path, first, max_steps=60, save_strategy="steps", save_steps=60).train()
+    first = EnergyTrainerCallback(hf_config())
+    hf_trainer(example, tmp_path, first, max_steps=60, save_strategy="steps", save_steps=60).train()
     assert first.summary is not None
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
-    second = EnergyTrainerCallback(_config(selector="time"))
-    trainer = _trainer(
+    second = EnergyTrainerCallback(hf_config(selector="time"))
+    trainer = hf_trainer(
         example,
         tmp_path,
         second,
