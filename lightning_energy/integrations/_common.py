@@ -11,6 +11,7 @@ workload key and the ranks' collectives over the framework's own ``all_gather``.
 from __future__ import annotations
 
 import atexit
+import importlib
 import inspect
 import logging
 import os
@@ -332,6 +333,10 @@ class EnergyAdapter:
         self.controller = controller
         self.summary = None
         self._main_process = main_process
+        if main_process and self.config.report:
+            # Loaded now: a run ended at interpreter exit may import nothing any more
+            # (the report's imports register exit handlers of their own).
+            importlib.import_module("lightning_energy.report")
         controller.setup(collective=collective, observe=self._driven_elsewhere(controller))
         self._running = True
         self._run_pid = os.getpid()
