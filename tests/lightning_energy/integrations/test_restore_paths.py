@@ -189,7 +189,7 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     lowest_w = gpu.power_limit_constraints_w()[0]
     pausing = PaceUpdate(400.0, None, True, "dirty grid")
     updates = [pausing, pausing, pausing]  # the policy would pause for three more polls
-    controller._pace_update = lambda: updates.pop() if updates else None  # type: ignore[method-assign]
+    controller._pace_update = lambda paused=False: updates.pop() if updates else None  # type: ignore[method-assign]
 
     def terminate_once_paused() -> None:
         while gpu.power_limit_w() != lowest_w:
