@@ -207,6 +207,8 @@ class RankPipeline:
         section: the ``perseus:`` settings.
         schedule: the pipeline's schedule (the engine's own order).
         global_rank: this rank's device in the schedule.
+        device: the device the engine runs this rank's stages on (on a CUDA device,
+            clock changes follow its current stream; None: the current CUDA device).
         stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
             of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
         strict: raise instead of warning when the executed order is not the schedule's.
@@ -226,6 +228,7 @@ class RankPipeline:
         schedule: PipelineSchedule,
         *,
         global_rank: int,
+        device: torch.device | None = None,
         stage_times_s: Sequence[Sequence[float]] | None = None,
         strict: bool = False,
         plan_clocks: bool = True,
@@ -249,12 +252,12 @@ class RankPipeline:
                 for k, kind in enumerate((FORWARD, BACKWARD))
             }
             simulation = PipelineSimulation(simulated, works, group=rank.group)
+        # A simulated GPU runs its work in this thread: no stream to follow.
+        controller = ClockController(
+            rank.guard, gpu=gpu, device=device, wait_for_device=simulation is None
+        )
         self.runtime = PipelineRuntime(
-            schedule,
-            global_rank,
-            ClockController(rank.guard, gpu=gpu),
-            simulation=simulation,
-            record=False,
+            schedule, global_rank, controller, simulation=simulation, record=False
         )
         self._expected = schedule.device_orders[global_rank]
         self._executed: list[Instruction] = []
@@ -373,7 +376,8 @@ class PipelineRun:
         module: the module declaring its stages (:class:`PipelineModule`).
         global_rank: this process's pipeline rank.
         world_size: the number of pipeline ranks.
-        root_device: where this rank's stages run.
+        root_device: where this rank's stages run (on a GPU, clock changes and
+            measurements follow its current stream).
         stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
             of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
         owner: the adapter's name, for error messages.
@@ -397,7 +401,12 @@ class PipelineRun:
         schedule = pipeline_schedule(section, world_size)
         stages = checked_stages(module, schedule, owner)
         self.pipeline = RankPipeline(
-            rank, section, schedule, global_rank=global_rank, stage_times_s=stage_times_s
+            rank,
+            section,
+            schedule,
+            global_rank=global_rank,
+            device=root_device,
+            stage_times_s=stage_times_s,
         )
         self.rank = rank
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == global_rank]
