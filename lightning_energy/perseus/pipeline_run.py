@@ -304,7 +304,8 @@ class RankPipeline:
         Raises:
             ConfigError: ``inst`` does not run on this rank in the schedule.
         """
-        self._executed.append(inst)
+        if not self._checked:
+            self._executed.append(inst)
         self.runtime.before(inst)
 
     def after(self, inst: Instruction) -> None:
@@ -377,7 +378,7 @@ class PipelineRun:
         global_rank: this process's pipeline rank.
         world_size: the number of pipeline ranks.
         root_device: where this rank's stages run (on a GPU, clock changes and
-            measurements follow its current stream).
+            measurements follow its current stream, and the loss stays there).
         stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
             of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
         owner: the adapter's name, for error messages.
@@ -409,6 +410,8 @@ class PipelineRun:
             stage_times_s=stage_times_s,
         )
         self.rank = rank
+        self._device = root_device
+        self._last = schedule.device_of(schedule.num_stages - 1)
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == global_rank]
         pipeline_stages = [
             PerseusPipelineStage(
@@ -440,7 +443,13 @@ class PipelineRun:
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One pipeline step (every microbatch's forward and backward) at the planned
-        clocks; returns the mean microbatch loss (the same on every rank)."""
+        clocks; returns the mean microbatch loss (the same on every rank, float32, on this
+        rank's device).
+
+        A loss on a GPU stays there: it reaches the other ranks through the trainer's own
+        process group (NCCL), so no rank copies it to the CPU or waits for its GPU; a CPU
+        loss goes over the gloo group.
+        """
         self.pipeline.iteration_start()
         losses: list[torch.Tensor] = []
         step_args = (inputs,) if self._has_first else ()
@@ -449,10 +458,14 @@ class PipelineRun:
             step_kwargs = {"target": target, "losses": losses}
         self._pipe.step(*step_args, **step_kwargs)
         self.pipeline.iteration_end()
-        loss = torch.stack(losses).mean().detach().cpu() if losses else torch.zeros(())
+        if losses:
+            # float32 everywhere: the other ranks receive into a float32 scalar.
+            loss = torch.stack([x.detach() for x in losses]).mean().float()
+        else:
+            loss = torch.zeros((), device=self._device)
         if dist.is_initialized():
-            last = self.runtime.schedule.device_of(self.runtime.schedule.num_stages - 1)
-            dist.broadcast(loss, src=last, group=self.rank.group)
+            group = self.rank.group if loss.device.type == "cpu" else None
+            dist.broadcast(loss, src=self._last, group=group)
         return loss
 
     def close(self) -> None:

@@ -408,3 +408,18 @@ def test_instructions_are_timed_on_the_stage_stream_not_around_counter_reads(
     assert fitted["forward"].segment_s == pytest.approx(0.02)
     assert fitted["forward"].power_w == pytest.approx(300.0)
     assert fitted[BLOCKED_LABEL].power_w == pytest.approx(70.0)
+
+
+@pytest.mark.slow
+def test_every_rank_gets_the_last_stages_loss_whatever_its_dtype(tmp_path: Path) -> None:
+    """A bfloat16 loss reaches the first stage's rank as it is (float32), not as the
+    bytes of a bfloat16 read into a float32."""
+    port = str(free_port())
+    run_module_ranks(
+        "tests.lightning_energy.perseus.pipeline_run_worker",
+        [[str(r), port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
+        tmp_path,
+    )
+    first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert first == last
+    assert all(dtype == "torch.float32" and value > 0.1 for value, dtype in last)
