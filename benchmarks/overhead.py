@@ -1,6 +1,6 @@
 """Controller overhead per training step, and Lightning fit time with/without the callback.
 
-Three measurements, in one run:
+Four measurements, in one run:
 
 1. Controller time per step: the time spent inside ``EnergyController.on_step_start``
    plus ``on_step_end``, over a whole profile-and-train run (profiling windows, interval
@@ -25,6 +25,14 @@ Three measurements, in one run:
    in the background (``pacing_wait_ms_*``: a wall-clock job), mean, median, p99 and max
    over ``--decisions`` boundaries, and the background decisions' own time
    (``pacing_decision_ms_*``).
+5. Pipeline ranks (``pipeline_*``): two processes (gloo) each run one stage of a 1F1B
+   ``PipelineRun`` whose plan changes the clock at every instruction, on the in-memory
+   pynvml's GPUs (the path of real GPUs: the clock thread, no simulated work). Per step
+   and rank, the host time in Perseus' hooks around the forwards and backwards and the
+   iteration (``hooks``), and in handing the last stage's loss to every rank (``loss``:
+   from the end of the schedule to the return of ``PipelineRun.step``), as mean, median
+   and p99 in us. On the CPU the stages, the loss and the collective (gloo) are on the
+   host; on CUDA (``--pipeline-device cuda``, two GPUs) they run on the GPUs.
 
 Targets (benchmarks/README.md): median overhead <= 50 us, fit ratio <= 1.01, pacing never
 holds a step up for more than a few milliseconds.
@@ -32,7 +40,7 @@ holds a step up for more than a few milliseconds.
 Usage::
 
     python benchmarks/overhead.py [--steps 10000] [--fit-steps 500] [--repeats 5]
-        [--decisions 20] [--json]
+        [--decisions 20] [--pipeline-steps 2000] [--pipeline-device cpu] [--json]
 """
 
 from __future__ import annotations
@@ -42,13 +50,15 @@ import importlib
 import json
 import logging
 import math
+import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -99,17 +109,32 @@ def step_overhead_us(steps: int, lease_dir: str) -> dict[str, float]:
     }
 
 
-def sampler_cpu_share(duration_s: float) -> dict[str, float]:
-    """CPU share of the power-sampler thread on an in-memory pynvml GPU with no counter."""
+def _fake_pynvml() -> types.ModuleType:
+    """The tests' in-memory pynvml (``fake_pynvml``): ``a100`` and ``make_module``."""
     sys.path.insert(0, str(FAKE_PYNVML_DIR))
     try:
-        from fake_pynvml import a100, make_module
+        return importlib.import_module("fake_pynvml")
     finally:
         sys.path.remove(str(FAKE_PYNVML_DIR))
+
+
+def _summary_us(name: str, samples_s: Sequence[float]) -> dict[str, float]:
+    """Mean, median and p99 of ``samples_s``, in us, as ``{name}_{mean,median,p99}_us``."""
+    ordered = sorted(samples_s)
+    return {
+        f"{name}_mean_us": statistics.fmean(ordered) * 1e6,
+        f"{name}_median_us": statistics.median(ordered) * 1e6,
+        f"{name}_p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+    }
+
+
+def sampler_cpu_share(duration_s: float) -> dict[str, float]:
+    """CPU share of the power-sampler thread on an in-memory pynvml GPU with no counter."""
+    fake = _fake_pynvml()
     from lightning_energy.device.nvml import nvml_gpus
 
     previous = sys.modules.get("pynvml")
-    sys.modules["pynvml"] = make_module([a100(0, energy_mj=None, power_mw=200_000)])
+    sys.modules["pynvml"] = fake.make_module([fake.a100(0, energy_mj=None, power_mw=200_000)])
     try:
         (gpu,) = nvml_gpus([0])
         try:
@@ -273,11 +298,150 @@ def pacing_wait_ms(decisions: int) -> dict[str, float]:
     return results
 
 
+PIPELINE_MICROBATCHES = 8
+PIPELINE_WIDTH = 64
+
+
+class _TwoStages:
+    """A module declaring two linear stages (``PipelineModule``) and an MSE loss."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.stages = [torch.nn.Linear(PIPELINE_WIDTH, PIPELINE_WIDTH) for _ in range(2)]
+
+    def pipeline_stages(self) -> list[Any]:
+        return list(self.stages)
+
+    def pipeline_loss(self, output: Any, target: Any) -> Any:
+        import torch
+
+        return torch.nn.functional.mse_loss(output, target)
+
+
+def _timed(samples: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, adding the time of each call to ``samples[-1]``."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            samples[-1] += time.perf_counter() - t0
+
+    return timed
+
+
+def _pipeline_rank(rank: int, port: int, steps: int, device: str, out_dir: str) -> None:
+    """One rank of :func:`pipeline_overhead_us`: writes its samples (s) to ``out_dir``."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_energy.config import EnergyConfig
+    from lightning_energy.perseus.pipeline_run import PipelineRun, pipeline_schedule
+    from lightning_energy.perseus.plan import Plan
+    from lightning_energy.perseus.rank_gpu import open_rank_gpu
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    fake = _fake_pynvml()
+    sys.modules["pynvml"] = fake.make_module([fake.a100(0), fake.a100(1)])
+    on_cuda = device == "cuda"
+    root = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(root)
+    dist.init_process_group(
+        "nccl" if on_cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+    )
+    section = {"enabled": True, "schedule": "1f1b", "microbatches": PIPELINE_MICROBATCHES}
+    base = EnergyConfig.from_mapping({"perseus": section})
+    schedule = pipeline_schedule(base.perseus, 2)
+    clocks = tuple(1410 if i % 2 else 1005 for i in range(len(schedule.nodes)))
+    plan_path = Path(out_dir, f"plan{rank}.json")
+    plan_path.write_text(Plan(schedule, clocks).to_json())
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {"backend": "nvml", "lease_dir": str(Path(out_dir, "leases"))},
+            "perseus": {**section, "plan": str(plan_path)},
+        }
+    )
+    outer: list[float] = []  # iteration start and end: outside the schedule
+    inner: list[float] = []  # before and after each forward and backward: inside it
+    schedule_s: list[float] = []
+    total: list[float] = []
+    # The in-memory pynvml's GPU of this local rank: a real GPU's settings are never touched.
+    rank_gpu = open_rank_gpu(config, local_rank=rank, install_signal_handlers=False)
+    try:
+        module = _TwoStages()
+        for stage in module.stages:
+            stage.to(root)
+        run = PipelineRun(
+            rank_gpu, config.perseus, module, global_rank=rank, world_size=2, root_device=root
+        )
+        pipeline = run.pipeline
+        for name, samples in (
+            ("iteration_start", outer),
+            ("iteration_end", outer),
+            ("before", inner),
+            ("after", inner),
+        ):
+            setattr(pipeline, name, _timed(samples, getattr(pipeline, name)))
+        run._pipe.step = _timed(schedule_s, run._pipe.step)  # type: ignore[method-assign]
+        generator = torch.Generator().manual_seed(rank)
+        batch = PIPELINE_MICROBATCHES * 4
+        x = torch.randn(batch, PIPELINE_WIDTH, generator=generator).to(root)
+        y = torch.randn(batch, PIPELINE_WIDTH, generator=generator).to(root)
+        try:
+            for _ in range(steps):
+                for samples in (outer, inner, schedule_s):
+                    samples.append(0.0)
+                t0 = time.perf_counter()
+                run.step(x, y)
+                total.append(time.perf_counter() - t0)
+        finally:
+            run.close()
+    finally:
+        rank_gpu.close()
+        dist.destroy_process_group()
+    hooks = [o + i for o, i in zip(outer, inner, strict=True)]
+    # The loss hand-off: what step() does besides the schedule and the iteration's hooks.
+    loss = [t - s - o for t, s, o in zip(total, schedule_s, outer, strict=True)]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"hooks": hooks, "loss": loss}))
+
+
+def pipeline_overhead_us(steps: int, device: str) -> dict[str, float]:
+    """Per step and pipeline rank, the host time in Perseus' hooks and in the loss
+    hand-off of a 2-process ``PipelineRun`` (the first 10 % of the steps left out)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        mp.spawn(_pipeline_rank, args=(port, steps, device, out_dir), nprocs=2)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
+    result: dict[str, float] = {}
+    warm = steps // 10
+    for r, samples in enumerate(ranks):
+        for part in ("hooks", "loss"):
+            result.update(_summary_us(f"pipeline_rank{r}_{part}", samples[part][warm:]))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the measurements and print them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10000, help="controller steps to time")
-    parser.add_argument("--sampler-s", type=float, default=5.0, help="power-sampler seconds")
+    parser.add_argument(
+        "--steps", type=int, default=10000, help="controller steps to time (0: none)"
+    )
+    parser.add_argument(
+        "--sampler-s", type=float, default=5.0, help="power-sampler seconds (0: none)"
+    )
     parser.add_argument("--fit-steps", type=int, default=500, help="training steps per fit")
     parser.add_argument(
         "--repeats", type=int, default=5, help="fits with and without (0: no fit comparison)"
@@ -285,36 +449,62 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--decisions", type=int, default=20, help="pacing boundaries with a decision due"
     )
+    parser.add_argument(
+        "--pipeline-steps", type=int, default=2000, help="pipeline steps per rank (0: none)"
+    )
+    parser.add_argument(
+        "--pipeline-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the pipeline's stages run (cuda: two GPUs, NCCL)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
+    result: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory() as lease_dir:
-            result = step_overhead_us(args.steps, lease_dir)
-            result.update(sampler_cpu_share(args.sampler_s))
+            if args.steps > 0:
+                result.update(step_overhead_us(args.steps, lease_dir))
+            if args.sampler_s > 0:
+                result.update(sampler_cpu_share(args.sampler_s))
             if args.decisions > 0:
                 result.update(pacing_wait_ms(args.decisions))
             if args.repeats > 0:
                 result.update(fit_time_ratio(args.fit_steps, args.repeats, lease_dir))
+        if args.pipeline_steps > 0:
+            result.update(pipeline_overhead_us(args.pipeline_steps, args.pipeline_device))
     finally:
         logging.disable(logging.NOTSET)
     if args.json:
         print(json.dumps(result))
         return
-    print(
-        f"controller overhead per step over {args.steps} steps: mean "
-        f"{result['mean_step_overhead_us']:.1f} us, median "
-        f"{result['median_step_overhead_us']:.1f} us, p99 {result['p99_step_overhead_us']:.1f} "
-        f"us, p99.9 {result['p999_step_overhead_us']:.1f} us, max "
-        f"{result['max_step_overhead_us']:.0f} us; first step "
-        f"{result['first_step_overhead_us']:.0f} us (target median <= 50 us)"
-    )
-    print(
-        f"NVML power-sampler thread (in-memory pynvml, 50 ms period): "
-        f"{result['sampler_cpu_share']:.3%} of one core "
-        f"({result['sampler_cpu_us_per_s']:.0f} us CPU per s over {result['sampler_wall_s']:.1f} s)"
-    )
+    if args.steps > 0:
+        print(
+            f"controller overhead per step over {args.steps} steps: mean "
+            f"{result['mean_step_overhead_us']:.1f} us, median "
+            f"{result['median_step_overhead_us']:.1f} us, p99 "
+            f"{result['p99_step_overhead_us']:.1f} us, p99.9 "
+            f"{result['p999_step_overhead_us']:.1f} us, max "
+            f"{result['max_step_overhead_us']:.0f} us; first step "
+            f"{result['first_step_overhead_us']:.0f} us (target median <= 50 us)"
+        )
+    if args.sampler_s > 0:
+        print(
+            f"NVML power-sampler thread (in-memory pynvml, 50 ms period): "
+            f"{result['sampler_cpu_share']:.3%} of one core "
+            f"({result['sampler_cpu_us_per_s']:.0f} us CPU per s over "
+            f"{result['sampler_wall_s']:.1f} s)"
+        )
+    if args.repeats > 0:
+        print(
+            f"Lightning fit time with/without EnergyCallback: {result['fit_time_ratio']:.4f} "
+            f"wall ({result['fit_with_callback_s']:.2f} s / "
+            f"{result['fit_without_callback_s']:.2f} s), "
+            f"{result['fit_cpu_time_ratio']:.4f} process CPU; medians of {args.repeats} "
+            "(target <= 1.01)"
+        )
     if args.decisions > 0:
         print(
             f"carbon pacing at a boundary with a decision due (forecast policy, pausing, "
@@ -326,14 +516,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"median, {result['pacing_inline_ms_max']:.0f} ms max decided on the step thread "
             f"(each background decision: {result['pacing_decision_ms_median']:.0f} ms median)"
         )
-    if args.repeats == 0:
-        return
-    print(
-        f"Lightning fit time with/without EnergyCallback: {result['fit_time_ratio']:.4f} wall "
-        f"({result['fit_with_callback_s']:.2f} s / {result['fit_without_callback_s']:.2f} s), "
-        f"{result['fit_cpu_time_ratio']:.4f} process CPU; medians of {args.repeats} "
-        "(target <= 1.01)"
-    )
+    if args.pipeline_steps > 0:
+        for r, role in enumerate(("first stage", "last stage")):
+            parts = [
+                f"{part} mean {result[f'pipeline_rank{r}_{part}_mean_us']:.1f} us, median "
+                f"{result[f'pipeline_rank{r}_{part}_median_us']:.1f} us, p99 "
+                f"{result[f'pipeline_rank{r}_{part}_p99_us']:.1f} us"
+                for part in ("hooks", "loss")
+            ]
+            print(
+                f"pipeline rank {r} ({role}, {args.pipeline_device}) per step over "
+                f"{args.pipeline_steps} steps: " + "; ".join(parts)
+            )
 
 
 if __name__ == "__main__":

@@ -233,6 +233,7 @@ class PipelineEngineAdapter(EnergyAdapter):
                 perseus,
                 schedule,
                 global_rank=global_rank,
+                device=device,
                 stage_times_s=stage_times_s,
                 strict=self.config.strict,
                 plan_clocks=perseus.enabled,

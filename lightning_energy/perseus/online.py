@@ -299,7 +299,9 @@ class OnlinePerseus:
         self._pending_target: tuple[float | None] | None = None
         self._timeline = EnergyTimeline(gpu.energy_counter_period_s())
         self._min_profile_s = min_profile_s(self._timeline.counter_period_s)
-        self._meter = InstructionMeter(gpu, self._timeline, self._label, clock)
+        self._meter = InstructionMeter(
+            gpu, self._timeline, self._label, clock, device=runtime.device
+        )
         self._clock_index = 0
         self._clock_iterations = 0  # at the current profiling clock, the landing one included
         self._clock_seconds = 0.0  # measured at the current profiling clock

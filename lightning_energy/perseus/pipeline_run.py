@@ -207,6 +207,8 @@ class RankPipeline:
         section: the ``perseus:`` settings.
         schedule: the pipeline's schedule (the engine's own order).
         global_rank: this rank's device in the schedule.
+        device: the device the engine runs this rank's stages on (on a CUDA device,
+            clock changes follow its current stream; None: the current CUDA device).
         stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
             of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
         strict: raise instead of warning when the executed order is not the schedule's.
@@ -226,6 +228,7 @@ class RankPipeline:
         schedule: PipelineSchedule,
         *,
         global_rank: int,
+        device: torch.device | None = None,
         stage_times_s: Sequence[Sequence[float]] | None = None,
         strict: bool = False,
         plan_clocks: bool = True,
@@ -249,12 +252,12 @@ class RankPipeline:
                 for k, kind in enumerate((FORWARD, BACKWARD))
             }
             simulation = PipelineSimulation(simulated, works, group=rank.group)
+        # A simulated GPU runs its work in this thread: no stream to follow.
+        controller = ClockController(
+            rank.guard, gpu=gpu, device=device, wait_for_device=simulation is None
+        )
         self.runtime = PipelineRuntime(
-            schedule,
-            global_rank,
-            ClockController(rank.guard, gpu=gpu),
-            simulation=simulation,
-            record=False,
+            schedule, global_rank, controller, simulation=simulation, record=False
         )
         self._expected = schedule.device_orders[global_rank]
         self._executed: list[Instruction] = []
@@ -301,7 +304,8 @@ class RankPipeline:
         Raises:
             ConfigError: ``inst`` does not run on this rank in the schedule.
         """
-        self._executed.append(inst)
+        if not self._checked:
+            self._executed.append(inst)
         self.runtime.before(inst)
 
     def after(self, inst: Instruction) -> None:
@@ -373,7 +377,8 @@ class PipelineRun:
         module: the module declaring its stages (:class:`PipelineModule`).
         global_rank: this process's pipeline rank.
         world_size: the number of pipeline ranks.
-        root_device: where this rank's stages run.
+        root_device: where this rank's stages run (on a GPU, clock changes and
+            measurements follow its current stream, and the loss stays there).
         stage_times_s: simulated GPUs: ``[forward, backward]`` time at the maximum clock
             of one microbatch on each stage (None: 20 ms and 40 ms everywhere).
         owner: the adapter's name, for error messages.
@@ -397,9 +402,16 @@ class PipelineRun:
         schedule = pipeline_schedule(section, world_size)
         stages = checked_stages(module, schedule, owner)
         self.pipeline = RankPipeline(
-            rank, section, schedule, global_rank=global_rank, stage_times_s=stage_times_s
+            rank,
+            section,
+            schedule,
+            global_rank=global_rank,
+            device=root_device,
+            stage_times_s=stage_times_s,
         )
         self.rank = rank
+        self._device = root_device
+        self._last = schedule.device_of(schedule.num_stages - 1)
         local = [s for s in range(schedule.num_stages) if schedule.device_of(s) == global_rank]
         pipeline_stages = [
             PerseusPipelineStage(
@@ -431,7 +443,13 @@ class PipelineRun:
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One pipeline step (every microbatch's forward and backward) at the planned
-        clocks; returns the mean microbatch loss (the same on every rank)."""
+        clocks; returns the mean microbatch loss (the same on every rank, float32, on this
+        rank's device).
+
+        A loss on a GPU stays there: it reaches the other ranks through the trainer's own
+        process group (NCCL), so no rank copies it to the CPU or waits for its GPU; a CPU
+        loss goes over the gloo group.
+        """
         self.pipeline.iteration_start()
         losses: list[torch.Tensor] = []
         step_args = (inputs,) if self._has_first else ()
@@ -440,10 +458,14 @@ class PipelineRun:
             step_kwargs = {"target": target, "losses": losses}
         self._pipe.step(*step_args, **step_kwargs)
         self.pipeline.iteration_end()
-        loss = torch.stack(losses).mean().detach().cpu() if losses else torch.zeros(())
+        if losses:
+            # float32 everywhere: the other ranks receive into a float32 scalar.
+            loss = torch.stack([x.detach() for x in losses]).mean().float()
+        else:
+            loss = torch.zeros((), device=self._device)
         if dist.is_initialized():
-            last = self.runtime.schedule.device_of(self.runtime.schedule.num_stages - 1)
-            dist.broadcast(loss, src=last, group=self.rank.group)
+            group = self.rank.group if loss.device.type == "cpu" else None
+            dist.broadcast(loss, src=self._last, group=group)
         return loss
 
     def close(self) -> None:

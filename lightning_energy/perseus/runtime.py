@@ -4,14 +4,17 @@ Pieces, one per concern:
 
 * :class:`ClockController`: a dedicated thread (``lightning-energy-perseus-clock``) that
   locks the GPU clock through the :class:`~lightning_energy.device.guard.GPUGuard`. The
-  training thread only records a marker on the stream with each request (a blocking CUDA
-  event); the thread sleeps until the GPU reaches it, then applies the newest request the
-  GPU has passed (older ones coalesce), so changes land at instruction boundaries, never
-  stall the CPU issuing kernels and never queue without bound.
+  training thread only records a marker with each request (a blocking CUDA event on the
+  stage device's current stream, where the instruction's kernels are queued); the thread,
+  working on the stage's device, sleeps until the GPU reaches it, then applies the newest
+  request the GPU has passed (older ones coalesce), so changes land at instruction
+  boundaries, never stall the CPU issuing kernels and never queue without bound. Resetting
+  the clocks never waits for the GPU (a stream may never advance again: a dead peer).
 * :class:`PipelineRuntime`: one per pipeline rank. Before each forward/backward of each
   microbatch it asks the controller for the planned clock; it records what ran, measures
-  instructions while profiling, and resets the clocks at the end and on failure (also the
-  guard's job on exit and SIGTERM).
+  instructions while profiling (:class:`InstructionMeter`: CUDA events on the stage's
+  stream time them), and resets the clocks at the end and on failure (also the guard's
+  job on exit and SIGTERM).
 * :class:`PerseusPipelineStage`: a ``PipelineStage`` that calls the runtime around every
   ``forward_one_chunk`` / ``backward_one_chunk``. It works with every schedule of
   ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B...).
@@ -24,7 +27,8 @@ Pieces, one per concern:
 Example (one rank, inside an initialised process group)::
 
     guard = GPUGuard([gpu])
-    with PipelineRuntime(schedule, rank, ClockController(guard), plan=plan) as runtime:
+    controller = ClockController(guard, gpu=gpu, device=device)  # this rank's, e.g. cuda:1
+    with PipelineRuntime(schedule, rank, controller, plan=plan) as runtime:
         stage = PerseusPipelineStage(module, rank, num_stages, device, runtime=runtime)
         pipeline = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
         for batch in data:
@@ -102,30 +106,60 @@ class _Reached:
         return None
 
 
-def _cuda_marker() -> Marker:
-    """A blocking CUDA event recorded on the current stream: waiting on it yields the core."""
-    event = torch.cuda.Event(blocking=True)
-    event.record()
-    return event
+def _stream_device(device: torch.device | None) -> torch.device | None:
+    """The CUDA device whose stream a stage's instructions run on (None: no stream).
+
+    None stands for the current CUDA device of the calling thread, when there is CUDA.
+    """
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
+        return None
+    if device is None or device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _stream_marker(device: torch.device) -> Callable[[], Marker]:
+    """Markers at the current point of ``device``'s current stream, the stream the
+    stage's kernels are queued on (whatever the calling thread's current device is)."""
+
+    def marker() -> Marker:
+        event = torch.cuda.Event(blocking=True)  # waiting on it yields the core
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    return marker
 
 
 class ClockController:
-    """Locks one GPU's SM clock from a dedicated thread, following the GPU stream.
+    """Locks one GPU's SM clock from a dedicated thread, following the stage's stream.
 
-    The training thread only records a marker on the stream with each request. The thread
-    waits (blocking, not spinning) for the oldest pending marker, then applies the newest
-    request whose marker the GPU has reached and drops the older ones: when setting a clock
-    takes longer than an instruction runs, requests coalesce instead of queueing without
-    bound, and the clock set is the one of the instruction the GPU runs now.
+    The training thread only records a marker on the stage device's current stream with
+    each request. The thread (its CUDA calls on the stage's device) waits, blocking, not
+    spinning, for the oldest pending marker, then applies the newest request whose marker
+    the GPU has reached and drops the older ones: when setting a clock takes longer than an
+    instruction runs, requests coalesce instead of queueing without bound, and the clock
+    set is the one of the instruction the GPU runs now.
+
+    Nothing that puts clocks back waits for the GPU: a stream may never reach a marker
+    again (a peer died in the middle of a receive), so :meth:`reset` drops the pending
+    requests and resets the clocks at once, and a request made before it is never applied.
+    :meth:`flush`, the one wait while training runs, gives up after ``flush_timeout_s``.
 
     Args:
         guard: the guard every change goes through (restores the GPU at the end).
         gpu_position: position of the GPU in the guard's list.
         gpu: the GPU, to read back the clock actually locked (None: the guard's answer).
+        device: the stage's device; on a CUDA device, changes follow its current stream.
+            None: the current CUDA device of the thread building the controller (when
+            there is CUDA).
         wait_for_device: on CUDA, apply a change only when the GPU reaches the point of
-            the stream where it was requested; otherwise at once.
+            the stream where it was requested; otherwise at once (no stream is followed).
         marker: makes a marker at the current point of the stream (default: a blocking
-            CUDA event on CUDA with ``wait_for_device``, else an already reached one).
+            CUDA event on the stage device's current stream, else an already reached one).
+        flush_timeout_s: the longest :meth:`flush` waits for the GPU.
+
+    Raises:
+        ConfigError: ``flush_timeout_s`` is not a positive number of seconds.
     """
 
     def __init__(
@@ -134,24 +168,37 @@ class ClockController:
         gpu_position: int = 0,
         *,
         gpu: GPU | None = None,
+        device: torch.device | None = None,
         wait_for_device: bool = True,
         marker: Callable[[], Marker] | None = None,
+        flush_timeout_s: float = 60.0,
     ):
+        if not 0 < flush_timeout_s < float("inf"):
+            raise ConfigError(
+                f"flush_timeout_s: {flush_timeout_s!r} is not allowed; use a finite number "
+                "of seconds > 0",
+                source="ClockController",
+            )
         self.guard = guard
         self.gpu_position = gpu_position
         self.gpu = gpu
+        #: The CUDA device whose stream the changes follow (None: none, changes at once).
+        self.device = _stream_device(device) if wait_for_device else None
         if marker is None:
-            on_cuda = wait_for_device and torch.cuda.is_available()
-            marker = _cuda_marker if on_cuda else _Reached
+            marker = _Reached if self.device is None else _stream_marker(self.device)
         self._marker = marker
+        self.flush_timeout_s = flush_timeout_s
         self._cond = threading.Condition()
+        self._apply_lock = threading.Lock()  # one change or reset of the GPU at a time
         self._pending: list[tuple[int, Marker]] = []
-        self._busy = False
-        self._stopping = False
+        self._busy = False  # the thread works on a request (not voided since)
+        self._waiting = False  # the thread waits for the GPU to reach a marker
+        self._epoch = 0  # moves on at every reset and stop: earlier requests are void
         self._thread: threading.Thread | None = None
         self._current: int | None = None
         self._requested: int | None = None
         self._error: BaseException | None = None
+        self._warned_flush = False
         self.changes = 0
 
     @property
@@ -161,11 +208,11 @@ class ClockController:
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
-        self._thread.start()
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
+            self._thread.start()
 
     def request(self, freq_mhz: int) -> None:
         """Ask for ``freq_mhz`` from the current point of the GPU stream on; never blocks.
@@ -183,85 +230,134 @@ class ClockController:
             self._pending.append((freq_mhz, marker))
             self._cond.notify_all()
 
-    def flush(self) -> None:
-        """Block until every requested change is applied (or superseded): before a
-        profiling window, on simulated GPUs, at the end.
+    def flush(self) -> bool:
+        """Wait until every requested change is applied (or superseded): before a
+        measured instruction, on simulated GPUs. Waits at most ``flush_timeout_s`` (one
+        warning when the GPU did not get there: its stream may be stalled).
+
+        Returns:
+            True when every request was applied, False when the wait gave up.
 
         Raises:
             EnergyError: a change failed in strict mode.
         """
         with self._cond:
-            self._cond.wait_for(lambda: not self._pending and not self._busy)
+            done = self._cond.wait_for(
+                lambda: not self._pending and not self._busy, timeout=self.flush_timeout_s
+            )
+        if not done and not self._warned_flush:
+            self._warned_flush = True
+            log.warning(
+                "Perseus: the GPU did not reach a requested clock change within %.0f s (is "
+                "its stream stalled, waiting for a peer?); going on without waiting for it.",
+                self.flush_timeout_s,
+            )
         self._raise_pending()
+        return done
 
     def reset(self) -> None:
-        """Flush, then put the GPU's clocks back to their pre-job state."""
-        self.flush()
-        self.guard.reset_clocks([self.gpu_position])
-        self._current = None
-        self._requested = None
+        """Put the GPU's clocks back to their pre-job state now. Requests not applied yet
+        are dropped (never applied later) and the GPU is not waited for.
+
+        Raises:
+            EnergyError: a change failed in strict mode (after the reset).
+        """
+        with self._cond:
+            self._drop_pending()
+            self._requested = None
+        with self._apply_lock:  # a change being applied now ends first
+            self._current = None
+            self.guard.reset_clocks([self.gpu_position])
+        self._raise_pending()
 
     def stop(self) -> None:
-        """Apply what is pending, stop the thread (idempotent)."""
-        if self._thread is None:
-            return
+        """Stop the thread, dropping what is pending (idempotent). A thread waiting for the
+        GPU is not waited for: it applies nothing more and ends when the stream moves."""
         with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-        self._thread = None
+            thread, self._thread = self._thread, None
+            waiting = self._waiting
+            self._drop_pending()
+        if thread is not None and not waiting:
+            thread.join(self.flush_timeout_s)
+
+    def _drop_pending(self) -> None:
+        """Void every request not applied yet, the one being waited for too (under the
+        condition's lock)."""
+        self._pending.clear()
+        self._busy = False
+        self._epoch += 1
+        self._cond.notify_all()
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def _next(self) -> tuple[int, Marker] | None:
-        """The oldest pending request (None: stopping with nothing pending)."""
+    def _next(self) -> tuple[Marker, int] | None:
+        """The oldest pending request's marker and the epoch it belongs to (None: this
+        thread was stopped)."""
+        me = threading.current_thread()
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._pending) or self._stopping)
-            if not self._pending:
+            self._cond.wait_for(lambda: bool(self._pending) or self._thread is not me)
+            if self._thread is not me:
                 return None
-            self._busy = True
-            return self._pending[0]
+            self._busy = self._waiting = True
+            return self._pending[0][1], self._epoch
 
     def _take_newest_reached(self) -> int:
         """Drop the pending requests the GPU has passed; the newest of them."""
-        with self._cond:
-            last = 0
-            for k in range(1, len(self._pending)):
-                if not self._pending[k][1].query():
-                    break  # markers are in stream order: later ones are not reached
-                last = k
-            freq = self._pending[last][0]
-            del self._pending[: last + 1]
-            return freq
+        last = 0
+        for k in range(1, len(self._pending)):
+            if not self._pending[k][1].query():
+                break  # markers are in stream order: later ones are not reached
+            last = k
+        freq = self._pending[last][0]
+        del self._pending[: last + 1]
+        return freq
 
-    def _apply(self, freq: int) -> None:
-        if freq == self._current:
-            return
-        applied = self.guard.lock_clocks_mhz(freq, freq, gpus=[self.gpu_position])
-        if self.gpu is not None:
-            applied = self.gpu.locked_clocks_mhz()
-        self._current = None if applied is None else applied[1]
-        self.changes += 1
+    def _apply_reached(self, epoch: int) -> None:
+        """Apply the newest request the GPU has passed, unless a reset or stop came since
+        the thread started waiting (``epoch``)."""
+        with self._apply_lock:
+            with self._cond:
+                if epoch != self._epoch:
+                    return
+                freq = self._take_newest_reached()
+            if freq == self._current:
+                return
+            applied = self.guard.lock_clocks_mhz(freq, freq, gpus=[self.gpu_position])
+            if self.gpu is not None:
+                applied = self.gpu.locked_clocks_mhz()
+            self._current = None if applied is None else applied[1]
+            self.changes += 1
 
     def _run(self) -> None:
-        while True:
-            item = self._next()
-            if item is None:
-                return
+        try:
+            if self.device is not None:
+                # Every CUDA call of this thread on the stage's GPU: a new thread starts on
+                # device 0, and would make a CUDA context there.
+                torch.cuda.set_device(self.device)
+        except BaseException as exc:  # handed to the training thread
+            self._error = exc
+        while (item := self._next()) is not None:
+            marker, epoch = item
             try:
-                item[1].synchronize()
-                self._apply(self._take_newest_reached())
+                try:
+                    marker.synchronize()
+                finally:
+                    with self._cond:
+                        self._waiting = False
+                self._apply_reached(epoch)
             except BaseException as exc:  # handed to the training thread
                 self._error = exc
                 with self._cond:
-                    self._pending.clear()
+                    if epoch == self._epoch:
+                        self._drop_pending()
             finally:
                 with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+                    if epoch == self._epoch:  # else a reset or stop voided it already
+                        self._busy = False
+                        self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -531,6 +627,12 @@ class PipelineRuntime:
         if plan is not None:
             self.set_plan(plan)
 
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device whose current stream this rank's instructions are queued on
+        (None: no stream: on the CPU, or simulated GPUs, whose work runs in this thread)."""
+        return None if self.simulation is not None else self.controller.device
+
     # ----------------------------------------------------------------- plans
     @property
     def plan(self) -> Plan | None:
@@ -625,7 +727,8 @@ class PipelineRuntime:
 
     # --------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Reset the clocks to their pre-job state and stop the controller (idempotent)."""
+        """Reset the clocks to their pre-job state and stop the controller (idempotent);
+        never waits for the GPU."""
         if self._closed:
             return
         self._closed = True
@@ -653,15 +756,26 @@ class PipelineRuntime:
 
 class InstructionMeter:
     """Marks the energy counter at the start and end of every measured instruction
-    (synchronising the GPU, so only while profiling), for an
+    (waiting for the GPU, so only while profiling), for an
     :class:`~lightning_energy.perseus.counter.EnergyTimeline` to split the counter's
     updates between instructions and the waits between them.
+
+    The counter is for energy only. On CUDA, times are those at which the GPU reached CUDA
+    events on the stage device's current stream (the stream the instructions' kernels are
+    queued on): an instruction's time is the GPU's time between the event before its
+    kernels and the event after them, and the counter reads (0.1 to several ms each) fall
+    between instructions, never inside one. At a start (and at every :meth:`mark`) the
+    counter is read before the event is recorded; at an end, as soon as the GPU reaches
+    the instruction's end event. Without a stream (the CPU, simulated GPUs) the counter is
+    read, then ``clock``.
 
     Args:
         gpu: the GPU whose energy counter to read.
         timeline: where the marks go.
         label: the timeline label of an instruction (e.g. its stage, kind and clock).
-        clock: seconds in the GPU's time base.
+        clock: seconds in the GPU's time base (on CUDA: the time of the first event; the
+            later ones follow by the GPU's time between events).
+        device: the stage's CUDA device (None or another device: no stream).
     """
 
     def __init__(
@@ -670,22 +784,25 @@ class InstructionMeter:
         timeline: EnergyTimeline,
         label: Callable[[Instruction], Hashable],
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        device: torch.device | None = None,
     ) -> None:
         self.gpu = gpu
         self.timeline = timeline
         self.label = label
         self.clock = clock
+        self.device = device if device is not None and device.type == "cuda" else None
         self._start: tuple[float, float] | None = None
+        self._last_event: tuple[Any, float] | None = None  # the newest event, its time
 
     def mark(self, label: Hashable | None) -> None:
-        """Synchronise and mark the counter; ``label`` runs from now on (None: left out)."""
-        self.gpu.synchronize()
-        self.timeline.mark(self.clock(), self.gpu.energy_j(), label)
+        """Wait for the GPU and mark the counter; ``label`` runs from now on (None: left
+        out)."""
+        self.timeline.mark(*self._reached(), label)
 
     def start(self, inst: Instruction) -> None:
         """Mark the start of ``inst``."""
-        self.gpu.synchronize()
-        self._start = (self.clock(), self.gpu.energy_j())
+        self._start = self._reached()
         self.timeline.mark(*self._start, self.label(inst))
 
     def stop(self, inst: Instruction) -> tuple[float, float]:
@@ -699,12 +816,48 @@ class InstructionMeter:
         """
         if self._start is None:
             raise ConfigError(f"{inst}: stop() without start()")
-        self.gpu.synchronize()
-        now, energy_j = self.clock(), self.gpu.energy_j()
+        now, energy_j = self._reached() if self.device is None else self._reached_end()
         self.timeline.mark(now, energy_j, BLOCKED_LABEL)
         t0, e0 = self._start
         self._start = None
         return now - t0, energy_j - e0
+
+    def _reached(self) -> tuple[float, float]:
+        """``(time_s, energy_j)`` once the GPU ran everything queued: the counter first."""
+        if self.device is None:
+            self.gpu.synchronize()
+            energy_j = self.gpu.energy_j()
+            return self.clock(), energy_j
+        torch.cuda.current_stream(self.device).synchronize()
+        energy_j = self.gpu.energy_j()
+        event = self._record()
+        event.synchronize()
+        return self._time_of(event), energy_j
+
+    def _reached_end(self) -> tuple[float, float]:
+        """CUDA: ``(time_s, energy_j)`` of an event right after the instruction's kernels,
+        the counter read as soon as the GPU reaches it."""
+        end = self._record()
+        end.synchronize()
+        energy_j = self.gpu.energy_j()
+        return self._time_of(end), energy_j
+
+    def _record(self) -> Any:
+        """A timing event at the current point of the stage device's current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _time_of(self, event: Any) -> float:
+        """Seconds at which the GPU reached ``event`` (reached): the previous event's time
+        plus the GPU's time between them; the first event's is ``clock()``."""
+        if self._last_event is None:
+            time_s = self.clock()
+        else:
+            previous, previous_s = self._last_event
+            time_s = previous_s + previous.elapsed_time(event) / 1000.0
+        self._last_event = (event, time_s)
+        return time_s
 
 
 class InstructionHooks(Protocol):

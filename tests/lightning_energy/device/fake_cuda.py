@@ -12,7 +12,11 @@ accelerator selection) behave as on a GPU machine:
   ``torch.cuda.get_device_properties(i).uuid`` does.
 * Each host thread has its own current device (a new thread starts on device 0, as a CUDA
   context does) and its own current stream per device; every device has its own default
-  stream.
+  stream. :attr:`FakeCuda.contexts` records, per thread name, the devices each thread made a
+  CUDA context on: the device it sets, the device of a stream it records on, launches on or
+  waits for (torch switches to that device), and its current device for waits on an event
+  (``cudaEventSynchronize`` / ``cudaEventQuery`` run on the calling thread's current device,
+  so a thread that never called ``set_device`` makes a context on device 0).
 * Work is asynchronous: :meth:`FakeCuda.launch` queues simulated kernels on a stream; the
   GPU's time moves only when the host waits (``synchronize``) or a test lets it pass
   (:meth:`FakeCuda.advance`). Until then an event recorded after the work is not complete:
@@ -97,11 +101,13 @@ class FakeStream:
 
     def query(self) -> bool:
         """Whether all work queued so far has finished."""
+        self.cuda._context(self.device_index)
         self.cuda._check(self.device_index)
         return self.ready_s <= self.cuda.now_s
 
     def synchronize(self) -> None:
         """Block until all work queued so far has finished."""
+        self.cuda._context(self.device_index)
         self.cuda._wait_until(self.device_index, self.ready_s)
 
     def wait_event(self, event: FakeEvent) -> None:
@@ -138,6 +144,7 @@ class FakeEvent:
         """Mark the current point of ``stream`` (default: the current stream)."""
         cuda = self.cuda
         stream = stream if stream is not None else cuda.current_stream()
+        cuda._context(stream.device_index)
         cuda._check(stream.device_index)
         if self.device_index is not None and self.device_index != stream.device_index:
             raise RuntimeError(
@@ -153,6 +160,7 @@ class FakeEvent:
         if self.time_s is None:
             return True
         assert self.device_index is not None
+        self.cuda._context()
         self.cuda._check(self.device_index)
         return self.time_s <= self.cuda.now_s
 
@@ -161,6 +169,7 @@ class FakeEvent:
         if self.time_s is None:
             return
         assert self.device_index is not None
+        self.cuda._context()
         self.cuda._wait_until(self.device_index, self.time_s)
 
     def wait(self, stream: FakeStream | None = None) -> None:
@@ -173,6 +182,8 @@ class FakeEvent:
         Raises:
             RuntimeError: an event without timing, not recorded, or not complete yet.
         """
+        if self.device_index is not None:
+            self.cuda._context(self.device_index)
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.time_s is None or end_event.time_s is None:
@@ -206,6 +217,8 @@ class FakeCuda:
         self.now_s = 0.0  # the GPUs' time
         self.lost: set[int] = set()
         self.synchronize_calls: list[int] = []  # device of every host wait
+        #: Per thread name, the devices that thread made a CUDA context on.
+        self.contexts: dict[str, set[int]] = {}
         self._threads = threading.local()
         self._main_current = current
         self.streams: list[FakeStream] = []  # every stream made, default ones included
@@ -262,6 +275,7 @@ class FakeCuda:
         if not 0 <= index < self.device_count():
             raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
         self._threads.device = index
+        self._context(index)
 
     def uuid(self, index: int) -> str:
         uuid = self._visible()[index].uuid
@@ -347,6 +361,7 @@ class FakeCuda:
     def launch(self, seconds: float, stream: FakeStream | None = None) -> None:
         """Queue ``seconds`` of kernels on ``stream`` (default: the current stream)."""
         stream = stream if stream is not None else self.current_stream()
+        self._context(stream.device_index)
         self._check(stream.device_index)
         stream.ready_s = max(stream.ready_s, self.now_s) + seconds
 
@@ -375,6 +390,12 @@ class FakeCuda:
         """The GPU falls off the bus: every later call on it raises the sticky error."""
         self.lost.add(device)
 
+    def _context(self, device: int | None = None) -> None:
+        """The calling thread works on ``device`` (None: its current device), where CUDA
+        makes it a context."""
+        index = self.current_device() if device is None else device
+        self.contexts.setdefault(threading.current_thread().name, set()).add(index)
+
     def _check(self, device: int) -> None:
         if device in self.lost:
             raise RuntimeError(
@@ -395,6 +416,7 @@ class FakeCuda:
     def synchronize(self, device: Any = None) -> None:
         """Wait for every stream of ``device`` (default: the current one)."""
         index = self._index(device)
+        self._context(index)
         ready = [s.ready_s for s in self.streams if s.device_index == index]
         self._wait_until(index, max(ready, default=self.now_s))
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +25,8 @@ from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
 from lightning_energy.perseus import BACKWARD, FORWARD, Instruction, Plan, build_schedule
 from lightning_energy.perseus.pipeline_run import schedule_from_orders
 from lightning_energy.perseus.schedule import PipelineSchedule
+from tests.lightning_energy.device.fake_cuda import FakeCuda
+from tests.lightning_energy.device.fake_pynvml import a100, make_module
 
 _SCHEDULES = st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"])
 
@@ -164,9 +169,7 @@ class _Engine(PipelineEngineAdapter):
         self.schedule = build_schedule("interleaved_1f1b", 2, _MICROBATCHES, virtual_stages=2)
         self.order = order or list(self.schedule.device_orders[0])
 
-    def begin(self) -> None:
-        import torch
-
+    def begin(self, device: torch.device | None = None) -> None:
         self._begin_pipeline(
             schedule=schedule_from_orders(
                 "engine", self.schedule.device_orders, num_microbatches=_MICROBATCHES
@@ -174,7 +177,7 @@ class _Engine(PipelineEngineAdapter):
             global_rank=0,
             world_size=1,
             local_rank=0,
-            device=torch.device("cpu"),
+            device=device or torch.device("cpu"),
             workload="engine-test",
             stage_times_s=[[0.02, 0.04], [0.03, 0.06]],
         )
@@ -344,3 +347,53 @@ def test_the_carbon_pace_moves_a_registered_target_instead_of_the_power_limit(
     assert all(d["purpose"] == "pace" for d in paced)
     assert not [d for d in controller.decisions if d["kind"] == "power_limit"]
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
+
+
+# ------------------------------------------------------- a rank of a multi-GPU node (CUDA)
+def test_a_rank_on_cuda_1_changes_clocks_from_cuda_1_and_restores_past_a_dead_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine trains on cuda:1 of a 2-GPU node (NVML GPUs, CUDA fake). The clock thread
+    follows cuda:1's stream from cuda:1 (no CUDA context on GPU 0); when a peer dies (the
+    stream stalls at a receive), the pipeline resets the clocks without waiting for it."""
+    nvml = make_module([a100(0), a100(1)])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    cuda = FakeCuda(nvml.devices).install(monkeypatch)
+    torch.cuda.set_device(1)
+    stage = torch.device("cuda", 1)
+    orders = build_schedule("interleaved_1f1b", 2, _MICROBATCHES, virtual_stages=2).device_orders
+    schedule = schedule_from_orders("engine", orders, num_microbatches=_MICROBATCHES)
+    plan = Plan(schedule, tuple(1410 if i % 2 else 1005 for i in range(len(schedule.nodes))))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    engine = _Engine(
+        _config(tmp_path, plan=str(tmp_path / "plan.json")).merged({"device": {"backend": "nvml"}})
+    )
+    engine.begin(device=stage)
+    with engine:
+        pipeline = engine.pipeline
+        assert pipeline is not None and pipeline.runtime.plan == plan
+        stream = torch.cuda.current_stream(stage)
+        engine._iteration_start()
+        for inst in engine.order:
+            engine._before(inst)
+            cuda.launch(0.01, stream)
+            engine._after(inst)
+        engine._iteration_end()
+        pipeline.runtime.controller.flush()
+        assert nvml.devices[1].locked is not None and nvml.devices[0].locked is None
+        cuda.stall(stream)
+        engine._iteration_start()
+        engine._before(engine.order[0])  # its clock waits behind the stalled receive
+        hung: list[bool] = []
+        watchdog = threading.Timer(60, lambda: (hung.append(True), cuda.release()))
+        watchdog.start()
+        try:
+            engine._close_pipeline()  # the pipeline's part of ending the run
+        finally:
+            watchdog.cancel()
+            cuda.release()
+        assert not hung  # the clocks were reset without waiting for the stalled stream
+        assert nvml.devices[1].locked is None
+    clock_threads = {name for name in cuda.contexts if name.startswith("lightning-energy")}
+    assert clock_threads == {"lightning-energy-perseus-clock"}
+    assert cuda.contexts["lightning-energy-perseus-clock"] == {1}
