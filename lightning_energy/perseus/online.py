@@ -227,7 +227,8 @@ class OnlinePerseus:
     Args:
         runtime: this rank's runtime (applies clocks, measures instructions).
         gpu: this rank's GPU (energy counter, synchronisation).
-        supported_clocks_mhz: clocks the plan may use.
+        supported_clocks_mhz: clocks the plan may use (empty: this rank's clocks are
+            unknown; it votes against clock control, and every rank runs unchanged).
         profile_clocks_mhz: clocks to profile (default :func:`default_profile_clocks`).
         warmup_iterations: iterations at the maximum clock before profiling (allocation,
             compilation and caches make the first ones unrepresentative).
@@ -274,9 +275,11 @@ class OnlinePerseus:
             problems.append(
                 f"replan_every_iterations: {replan_every_iterations} is not allowed; use >= 1"
             )
-        clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
-        if len(set(clocks)) < 2:
-            problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        clocks: list[int] = []
+        if supported_clocks_mhz:
+            clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
+            if len(set(clocks)) < 2:
+                problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
         if problems:
             raise ConfigError(problems, source="OnlinePerseus")
         self.runtime = runtime
@@ -308,7 +311,7 @@ class OnlinePerseus:
         #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
         self.enabled = agree_on_clock_control(
             controller.guard,
-            max(self.supported_clocks_mhz),
+            max(self.supported_clocks_mhz, default=None),
             controller.gpu_position,
             self.group,
         )

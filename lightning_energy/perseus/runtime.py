@@ -297,7 +297,7 @@ class StageWork:
 
 
 def agree_on_clock_control(
-    guard: GPUGuard, freq_mhz: int, gpu_position: int = 0, group: Any = None
+    guard: GPUGuard, freq_mhz: int | None, gpu_position: int = 0, group: Any = None
 ) -> bool:
     """Lock ``freq_mhz`` to find out whether clocks may be changed, and agree on it.
 
@@ -306,19 +306,32 @@ def agree_on_clock_control(
     that clocks cannot be controlled everywhere, and those that locked one reset it, so
     no rank profiles or plans clocks that would never be applied.
 
+    Every rank of ``group`` must call it at the same point, whatever happened before on
+    that rank: a rank that cannot control clocks (its supported clocks could not be read:
+    ``freq_mhz=None``) votes against, and a lock that raises (strict mode) raises only
+    after the vote, so the other ranks never wait for a rank that left.
+
     Args:
         guard: the guard of this rank's GPU.
-        freq_mhz: the clock to lock (the first one Perseus wants).
+        freq_mhz: the clock to lock (the first one Perseus wants); None: this rank cannot
+            control clocks and only votes against.
         gpu_position: position of the GPU in the guard.
         group: a process group taking CPU objects (None: the default group); a single
             process decides alone.
 
     Returns:
         True when every rank locked ``freq_mhz``.
+
+    Raises:
+        Exception: what locking raised on this rank (strict mode), after the vote.
     """
-    locked = not guard.observe_only and (
-        guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
-    )
+    locked = False
+    failure: Exception | None = None
+    if freq_mhz is not None and not guard.observe_only:
+        try:
+            locked = guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
+        except Exception as exc:  # re-raised once every rank has its vote
+            failure = exc
     agreed = locked
     if dist.is_initialized():
         votes: list[Any] = [None] * dist.get_world_size(group)
@@ -328,6 +341,8 @@ def agree_on_clock_control(
             guard.reset_clocks([gpu_position])
             refused = [r for r, vote in enumerate(votes) if not vote]
             log.info("Perseus disabled: rank(s) %s cannot change GPU clocks.", refused)
+    if failure is not None:
+        raise failure
     return agreed
 
 

@@ -184,6 +184,16 @@ class StragglerEqualizer:
         if measured:
             self._clock_seconds += end[0] - start[0]
 
+    def skip_step(self) -> None:
+        """This rank could not measure its last step (its CUDA events had not completed
+        yet, or it ran no backward pass): no sample, and the time since the previous
+        step's end is left out of the energy timeline. :meth:`on_step_end` still counts
+        the step, as every rank must."""
+        if not self.enabled:
+            return
+        self._landing = False  # the clock change landed during the skipped step
+        self._timeline.leave_out()
+
     def on_step_end(self) -> None:
         """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
         self.step += 1
