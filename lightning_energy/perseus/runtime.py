@@ -347,10 +347,12 @@ def agree_on_clock_control(
 
 
 def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
-    """A barrier on simulated clocks: every rank idles until the slowest rank's time.
+    """A barrier on simulated clocks: every rank waits, blocked in the collective, until
+    the slowest rank's time.
 
     Args:
-        gpu: this rank's simulated GPU (its clock advances, drawing blocked power).
+        gpu: this rank's simulated GPU (its clock advances, drawing its blocked power at
+            the locked clock).
         group: a process group taking CPU tensors (see
             :func:`~lightning_energy.collectives.cpu_collective_group`; None: the default
             one); a single process just returns.
@@ -363,7 +365,7 @@ def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
         dist.all_reduce(end, op=dist.ReduceOp.MAX, group=group)
     wait_s = float(end.item()) - gpu.clock.now()
     if wait_s > 0:
-        gpu.idle(wait_s)
+        gpu.wait_in_collective(wait_s)
     return float(end.item())
 
 
@@ -373,8 +375,9 @@ class PipelineSimulation:
 
     Every rank runs one simulated GPU on its own virtual clock. Finishing an instruction
     sends its virtual finish time to the rank of the dependent stage (through a gloo
-    group); starting one waits (idle, at the GPU's idle power) until its input's time.
-    :meth:`end_iteration` aligns all ranks on the slowest one, as the optimizer step does.
+    group); starting one waits, blocked in the receive at the clock just set for it, until
+    its input's time. :meth:`end_iteration` aligns all ranks on the slowest one (blocked at
+    the last instruction's clock), as the optimizer step does.
 
     Args:
         gpu: this rank's simulated GPU.
@@ -415,7 +418,8 @@ class PipelineSimulation:
         return None
 
     def wait_for_input(self, schedule: PipelineSchedule, rank: int, inst: Instruction) -> None:
-        """Idle until the virtual time the input of ``inst`` was produced."""
+        """Wait (blocked in the receive) until the virtual time the input of ``inst``
+        was produced."""
         producer = self._producer(schedule, inst)
         if producer is None:
             return
@@ -433,7 +437,7 @@ class PipelineSimulation:
             ready_s = float(buf.item())
         wait_s = ready_s - self.gpu.clock.now()
         if wait_s > 0:
-            self.gpu.idle(wait_s)
+            self.gpu.wait_in_collective(wait_s)
 
     def run(self, inst: Instruction) -> tuple[float, float]:
         """Run the instruction's GPU work at the locked clock: ``(time_s, energy_j)``."""
@@ -486,7 +490,7 @@ def simulated_profile(
         clocks_mhz: clocks to profile (default: all the model supports).
 
     Returns:
-        Time and energy at each clock, blocked power = the model's idle power.
+        Time and energy at each clock, and the model's blocked power at each clock.
     """
     clocks = list(clocks_mhz) if clocks_mhz is not None else list(model.sm_clocks_mhz)
     rows = []
@@ -495,7 +499,8 @@ def simulated_profile(
             time_s = model.work_time_s(work.t0_s, work.compute_bound_share, freq)
             power_w = model.work_power_w(work.compute_bound_share, freq)
             rows.append((stage, kind, freq, time_s, time_s * power_w))
-    return PipelineProfile.from_rows(rows, blocked_power_w=model.idle_power_w)
+    blocked = {freq: model.blocked_power_w(freq) for freq in clocks}
+    return PipelineProfile.from_rows(rows, blocked_power_w=blocked)
 
 
 def _global_rank(group: Any, group_rank: int) -> int:

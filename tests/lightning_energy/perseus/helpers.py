@@ -9,6 +9,7 @@ import numpy as np
 
 from lightning_energy.device.physics import physics_preset
 from lightning_energy.perseus import PipelineProfile
+from lightning_energy.perseus.profile import BlockedPower
 
 
 def physics_profile(
@@ -18,7 +19,7 @@ def physics_profile(
     seed: int = 0,
     forward_s: float = 0.02,
     backward_s: float = 0.04,
-    blocked_power_w: float = 70.0,
+    blocked_power_w: BlockedPower = 70.0,
 ) -> PipelineProfile:
     """A profile from the A100 physics model, with stage times and compute-bound shares
     drawn at random (seeded) so stages differ."""
