@@ -14,17 +14,28 @@ rest is memory-bound and does not). At SM clock ``f``:
   compute-bound time and ``t_m = (1 - beta) * t0`` the memory-bound time; the average power
   of the work is ``E(f) / t(f)``.
 
-A GPU that is not computing (waiting in a pipeline bubble or a collective) draws
-``idle_power_w``. The power limit caps the clock: the GPU runs the work at the highest
-supported clock (at most the upper bound of a clock lock) whose average power fits under the
-limit, or at its lowest clock when none does. A power limit therefore wins over a clock
-lock, as it does on NVIDIA GPUs.
+A GPU that is idle (nothing queued: a carbon pause, data loading) draws ``idle_power_w``.
+A GPU *blocked in a collective* (a P2P receive in a pipeline bubble, an all-reduce waiting
+for a straggler) is not idle: NCCL's kernels spin on flags in memory until the peer
+arrives, at whatever clock is locked. It draws
+``P_blocked(f) = idle_power_w + spin_power_w * s(f)``: more than idle, rising with the
+clock as switching power does. The assumption behind ``spin_power_w`` (not a
+measurement): NCCL runs one thread block per channel (up to 32 channels, so up to a
+quarter to a third of the SMs), each polling memory without doing math, taken as 10 % of
+the switching power of compute-bound work.
+
+The power limit caps the clock: the GPU runs the work at the highest supported clock (at
+most the upper bound of a clock lock) whose average power fits under the limit, or at its
+lowest clock when none does. A power limit therefore wins over a clock lock, as it does on
+NVIDIA GPUs.
 
 The ``"a100"`` preset reproduces the model behind the pipeline profiles in the project's
 reference data (``perseus_profiles/README.md``): A100 SXM4 40GB, power limit 100-400 W
 (default 400 W), SM clocks 1410 MHz down to 210 MHz in 15 MHz steps, 80 W static, 300 W
 compute-bound switching power at 1410 MHz, 50 W + 90 W x s(f) while memory-bound, voltage
-0.70 to 1.00 between 900 and 1410 MHz, 70 W while blocked. The ``"h100"`` (H100 SXM5) and
+0.70 to 1.00 between 900 and 1410 MHz, 70 W idle (the profiles' blocked power, which
+ignores NCCL's spin; the preset adds 30 W x s(f) while blocked in a collective: 100 W at
+1410 MHz). The ``"h100"`` (H100 SXM5) and
 ``"h200"`` (H200 SXM, more HBM: more memory power) presets, 200-700 W (default 700 W),
 1980 down to 345 MHz, have the same shape scaled to the larger parts, so that a
 full-clock training step (85 % compute-bound, a bf16 training load) draws close to the
@@ -35,6 +46,7 @@ those boards; their constants are illustrative, not measurements.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from lightning_energy.errors import ConfigError
@@ -58,8 +70,10 @@ class PhysicsModel:
         default_power_limit_w: the vendor default power limit.
         static_power_w: power drawn while working regardless of the clock (leakage, fans,
             board).
-        idle_power_w: power drawn while not computing (bubbles, blocked in collectives).
+        idle_power_w: power drawn while idle (nothing queued on the GPU).
         compute_power_w: switching power of compute-bound work at ``f_max`` and ``v_high``.
+        spin_power_w: switching power, at ``f_max`` and ``v_high``, of NCCL's kernels
+            spinning while the GPU is blocked in a collective (on top of the idle power).
         memory_power_w: clock-independent power of memory-bound work (the memory system).
         memory_sm_power_w: switching power of the SMs during memory-bound work at ``f_max``.
         v_low: relative voltage at and below ``f_v_low_mhz``.
@@ -82,6 +96,7 @@ class PhysicsModel:
     v_low: float
     v_high: float
     f_v_low_mhz: int
+    spin_power_w: float = 0.0
     step_time_s: float = 0.25
     step_compute_bound_share: float = 0.85
 
@@ -98,7 +113,13 @@ class PhysicsModel:
                 f"({self.min_power_limit_w}, {self.default_power_limit_w}, "
                 f"{self.max_power_limit_w}): must satisfy 0 < min <= default <= max"
             )
-        for key in ("static_power_w", "idle_power_w", "compute_power_w", "memory_power_w"):
+        for key in (
+            "static_power_w",
+            "idle_power_w",
+            "compute_power_w",
+            "memory_power_w",
+            "spin_power_w",
+        ):
             if getattr(self, key) < 0:
                 problems.append(f"{key}: {getattr(self, key)!r} is not allowed; use >= 0")
         if not 0 < self.v_low <= self.v_high:
@@ -153,6 +174,11 @@ class PhysicsModel:
         )
         return self.static_power_w + dynamic_j / (compute_s + memory_s)
 
+    def blocked_power_w(self, freq_mhz: float) -> float:
+        """Power of the GPU blocked in a collective at ``freq_mhz`` (NCCL spinning):
+        ``idle_power_w + spin_power_w * s(f)``."""
+        return self.idle_power_w + self.spin_power_w * self.switching_scale(freq_mhz)
+
     def clock_for(
         self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
     ) -> int:
@@ -167,11 +193,24 @@ class PhysicsModel:
             The highest supported clock not above ``max_clock_mhz`` whose average power fits
             under ``power_limit_w``; the lowest supported clock when none fits.
         """
+        return self._highest_clock(
+            lambda f: self.work_power_w(compute_bound_share, f), power_limit_w, max_clock_mhz
+        )
+
+    def blocked_clock_mhz(self, power_limit_w: float, max_clock_mhz: int | None = None) -> int:
+        """The SM clock of a GPU blocked in a collective, as :meth:`clock_for` (its power
+        is :meth:`blocked_power_w`; without a lock the GPU runs NCCL's kernels at the
+        maximum clock)."""
+        return self._highest_clock(self.blocked_power_w, power_limit_w, max_clock_mhz)
+
+    def _highest_clock(
+        self, power_w: Callable[[int], float], power_limit_w: float, max_clock_mhz: int | None
+    ) -> int:
         ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
         for freq in self.sm_clocks_mhz:
             if freq > ceiling:
                 continue
-            if self.work_power_w(compute_bound_share, freq) <= power_limit_w:
+            if power_w(freq) <= power_limit_w:
                 return freq
         return self.sm_clocks_mhz[-1]
 
@@ -219,6 +258,7 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
         v_low=0.70,
         v_high=1.00,
         f_v_low_mhz=900,
+        spin_power_w=30.0,
     ),
     "h100": PhysicsModel(
         name="NVIDIA H100 80GB HBM3",
@@ -234,6 +274,7 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
         v_low=0.70,
         v_high=1.00,
         f_v_low_mhz=1200,
+        spin_power_w=60.0,
     ),
     "h200": PhysicsModel(
         name="NVIDIA H200",
@@ -249,6 +290,7 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
         v_low=0.70,
         v_high=1.00,
         f_v_low_mhz=1200,
+        spin_power_w=60.0,
     ),
 }
 

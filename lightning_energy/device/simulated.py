@@ -13,6 +13,8 @@ Work (:meth:`SimulatedGPU.run_step`, :meth:`SimulatedGPU.run_work`) advances the
 virtual clock and the GPU's energy counter. Whenever the clock moves on without the GPU
 working (another GPU's work, :meth:`SimulatedGPU.idle`, :meth:`VirtualClock.advance`), the
 GPU draws its idle power for that time, so energy counters always cover the whole timeline.
+A wait blocked in a collective (:meth:`SimulatedGPU.wait_in_collective`) is not idle: NCCL
+spins at the locked clock, drawing the physics model's blocked power at that clock.
 :func:`run_in_parallel` runs steps on several GPUs at once, as synchronous data parallelism
 does: the clock moves by the slowest GPU's step and the others wait at idle power.
 
@@ -829,9 +831,40 @@ class SimulatedGPU:
         return duration_s
 
     def idle(self, seconds: float) -> None:
-        """Wait ``seconds`` (a pipeline bubble, a collective) drawing idle power."""
+        """Let ``seconds`` pass with nothing queued on the GPU (a carbon pause, data
+        loading), drawing idle power."""
         with self._lock:
             self._check("idle")
+        self.clock.advance(seconds)
+
+    def wait_in_collective(self, seconds: float) -> None:
+        """Wait ``seconds`` blocked in a collective (a P2P receive in a pipeline bubble, an
+        all-reduce waiting for a slower rank).
+
+        The GPU is not idle: NCCL's kernels spin until the peer arrives, at the clock in
+        force (the lock's upper end; the maximum clock without a lock), drawing the
+        physics model's blocked power at that clock
+        (:meth:`~.physics.PhysicsModel.blocked_power_w`: more than idle, rising with the
+        clock). Models without it (traces, calibrations) wait at idle power. As for work,
+        a setting changed less than the board's latency before the wait starts does not
+        govern it yet.
+
+        Raises:
+            ConfigError: ``seconds`` is negative.
+        """
+        if not seconds >= 0:
+            raise ConfigError(f"seconds={seconds!r}: a wait lasts >= 0 s", source="wait")
+        blocked_clock = getattr(self.model, "blocked_clock_mhz", None)
+        blocked_power = getattr(self.model, "blocked_power_w", None)
+        with self._lock:
+            self._check("idle")
+            if blocked_clock is not None and blocked_power is not None and seconds > 0:
+                self._settle()
+                limit_w, locked = self._effective_settings(self.clock.now())
+                freq = blocked_clock(self._enforced(limit_w), locked[1] if locked else None)
+                self._power_capped = False
+                self._work_clock_mhz = freq
+                self._account_work(seconds, self._noisy(blocked_power(freq)))
         self.clock.advance(seconds)
 
     def now_s(self) -> float:

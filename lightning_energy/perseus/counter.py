@@ -150,6 +150,12 @@ class EnergyTimeline:
         self._energies.append(float(energy_j))
         self._labels.append(label)
 
+    def leave_out(self) -> None:
+        """Leave out the segment running since the last mark (work that went unmarked,
+        such as a step that could not be measured): its label becomes None."""
+        if self._labels:
+            self._labels[-1] = None
+
     def clear(self) -> None:
         """Forget every mark."""
         self._times.clear()

@@ -1,8 +1,10 @@
 """Straggler-aware clocks for one data-parallel rank, driven by step events.
 
 :class:`StragglerRun` wires a :class:`~lightning_energy.perseus.straggler.StragglerEqualizer`
-to what measures the rank's compute: a simulated step on simulated GPUs, CUDA events and a
-DDP communication hook on CUDA GPUs. Framework adapters call :meth:`StragglerRun.step_start`
+to what measures the rank's compute: a simulated step on simulated GPUs; on CUDA GPUs, CUDA
+events at the step start and at the end of the backward pass (found through gradient hooks,
+not a DDP communication hook: the model's own hook and process group stay untouched).
+Framework adapters call :meth:`StragglerRun.step_start`
 before the forward pass and :meth:`StragglerRun.step_end` after the optimizer step, and
 :meth:`StragglerRun.close` at the end; they hold no logic of their own.
 """
@@ -10,15 +12,18 @@ before the forward pass and :meth:`StragglerRun.step_end` after the optimizer st
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd import Variable
 
+from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import DeviceError
-from lightning_energy.perseus.runtime import StageWork
+from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control
 from lightning_energy.perseus.straggler import (
+    Reading,
     SimulatedDataParallel,
     StepReadings,
     StragglerEqualizer,
@@ -42,9 +47,10 @@ class StragglerRun:
         section: the ``perseus:`` settings (``window_steps``, ``steps_per_clock``,
             ``margin``, ``profile_clocks_mhz``, and the simulated step's
             ``simulated_step_s`` and ``compute_bound_share``).
-        ddp_model: the DDP-wrapped model (CUDA GPUs: its last gradient bucket marks the
-            end of the rank's compute); None where there is none.
-        strict: raise when the GPU cannot lock clocks instead of running without Perseus.
+        ddp_model: the DDP-wrapped model (CUDA GPUs: the end of its backward pass marks
+            the end of the rank's compute); None where there is none.
+        strict: raise when the GPU cannot lock clocks instead of running without Perseus
+            (after voting against clock control, so that no other rank waits for it).
 
     Raises:
         ConfigError: bad settings.
@@ -64,9 +70,12 @@ class StragglerRun:
         self._simulation: SimulatedDataParallel | None = None
         self._probe: _CudaComputeProbe | None = None
         gpu = rank.gpu
+        group = cpu_collective_group(rank.group)
         try:
             clocks = gpu.supported_sm_clocks_mhz()
         except DeviceError as exc:
+            # The other ranks vote on clock control now: take part, against, then go.
+            agree_on_clock_control(rank.guard, None, group=group)
             if strict:
                 raise
             log.warning("Perseus: %s; ranks not equalised.", exc)
@@ -79,11 +88,11 @@ class StragglerRun:
             window_steps=section.window_steps,
             margin=section.margin,
             counter_period_s=gpu.energy_counter_period_s(),
-            group=rank.group,
+            group=group,
         )
         if (simulated := as_simulated(gpu)) is not None:
             work = StageWork(section.simulated_step_s, section.compute_bound_share)
-            self._simulation = SimulatedDataParallel(simulated, work, group=rank.group)
+            self._simulation = SimulatedDataParallel(simulated, work, group=group)
         elif torch.cuda.is_available() and ddp_model is not None:
             self._probe = _CudaComputeProbe(ddp_model, gpu, self.equalizer)
         else:
@@ -95,7 +104,12 @@ class StragglerRun:
             self._probe.step_start()
 
     def step_end(self) -> None:
-        """A training step ended (after the optimizer step): record it, maybe re-clock."""
+        """A training step ended (after the optimizer step): record it, maybe re-clock.
+
+        Every rank counts every step, whatever it could measure: the equalizer's
+        collectives happen at step counts, so a rank that skipped one would enter them at
+        another step than the others (and an NCCL collective after them would hang).
+        """
         if self.equalizer is None:
             return
         if self._simulation is not None:
@@ -104,69 +118,107 @@ class StragglerRun:
         elif self._probe is not None:
             measured = self._probe.step_end()
             if measured is None:
-                return
-            self.equalizer.record_step(*measured)
-        else:
-            return
+                self.equalizer.skip_step()
+            else:
+                self.equalizer.record_step(*measured)
         self.equalizer.on_step_end()
 
     def close(self) -> None:
-        """Put the clock back and release the GPU when this run opened it."""
+        """Put the clock back, leave the model as it was, and release the GPU when this
+        run opened it."""
         try:
+            if self._probe is not None:
+                self._probe.close()
             if self.equalizer is not None and self.equalizer.enabled:
                 self.rank.guard.reset_clocks([self.equalizer.gpu_position])
         finally:
             self.rank.close()
 
 
-class _CudaComputeProbe:
-    """Times a rank's compute on a CUDA GPU: from the step start to when DDP's last
-    gradient bucket is ready (before the all-reduce waits for other ranks).
+@dataclass(frozen=True)
+class _Mark:
+    """A point of the training stream: its CUDA event, and the energy counter there
+    (read after synchronising, while the equalizer profiles; None otherwise)."""
 
-    While the equalizer profiles, it synchronises the compute stream at both points to
-    read the energy counter; afterwards it only records CUDA events and reads them one step
-    later, so the CPU never waits for the GPU.
+    event: Any
+    reading: Reading | None
+
+
+class _CudaComputeProbe:
+    """Times a rank's compute on a CUDA GPU: from the step start to the end of its
+    backward pass, before the rank waits for the others' gradients.
+
+    The end of the backward pass is found without a DDP communication hook, so the
+    model's own hook (and process group) stays in force and the gradients are exactly
+    what they are without Perseus: the first gradient accumulated in a backward pass (a
+    post-accumulate-grad hook on the model's parameters) queues a callback that the
+    autograd engine runs when the pass ends, on the stream the pass was started from,
+    before DDP's own end-of-backward callback makes that stream wait for the
+    all-reduce. With gradient accumulation, a step runs from its first micro-batch's
+    start to its last backward pass.
+
+    While the equalizer profiles, it synchronises the stream at both points to read the
+    energy counter; afterwards it only records CUDA events and reads them one step later,
+    without waiting: a step whose events have not completed yet gives no sample (the
+    step is still counted).
     """
 
-    def __init__(self, ddp_model: Any, gpu: GPU, equalizer: StragglerEqualizer) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+    def __init__(self, model: Any, gpu: GPU, equalizer: StragglerEqualizer) -> None:
         self.gpu = gpu
         self.equalizer = equalizer
-        self._allreduce = allreduce_hook
-        self._start: tuple[float, float] | None = None
-        self._end: tuple[float, float] | None = None
-        self._events: tuple[Any, Any] | None = None
-        self._pending: tuple[Any, Any] | None = None
-        ddp_model.register_comm_hook(None, self._hook)
+        self._start: _Mark | None = None
+        self._end: _Mark | None = None
+        self._pending: tuple[Any, Any] | None = None  # the previous step's events
+        self._queued = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+
+    def _mark(self, profiling: bool) -> _Mark:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if not profiling:
+            return _Mark(event, None)
+        torch.cuda.current_stream().synchronize()
+        return _Mark(event, (self.gpu.now_s(), self.gpu.energy_j()))
 
     def step_start(self) -> None:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._events = (start, None)
-        if self.equalizer.profiling:
-            torch.cuda.current_stream().synchronize()
-            self._start = (time.perf_counter(), self.gpu.energy_j())
+        """A step (or, with gradient accumulation, its first micro-batch) starts."""
+        self._queued = False  # no backward pass runs now (one that raised left it set)
+        if self._start is None:
+            self._start = self._mark(self.equalizer.profiling)
 
-    def _hook(self, state: Any, bucket: Any) -> Any:
-        if bucket.is_last() and self._events is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events = (self._events[0], end)
-            if self.equalizer.profiling:
-                torch.cuda.current_stream().synchronize()
-                self._end = (time.perf_counter(), self.gpu.energy_j())
-        return self._allreduce(state, bucket)
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._queued = False
+        if self._start is not None:
+            self._end = self._mark(self._start.reading is not None)
 
     def step_end(self) -> tuple[float, StepReadings | None] | None:
-        """``(compute_s, counter readings while profiling)`` of a finished step, or None."""
-        if self.equalizer.profiling and self._start is not None and self._end is not None:
-            torch.cuda.synchronize()
-            now = (time.perf_counter(), self.gpu.energy_j())
-            start, end = self._start, self._end
-            self._start = self._end = None
-            return end[0] - start[0], (start, end, now)
-        previous, self._pending = self._pending, self._events
-        if previous is None or previous[1] is None or not previous[1].query():
+        """``(compute_s, counter readings while profiling)`` of a finished step, or None
+        when there is none yet (no backward pass, or events not completed)."""
+        start, end = self._start, self._end
+        self._start = self._end = None
+        previous, self._pending = self._pending, None
+        if start is None or end is None:
+            return None
+        if start.reading is not None and end.reading is not None:
+            torch.cuda.current_stream().synchronize()
+            now = (self.gpu.now_s(), self.gpu.energy_j())
+            return end.reading[0] - start.reading[0], (start.reading, end.reading, now)
+        self._pending = (start.event, end.event)
+        if previous is None or not previous[1].query():
             return None
         return previous[0].elapsed_time(previous[1]) / 1000.0, None
+
+    def close(self) -> None:
+        """Remove the hooks from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -2,8 +2,9 @@
 
 During the first iterations every pipeline rank runs all its instructions at a few clocks,
 one clock at a time, and measures each instruction's time and energy (and the power its
-GPU draws while blocked). The first iteration at each clock only lets the change land (a
-clock set takes tens of ms to govern the work); the following ones are measured, for
+GPU draws while blocked, at each clock: a GPU blocked in NCCL spins at the locked clock).
+The first iteration at each clock only lets the change land (a clock set takes tens of ms
+to govern the work); the following ones are measured, for
 ``iterations_per_clock`` iterations and at least :func:`~.counter.min_profile_s` seconds
 (many periods of the GPU's energy counter). Energy is not read per instruction: the
 counter marks at every instruction's start and end go to an
@@ -21,7 +22,8 @@ Models (per instruction; the simulated GPU's physics follows the same shape):
 * time: ``t(f) = a / f + b`` (the compute-bound part scales with 1/f, the memory-bound
   part does not), least squares over the profiled clocks;
 * power: ``P(f) = c0 + c1 f + c2 f^2`` (linear with two clocks), least squares; energy is
-  ``P(f) t(f)``.
+  ``P(f) t(f)``; the blocked power has the same shape (:class:`PowerCurve`), measured on
+  the waits of every rank at each clock.
 
 Example (every rank, after building its :class:`~.runtime.PipelineRuntime`)::
 
@@ -43,6 +45,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch.distributed as dist
+from numpy.typing import NDArray
 
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
@@ -50,7 +53,7 @@ from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import PerseusPlanner
-from lightning_energy.perseus.profile import PipelineProfile
+from lightning_energy.perseus.profile import BlockedPower, PipelineProfile
 from lightning_energy.perseus.runtime import (
     BLOCKED_LABEL,
     InstructionMeter,
@@ -59,7 +62,14 @@ from lightning_energy.perseus.runtime import (
 )
 from lightning_energy.perseus.schedule import Instruction
 
-__all__ = ["ClockModel", "OnlinePerseus", "Sample", "default_profile_clocks", "fit_profile"]
+__all__ = [
+    "ClockModel",
+    "OnlinePerseus",
+    "PowerCurve",
+    "Sample",
+    "default_profile_clocks",
+    "fit_profile",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +119,9 @@ class ClockModel:
         freqs = np.asarray(usable, dtype=np.float64)
         times = np.asarray([means[f][0] for f in usable], dtype=np.float64)
         energies = np.asarray([means[f][1] for f in usable], dtype=np.float64)
-        distinct = freqs
         a, b = np.linalg.lstsq(np.column_stack([1.0 / freqs, np.ones_like(freqs)]), times)[0]
-        degree = 2 if len(distinct) >= 3 else 1
-        basis = np.column_stack([freqs**k for k in range(degree + 1)])
-        coef = np.linalg.lstsq(basis, energies / times)[0]
-        power = (float(coef[0]), float(coef[1]), float(coef[2]) if degree == 2 else 0.0)
-        return cls((float(a), float(b)), power, int(distinct[0]), int(distinct[-1]))
+        power = _power_coef(freqs, energies / times)
+        return cls((float(a), float(b)), power, usable[0], usable[-1])
 
     def time_s(self, freq_mhz: float) -> float:
         """Predicted time at ``freq_mhz``."""
@@ -130,6 +136,62 @@ class ClockModel:
     def energy_j(self, freq_mhz: float) -> float:
         """Predicted energy at ``freq_mhz``."""
         return self.power_w(freq_mhz) * self.time_s(freq_mhz)
+
+
+@dataclass(frozen=True)
+class PowerCurve:
+    """A power against the SM clock: ``P(f) = c0 + c1 f + c2 f^2`` within the clocks it
+    was measured at, held at its value at the nearest end beyond them, never negative.
+
+    The power of a GPU blocked in a collective is one: NCCL's kernels spin at the locked
+    clock, so it rises with the clock.
+
+    Attributes:
+        coef: ``(c0, c1, c2)``.
+        min_mhz: lowest clock measured.
+        max_mhz: highest clock measured.
+    """
+
+    coef: tuple[float, float, float]
+    min_mhz: int
+    max_mhz: int
+
+    @classmethod
+    def fit(cls, powers_w: Mapping[int, float]) -> PowerCurve:
+        """Least squares through the power measured at each clock (quadratic from three
+        clocks, linear from two, constant from one).
+
+        Raises:
+            ProfileError: no clock measured.
+        """
+        if not powers_w:
+            raise ProfileError("no power measured at any clock")
+        clocks = sorted(powers_w)
+        freqs = np.asarray(clocks, dtype=np.float64)
+        coef = _power_coef(freqs, np.asarray([powers_w[f] for f in clocks], dtype=np.float64))
+        return cls(coef, clocks[0], clocks[-1])
+
+    @classmethod
+    def constant(cls, power_w: float) -> PowerCurve:
+        """The same power at every clock."""
+        return cls((float(power_w), 0.0, 0.0), 0, 0)
+
+    def power_w(self, freq_mhz: float) -> float:
+        """The power at ``freq_mhz`` (at the nearest measured clock outside the range)."""
+        f = min(max(freq_mhz, self.min_mhz), self.max_mhz)
+        c0, c1, c2 = self.coef
+        return max(c0 + c1 * f + c2 * f**2, 0.0)
+
+
+def _power_coef(
+    freqs: NDArray[np.float64], powers_w: NDArray[np.float64]
+) -> tuple[float, float, float]:
+    """``(c0, c1, c2)`` of the least-squares polynomial through ``powers_w`` at ``freqs``:
+    of degree 2 from three clocks, 1 from two, 0 from one."""
+    degree = min(len(freqs) - 1, 2)
+    basis = np.column_stack([freqs**k for k in range(degree + 1)])
+    coef = [*(float(c) for c in np.linalg.lstsq(basis, powers_w)[0]), 0.0, 0.0]
+    return coef[0], coef[1], coef[2]
 
 
 def mean_per_clock(
@@ -186,14 +248,16 @@ def fit_profile(
     samples: Mapping[tuple[int, str], Sequence[Sample]],
     clocks_mhz: Sequence[int],
     *,
-    blocked_power_w: float,
+    blocked_power_w: BlockedPower,
 ) -> PipelineProfile:
     """Predict a profile at ``clocks_mhz`` (within each entry's profiled range).
 
     Args:
         samples: measurements per ``(stage, instruction)``.
         clocks_mhz: the clocks to predict (the GPU's supported ones).
-        blocked_power_w: measured power while blocked.
+        blocked_power_w: measured power while blocked: one value, or the power measured
+            at each profiled clock, predicted at every clock by a :class:`PowerCurve`
+            (no clock measured: 0 W).
 
     Raises:
         ProfileError: an entry cannot be fitted, or no clock lies in the profiled range.
@@ -214,7 +278,11 @@ def fit_profile(
             if time_s <= 0 or energy_j <= 0:
                 raise ProfileError(f"stage {stage} {kind} at {f} MHz: the fit is not positive")
             rows.append((stage, kind, f, time_s, energy_j))
-    return PipelineProfile.from_rows(rows, blocked_power_w=blocked_power_w, source="(online)")
+    blocked: BlockedPower = blocked_power_w
+    if isinstance(blocked_power_w, Mapping):
+        curve = PowerCurve.fit(blocked_power_w) if blocked_power_w else PowerCurve.constant(0.0)
+        blocked = {f: curve.power_w(f) for f in keep}
+    return PipelineProfile.from_rows(rows, blocked_power_w=blocked, source="(online)")
 
 
 class OnlinePerseus:
@@ -227,7 +295,8 @@ class OnlinePerseus:
     Args:
         runtime: this rank's runtime (applies clocks, measures instructions).
         gpu: this rank's GPU (energy counter, synchronisation).
-        supported_clocks_mhz: clocks the plan may use.
+        supported_clocks_mhz: clocks the plan may use (empty: this rank's clocks are
+            unknown; it votes against clock control, and every rank runs unchanged).
         profile_clocks_mhz: clocks to profile (default :func:`default_profile_clocks`).
         warmup_iterations: iterations at the maximum clock before profiling (allocation,
             compilation and caches make the first ones unrepresentative).
@@ -274,9 +343,11 @@ class OnlinePerseus:
             problems.append(
                 f"replan_every_iterations: {replan_every_iterations} is not allowed; use >= 1"
             )
-        clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
-        if len(set(clocks)) < 2:
-            problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        clocks: list[int] = []
+        if supported_clocks_mhz:
+            clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
+            if len(set(clocks)) < 2:
+                problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
         if problems:
             raise ConfigError(problems, source="OnlinePerseus")
         self.runtime = runtime
@@ -297,11 +368,12 @@ class OnlinePerseus:
         self._planned_at = 0
         self._target_s = target_time_s
         self._pending_target: tuple[float | None] | None = None
-        self._timeline = EnergyTimeline(gpu.energy_counter_period_s())
-        self._min_profile_s = min_profile_s(self._timeline.counter_period_s)
-        self._meter = InstructionMeter(
-            gpu, self._timeline, self._label, clock, device=runtime.device
-        )
+        self._counter_period_s = gpu.energy_counter_period_s()
+        self._min_profile_s = min_profile_s(self._counter_period_s)
+        self._device = runtime.device  # the stage's GPU: instructions are timed on its stream
+        # One timeline per profiled clock: the waits of each are labelled apart, as the
+        # power of a GPU blocked in NCCL depends on the clock.
+        self._meters: dict[int, InstructionMeter] = {}
         self._clock_index = 0
         self._clock_iterations = 0  # at the current profiling clock, the landing one included
         self._clock_seconds = 0.0  # measured at the current profiling clock
@@ -310,7 +382,7 @@ class OnlinePerseus:
         #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
         self.enabled = agree_on_clock_control(
             controller.guard,
-            max(self.supported_clocks_mhz),
+            max(self.supported_clocks_mhz, default=None),
             controller.gpu_position,
             self.group,
         )
@@ -350,9 +422,20 @@ class OnlinePerseus:
             return
         self.runtime.set_fixed_clock(self.profile_clocks_mhz[self._clock_index])
         measured = self._clock_iterations > 0  # the first iteration lets the change land
-        self.runtime.measure_with(self._meter if measured else None)
-        self._meter.mark(BLOCKED_LABEL if measured else None)
+        meter = self._meter()
+        self.runtime.measure_with(meter if measured else None)
+        meter.mark(BLOCKED_LABEL if measured else None)
         self._iteration_start_s = self.clock() if measured else None
+
+    def _meter(self) -> InstructionMeter:
+        """The meter (and timeline) of the clock being profiled."""
+        freq = self.profile_clocks_mhz[self._clock_index]
+        if freq not in self._meters:
+            timeline = EnergyTimeline(self._counter_period_s)
+            self._meters[freq] = InstructionMeter(
+                self.gpu, timeline, self._label, self.clock, device=self._device
+            )
+        return self._meters[freq]
 
     def on_iteration_end(self) -> None:
         """Close the iteration; after the last profiled one, plan and switch (collective).
@@ -368,7 +451,7 @@ class OnlinePerseus:
         self.iteration += 1
         if profiling:
             # Until the next iteration starts: work outside the pipeline (optimizer step).
-            self._meter.mark(None)
+            self._meter().mark(None)
             if self._iteration_start_s is not None:
                 self._clock_seconds += self.clock() - self._iteration_start_s
             self._clock_iterations += 1
@@ -409,23 +492,31 @@ class OnlinePerseus:
 
     def _measurements(
         self,
-    ) -> tuple[dict[tuple[int, str], list[Sample]], tuple[float, float], str | None]:
-        """This rank's ``({(stage, kind): [(clock, time_s, energy_j)]}, (blocked J, s),
-        problem)`` from its timeline; the problem says why nothing was measured."""
-        try:
-            fitted = self._timeline.fit()
-        except ProfileError as exc:
-            return {}, (0.0, 0.0), f"rank {self._rank()}: {exc}"
-        finally:
-            self._timeline.clear()
+    ) -> tuple[dict[tuple[int, str], list[Sample]], dict[int, tuple[float, float]], str | None]:
+        """This rank's ``({(stage, kind): [(clock, time_s, energy_j)]}, {clock: (blocked J,
+        blocked s)}, problem)`` from its timelines; the problem says why nothing was
+        measured."""
         samples: dict[tuple[int, str], list[Sample]] = defaultdict(list)
-        blocked = (0.0, 0.0)
-        for label, measured in fitted.items():
-            if label == BLOCKED_LABEL:
-                blocked = (measured.power_w * measured.seconds, measured.seconds)
-            else:
-                stage, kind, freq = cast(tuple[int, str, int], label)
-                samples[(stage, kind)].append((freq, measured.segment_s, measured.segment_energy_j))
+        blocked: dict[int, tuple[float, float]] = {}
+        meters, self._meters = self._meters, {}
+        for requested, meter in meters.items():
+            try:
+                fitted = meter.timeline.fit()
+            except ProfileError as exc:
+                return {}, {}, f"rank {self._rank()}: {exc}"
+            ran = set()
+            for label, measured in fitted.items():
+                if label != BLOCKED_LABEL:
+                    stage, kind, freq = cast(tuple[int, str, int], label)
+                    samples[(stage, kind)].append(
+                        (freq, measured.segment_s, measured.segment_energy_j)
+                    )
+                    ran.add(freq)
+            if BLOCKED_LABEL in fitted:
+                # At the clock the instructions ran at (a pre-job lock may cap the request).
+                freq = ran.pop() if len(ran) == 1 else requested
+                waited = fitted[BLOCKED_LABEL]
+                blocked[freq] = (waited.power_w * waited.seconds, waited.seconds)
         return dict(samples), blocked, None
 
     def _plan_from_samples(self) -> None:
@@ -433,15 +524,16 @@ class OnlinePerseus:
         text = None
         if self._rank() == 0:
             samples: dict[tuple[int, str], list[Sample]] = {}
-            energy = seconds = 0.0
+            waits: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
             problems = []
-            for rank_samples, (blocked_j, blocked_s), problem in gathered:
+            for rank_samples, rank_waits, problem in gathered:
                 samples.update(rank_samples)
-                energy += blocked_j
-                seconds += blocked_s
+                for freq, (blocked_j, blocked_s) in rank_waits.items():
+                    waits[freq][0] += blocked_j
+                    waits[freq][1] += blocked_s
                 if problem is not None:
                     problems.append(problem)
-            blocked_power_w = max(energy / seconds, 0.0) if seconds > 0 else 0.0
+            blocked_power_w = {f: max(j / s, 0.0) for f, (j, s) in waits.items() if s > 0}
             try:
                 if problems:
                     raise ProfileError("; ".join(problems))
@@ -461,11 +553,11 @@ class OnlinePerseus:
                 )
                 text = self._plan_text()
                 log.info(
-                    "Perseus: profiled %d instruction kinds at %s MHz (blocked power %.1f W); "
+                    "Perseus: profiled %d instruction kinds at %s MHz (blocked power %s W); "
                     "switching to the plan.",
                     len(samples),
                     self.profile_clocks_mhz,
-                    blocked_power_w,
+                    {f: round(p, 1) for f, p in sorted(blocked_power_w.items(), reverse=True)},
                 )
         text = self._broadcast(text)
         if not text:

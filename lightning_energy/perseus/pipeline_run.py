@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_energy.device.simulated import as_simulated
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, DeviceError
 from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.profile import BACKWARD, FORWARD
@@ -269,10 +269,15 @@ class RankPipeline:
         if section.plan is not None:
             self.runtime.set_plan(Plan.load(section.plan, schedule=schedule))
             return
+        try:
+            supported = gpu.supported_sm_clocks_mhz()
+        except DeviceError as exc:  # still votes on clock control (against) with the others
+            log.warning("Perseus: %s; clocks not planned.", exc)
+            supported = []
         self.online = OnlinePerseus(
             self.runtime,
             gpu,
-            supported_clocks_mhz=gpu.supported_sm_clocks_mhz(),
+            supported_clocks_mhz=supported,
             profile_clocks_mhz=section.profile_clocks_mhz,
             warmup_iterations=section.warmup_iterations,
             iterations_per_clock=section.iterations_per_clock,

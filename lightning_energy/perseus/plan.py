@@ -6,8 +6,11 @@ the objective the planner optimises:
 
 * ``T`` = the longest path through the schedule's DAG, each instruction weighted by its
   time at its planned clock (the iteration time);
-* ``E`` = the instructions' energy + ``blocked_power_w x (num_devices x T - sum of the
-  instruction times)``: every GPU is busy for the whole iteration, computing or blocked.
+* ``E`` = the instructions' energy + the energy of every device's waits (``num_devices x
+  T - sum of the instruction times`` in all): every GPU is busy for the whole iteration,
+  computing or blocked. A wait draws the blocked power of the clock in force during it,
+  which the profile gives per clock or as one value (see
+  :class:`~lightning_energy.perseus.solver.DeviceWaits`).
 
 Plans are plain JSON data (``"format": "lightning-energy/perseus-plan"``); loading one
 validates it and never executes anything.
@@ -35,6 +38,7 @@ import numpy as np
 from lightning_energy.errors import ProfileError
 from lightning_energy.perseus.profile import PipelineProfile
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.solver import DeviceWaits
 
 __all__ = ["PLAN_FORMAT", "Plan", "PlanEvaluation", "evaluate"]
 
@@ -269,9 +273,16 @@ def evaluate(plan: Plan, profile: PipelineProfile) -> PlanEvaluation:
         )
     times = np.empty(len(schedule.nodes))
     energies = np.empty(len(schedule.nodes))
+    blocked_w = np.empty(len(schedule.nodes))
     for i, (inst, freq) in enumerate(zip(schedule.nodes, plan.frequencies_mhz, strict=True)):
         times[i], energies[i] = profile.entry(inst.stage, inst.kind).at(freq)
-    iteration_s = schedule.longest_path(times)
+        blocked_w[i] = profile.blocked_power_at(freq)
+    finish = schedule.finish_times(times)
+    iteration_s = float(finish.max())
     compute_j = float(energies.sum())
-    blocked_j = profile.blocked_power_w * (schedule.num_devices * iteration_s - float(times.sum()))
+    blocked_j = float(
+        DeviceWaits(schedule).blocked_energy_j(
+            (finish - times)[:, None], times[:, None], blocked_w[:, None], np.array([iteration_s])
+        )[0]
+    )
     return PlanEvaluation(iteration_s, compute_j + blocked_j, compute_j, blocked_j)

@@ -252,7 +252,8 @@ class PerseusPlanner:
         return self.plan_for_time(self.energy_optimal_time_s())
 
     def _exact_point(self, deadline_s: float | None) -> FrontierPoint:
-        """The optimal plan within ``deadline_s`` (None: any), by branch and bound.
+        """The optimal plan within ``deadline_s`` (None: any), by branch and bound (with
+        a blocked power per clock: optimal for the lowest one, and bounded by it).
 
         The MILP meets its bounds up to the solver's feasibility tolerance; a plan that
         overshoots the deadline by that much is re-solved with the deadline pulled in.
@@ -260,12 +261,13 @@ class PerseusPlanner:
         limit = deadline_s
         margin_s = 0.0
         for _ in range(8):
-            sel = self._solver.exact(limit)
-            if sel is None:
+            found = self._solver.exact(limit)
+            if found is None:
                 break
+            sel, bound_j = found
             time_s, energy_j = self._evaluate_one(sel)
             if deadline_s is None or time_s <= deadline_s + 1e-12:
-                return self._point(sel, time_s, energy_j, energy_j)
+                return self._point(sel, time_s, energy_j, min(energy_j, bound_j))
             margin_s = max(2 * margin_s, 2 * (time_s - deadline_s), 1e-7 * deadline_s)
             limit = deadline_s - margin_s
         # Only reachable at the minimum time with a tolerance problem: all-fastest is exact.

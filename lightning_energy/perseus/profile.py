@@ -3,8 +3,10 @@
 A :class:`PipelineProfile` holds, for every pipeline stage and every instruction kind
 (``forward``, ``backward``; other kinds are allowed), the time (s) and energy (J) of one
 microbatch at each locked SM clock (MHz), plus the power a GPU draws while it is blocked
-(pipeline bubbles, waiting on a send/recv). It is the planner's only input besides the
-schedule.
+(pipeline bubbles, waiting on a send/recv): one value, or one per clock. A GPU blocked in
+NCCL is not idle: its kernels spin at the locked clock, so the blocked power rises with
+the clock; an online profile measures it at each clock. It is the planner's only input
+besides the schedule.
 
 On disk a profile is the CSV layout of Zeus' Perseus tooling::
 
@@ -12,7 +14,8 @@ On disk a profile is the CSV layout of Zeus' Perseus tooling::
     0,forward,1410,0.0517,18.24
     ...
 
-The blocked power is not part of the CSV; it is given when loading.
+The blocked power is not part of the CSV; it is given when loading (a number, or a
+mapping from each clock to its blocked power).
 
 Example:
     >>> profile = PipelineProfile.from_rows(
@@ -39,6 +42,7 @@ __all__ = [
     "BACKWARD",
     "CSV_COLUMNS",
     "FORWARD",
+    "BlockedPower",
     "InstructionProfile",
     "PipelineProfile",
     "ProfileRow",
@@ -52,6 +56,9 @@ CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 
 #: One measurement: ``(stage, instruction, frequency_mhz, time_s, energy_j)``.
 ProfileRow = tuple[int, str, int, float, float]
+
+#: Power while blocked, in W: one value for every clock, or ``{frequency_mhz: power_w}``.
+BlockedPower = float | Mapping[int, float]
 
 _MAX_LISTED = 20
 
@@ -108,38 +115,50 @@ class PipelineProfile:
 
     Args:
         entries: one :class:`InstructionProfile` per ``(stage, instruction)``.
-        blocked_power_w: power drawn while a GPU waits (bubble, blocked send/recv), in W.
+        blocked_power_w: power drawn while a GPU waits (bubble, blocked send/recv), in W:
+            one value, or one per profiled clock (``{frequency_mhz: power_w}``; clocks
+            that are not profiled are dropped).
+        source: where the measurements come from, for error messages.
+
+    Attributes:
+        blocked_power_w: the blocked power as given: a number, or a mapping over the
+            profiled clocks.
 
     Raises:
         ProfileError: stages missing, frequency sets that differ between entries,
-            non-positive or non-finite values, or a bad blocked power.
+            non-positive or non-finite values, or a bad blocked power (negative, not
+            finite, or missing for a profiled clock).
     """
 
     def __init__(
         self,
         entries: Iterable[InstructionProfile],
         *,
-        blocked_power_w: float,
+        blocked_power_w: BlockedPower,
         source: str = "(in memory)",
     ) -> None:
         entries = list(entries)
         _raise_problems(_validate(entries, blocked_power_w), source)
         self._entries = {(e.stage, e.instruction): e for e in entries}
-        self.blocked_power_w = float(blocked_power_w)
         self._num_stages = 1 + max(stage for stage, _ in self._entries)
         self._instructions = tuple(sorted({kind for _, kind in self._entries}, key=_kind_order))
         self._frequencies = entries[0].frequencies_mhz
+        self.blocked_power_w: BlockedPower = (
+            {f: float(blocked_power_w[f]) for f in self._frequencies}
+            if isinstance(blocked_power_w, Mapping)
+            else float(blocked_power_w)
+        )
 
     # ------------------------------------------------------------------ builders
     @classmethod
     def from_rows(
-        cls, rows: Iterable[ProfileRow], *, blocked_power_w: float, source: str = "(rows)"
+        cls, rows: Iterable[ProfileRow], *, blocked_power_w: BlockedPower, source: str = "(rows)"
     ) -> PipelineProfile:
         """Build a profile from ``(stage, instruction, frequency_mhz, time_s, energy_j)`` rows.
 
         Args:
             rows: the measurements, in any order.
-            blocked_power_w: power drawn while blocked, in W.
+            blocked_power_w: power drawn while blocked, in W (one value, or per clock).
             source: where the rows come from, for error messages.
 
         Raises:
@@ -171,12 +190,15 @@ class PipelineProfile:
         return cls(entries, blocked_power_w=blocked_power_w, source=source)
 
     @classmethod
-    def from_csv(cls, path: str | os.PathLike[str], *, blocked_power_w: float) -> PipelineProfile:
+    def from_csv(
+        cls, path: str | os.PathLike[str], *, blocked_power_w: BlockedPower
+    ) -> PipelineProfile:
         """Load a ``stage,instruction,frequency,time,energy`` CSV.
 
         Args:
             path: the CSV file.
-            blocked_power_w: power drawn while blocked, in W (not part of the CSV).
+            blocked_power_w: power drawn while blocked, in W (not part of the CSV; one
+                value, or per clock).
 
         Raises:
             ProfileError: the file cannot be read, lacks a column, has non-numeric values,
@@ -239,6 +261,27 @@ class PipelineProfile:
         """Profiled clocks, descending (the same for every entry)."""
         return self._frequencies
 
+    def blocked_power_at(self, freq_mhz: int) -> float:
+        """Power drawn while blocked at ``freq_mhz`` (a profiled clock).
+
+        Raises:
+            ProfileError: the clock is not profiled.
+        """
+        if int(freq_mhz) not in self._frequencies:
+            raise ProfileError(
+                f"blocked power at {freq_mhz} MHz: not a profiled clock "
+                f"({self._frequencies[-1]}-{self._frequencies[0]} MHz)"
+            )
+        if isinstance(self.blocked_power_w, Mapping):
+            return self.blocked_power_w[int(freq_mhz)]
+        return self.blocked_power_w
+
+    @property
+    def min_blocked_power_w(self) -> float:
+        """The lowest blocked power over the profiled clocks (the power every wait draws
+        at least, whatever its clock)."""
+        return min(self.blocked_power_at(f) for f in self._frequencies)
+
     def entry(self, stage: int, instruction: str) -> InstructionProfile:
         """The measurements of ``instruction`` on ``stage``.
 
@@ -297,15 +340,28 @@ def _kind_order(kind: str) -> tuple[int, str]:
     return (order.get(kind, 2), kind)
 
 
-def _validate(entries: list[InstructionProfile], blocked_power_w: float) -> list[str]:
+def _validate(entries: list[InstructionProfile], blocked_power_w: BlockedPower) -> list[str]:
     """Every problem of a set of entries: duplicates, gaps, missing clocks, bad values."""
     problems: list[str] = []
-    if not math.isfinite(blocked_power_w) or blocked_power_w < 0:
-        problems.append(
-            f"blocked_power_w: {blocked_power_w!r} is not allowed; use a finite power >= 0 W"
-        )
+    blocked = blocked_power_w if isinstance(blocked_power_w, Mapping) else {None: blocked_power_w}
+    for freq, power_w in blocked.items():
+        where = "blocked_power_w" if freq is None else f"blocked_power_w at {freq} MHz"
+        try:
+            value = float(power_w)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{where}: {power_w!r} is not allowed; use a finite power >= 0 W")
     if not entries:
         return [*problems, "no measurements"]
+    if isinstance(blocked_power_w, Mapping):
+        profiled = {f for entry in entries for f in entry.frequencies_mhz}
+        missing = sorted(profiled - set(blocked_power_w), reverse=True)
+        if missing:
+            problems.append(
+                f"blocked_power_w: no value at {missing} MHz; give one per profiled clock "
+                "(or a single number)"
+            )
     by_key: dict[tuple[int, str], InstructionProfile] = {}
     for entry in entries:
         key = (entry.stage, entry.instruction)

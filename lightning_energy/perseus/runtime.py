@@ -393,7 +393,7 @@ class StageWork:
 
 
 def agree_on_clock_control(
-    guard: GPUGuard, freq_mhz: int, gpu_position: int = 0, group: Any = None
+    guard: GPUGuard, freq_mhz: int | None, gpu_position: int = 0, group: Any = None
 ) -> bool:
     """Lock ``freq_mhz`` to find out whether clocks may be changed, and agree on it.
 
@@ -402,19 +402,32 @@ def agree_on_clock_control(
     that clocks cannot be controlled everywhere, and those that locked one reset it, so
     no rank profiles or plans clocks that would never be applied.
 
+    Every rank of ``group`` must call it at the same point, whatever happened before on
+    that rank: a rank that cannot control clocks (its supported clocks could not be read:
+    ``freq_mhz=None``) votes against, and a lock that raises (strict mode) raises only
+    after the vote, so the other ranks never wait for a rank that left.
+
     Args:
         guard: the guard of this rank's GPU.
-        freq_mhz: the clock to lock (the first one Perseus wants).
+        freq_mhz: the clock to lock (the first one Perseus wants); None: this rank cannot
+            control clocks and only votes against.
         gpu_position: position of the GPU in the guard.
         group: a process group taking CPU objects (None: the default group); a single
             process decides alone.
 
     Returns:
         True when every rank locked ``freq_mhz``.
+
+    Raises:
+        Exception: what locking raised on this rank (strict mode), after the vote.
     """
-    locked = not guard.observe_only and (
-        guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
-    )
+    locked = False
+    failure: Exception | None = None
+    if freq_mhz is not None and not guard.observe_only:
+        try:
+            locked = guard.lock_clocks_mhz(freq_mhz, freq_mhz, gpus=[gpu_position]) is not None
+        except Exception as exc:  # re-raised once every rank has its vote
+            failure = exc
     agreed = locked
     if dist.is_initialized():
         votes: list[Any] = [None] * dist.get_world_size(group)
@@ -424,14 +437,18 @@ def agree_on_clock_control(
             guard.reset_clocks([gpu_position])
             refused = [r for r, vote in enumerate(votes) if not vote]
             log.info("Perseus disabled: rank(s) %s cannot change GPU clocks.", refused)
+    if failure is not None:
+        raise failure
     return agreed
 
 
 def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
-    """A barrier on simulated clocks: every rank idles until the slowest rank's time.
+    """A barrier on simulated clocks: every rank waits, blocked in the collective, until
+    the slowest rank's time.
 
     Args:
-        gpu: this rank's simulated GPU (its clock advances, drawing blocked power).
+        gpu: this rank's simulated GPU (its clock advances, drawing its blocked power at
+            the locked clock).
         group: a process group taking CPU tensors (see
             :func:`~lightning_energy.collectives.cpu_collective_group`; None: the default
             one); a single process just returns.
@@ -444,7 +461,7 @@ def wait_for_slowest(gpu: SimulatedGPU, group: Any = None) -> float:
         dist.all_reduce(end, op=dist.ReduceOp.MAX, group=group)
     wait_s = float(end.item()) - gpu.clock.now()
     if wait_s > 0:
-        gpu.idle(wait_s)
+        gpu.wait_in_collective(wait_s)
     return float(end.item())
 
 
@@ -454,8 +471,9 @@ class PipelineSimulation:
 
     Every rank runs one simulated GPU on its own virtual clock. Finishing an instruction
     sends its virtual finish time to the rank of the dependent stage (through a gloo
-    group); starting one waits (idle, at the GPU's idle power) until its input's time.
-    :meth:`end_iteration` aligns all ranks on the slowest one, as the optimizer step does.
+    group); starting one waits, blocked in the receive at the clock just set for it, until
+    its input's time. :meth:`end_iteration` aligns all ranks on the slowest one (blocked at
+    the last instruction's clock), as the optimizer step does.
 
     Args:
         gpu: this rank's simulated GPU.
@@ -496,7 +514,8 @@ class PipelineSimulation:
         return None
 
     def wait_for_input(self, schedule: PipelineSchedule, rank: int, inst: Instruction) -> None:
-        """Idle until the virtual time the input of ``inst`` was produced."""
+        """Wait (blocked in the receive) until the virtual time the input of ``inst``
+        was produced."""
         producer = self._producer(schedule, inst)
         if producer is None:
             return
@@ -514,7 +533,7 @@ class PipelineSimulation:
             ready_s = float(buf.item())
         wait_s = ready_s - self.gpu.clock.now()
         if wait_s > 0:
-            self.gpu.idle(wait_s)
+            self.gpu.wait_in_collective(wait_s)
 
     def run(self, inst: Instruction) -> tuple[float, float]:
         """Run the instruction's GPU work at the locked clock: ``(time_s, energy_j)``."""
@@ -567,7 +586,7 @@ def simulated_profile(
         clocks_mhz: clocks to profile (default: all the model supports).
 
     Returns:
-        Time and energy at each clock, blocked power = the model's idle power.
+        Time and energy at each clock, and the model's blocked power at each clock.
     """
     clocks = list(clocks_mhz) if clocks_mhz is not None else list(model.sm_clocks_mhz)
     rows = []
@@ -576,7 +595,8 @@ def simulated_profile(
             time_s = model.work_time_s(work.t0_s, work.compute_bound_share, freq)
             power_w = model.work_power_w(work.compute_bound_share, freq)
             rows.append((stage, kind, freq, time_s, time_s * power_w))
-    return PipelineProfile.from_rows(rows, blocked_power_w=model.idle_power_w)
+    blocked = {freq: model.blocked_power_w(freq) for freq in clocks}
+    return PipelineProfile.from_rows(rows, blocked_power_w=blocked)
 
 
 def _global_rank(group: Any, group_rank: int) -> int:

@@ -13,13 +13,16 @@ energy (SOSP'24, section 3, "extrinsic energy bloat").
    :func:`~lightning_energy.perseus.counter.min_profile_s`), marking the energy counter at
    each step's start, compute end and end; an
    :class:`~lightning_energy.perseus.counter.EnergyTimeline` splits the counter's updates
-   into the compute power at each clock and the power while blocked; fit
-   :class:`~lightning_energy.perseus.online.ClockModel`;
+   into the compute power and the power while blocked, both at each clock (a GPU blocked
+   in the all-reduce spins at the locked clock); fit
+   :class:`~lightning_energy.perseus.online.ClockModel` and the blocked
+   :class:`~lightning_energy.perseus.online.PowerCurve`;
 2. *equalise*: every ``window_steps`` steps the ranks exchange their compute time at the
    maximum clock (scaled from what they measure now, so drift and new stragglers show
    up); the slowest sets the deadline, and each rank locks the clock minimising its
    predicted energy (compute + blocked until the deadline) among those meeting the
-   deadline with a small margin. The straggler itself stays at the maximum clock.
+   deadline with a small margin, the wait priced at the blocked power of that clock. The
+   straggler itself stays at the maximum clock.
 
 :class:`SimulatedDataParallel` provides the measurements on simulated GPUs (CPU + gloo).
 
@@ -28,8 +31,8 @@ Example (every rank)::
     equalizer = StragglerEqualizer(guard, gpu.supported_sm_clocks_mhz())
     for batch in data:
         ...  # forward, backward; read (time_s, energy_j) at the start, compute end, end
-        equalizer.record_step(compute_s, (start, compute_end, end))
-        equalizer.on_step_end()
+        equalizer.record_step(compute_s, (start, compute_end, end))  # or skip_step()
+        equalizer.on_step_end()  # every step, on every rank
 """
 
 from __future__ import annotations
@@ -47,7 +50,12 @@ from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
-from lightning_energy.perseus.online import ClockModel, Sample, default_profile_clocks
+from lightning_energy.perseus.online import (
+    ClockModel,
+    PowerCurve,
+    Sample,
+    default_profile_clocks,
+)
 from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
 __all__ = ["Reading", "SimulatedDataParallel", "StepReadings", "StragglerEqualizer"]
@@ -122,7 +130,8 @@ class StragglerEqualizer:
         self.margin = margin
         self.group = cpu_collective_group(group)
         self.model: ClockModel | None = None
-        self.blocked_power_w = 0.0
+        #: Power while blocked in the all-reduce against the clock (fitted with the model).
+        self.blocked_power = PowerCurve.constant(0.0)
         self.straggler_rank: int | None = None
         self.deadline_s: float | None = None
         self.clock_mhz: int | None = None
@@ -179,10 +188,20 @@ class StragglerEqualizer:
         start, compute_end, end = readings
         measured = self._clock_steps > 0  # the first step lets the clock change land
         self._timeline.mark(*start, ("compute", self.clock_mhz) if measured else None)
-        self._timeline.mark(*compute_end, _BLOCKED if measured else None)
+        self._timeline.mark(*compute_end, (_BLOCKED, self.clock_mhz) if measured else None)
         self._timeline.mark(*end, _BETWEEN if measured else None)
         if measured:
             self._clock_seconds += end[0] - start[0]
+
+    def skip_step(self) -> None:
+        """This rank could not measure its last step (its CUDA events had not completed
+        yet, or it ran no backward pass): no sample, and the time since the previous
+        step's end is left out of the energy timeline. :meth:`on_step_end` still counts
+        the step, as every rank must."""
+        if not self.enabled:
+            return
+        self._landing = False  # the clock change landed during the skipped step
+        self._timeline.leave_out()
 
     def on_step_end(self) -> None:
         """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
@@ -229,14 +248,17 @@ class StragglerEqualizer:
         finally:
             self._timeline.clear()
         samples: list[Sample] = []
+        blocked: dict[int, float] = {}
         for label, measured in fitted.items():
-            if label == _BLOCKED:
-                self.blocked_power_w = max(measured.power_w, 0.0)
-            elif label == _BETWEEN:
+            if label == _BETWEEN:
                 continue
+            kind, freq = cast(tuple[str, int], label)
+            if kind == _BLOCKED:
+                blocked[freq] = max(measured.power_w, 0.0)
             else:
-                _, freq = cast(tuple[str, int], label)
                 samples.append((freq, measured.segment_s, measured.segment_energy_j))
+        # The straggler barely waits: no blocked time measured, and none needed.
+        self.blocked_power = PowerCurve.fit(blocked) if blocked else PowerCurve.constant(0.0)
         return ClockModel.fit(samples)
 
     def _fit(self) -> bool:
@@ -284,11 +306,24 @@ class StragglerEqualizer:
         if straggler != self.straggler_rank:
             log.info("Straggler: rank %d (%.4f s of compute per step).", straggler, deadline)
         self.straggler_rank, self.deadline_s = straggler, deadline
-        self._apply(self._best_clock(deadline * (1 - self.margin), drift))
+        self._apply(self.best_clock(deadline * (1 - self.margin), drift))
 
-    def _best_clock(self, deadline_s: float, drift: float) -> int:
-        """The clock with the least predicted energy that meets the deadline."""
-        assert self.model is not None
+    def best_clock(self, deadline_s: float, drift: float = 1.0) -> int:
+        """The clock with the least predicted energy that meets the deadline: its compute,
+        then the wait until the deadline at the blocked power of that clock.
+
+        Args:
+            deadline_s: when the step's compute must end (the straggler's compute time).
+            drift: this rank's measured over modelled compute time.
+
+        Returns:
+            The clock (the maximum when none meets the deadline).
+
+        Raises:
+            ConfigError: called before the step model is fitted.
+        """
+        if self.model is None:
+            raise ConfigError("best_clock: the step model is not fitted yet (still profiling)")
         best, best_j = self.max_clock_mhz, float("inf")
         for f in self.supported_clocks_mhz:
             if f < self.model.min_mhz:
@@ -296,7 +331,9 @@ class StragglerEqualizer:
             t = self.model.time_s(f) * drift
             if t > deadline_s:
                 continue
-            energy = self.model.energy_j(f) * drift + self.blocked_power_w * (deadline_s - t)
+            energy = self.model.energy_j(f) * drift + self.blocked_power.power_w(f) * (
+                deadline_s - t
+            )
             if energy < best_j:
                 best, best_j = f, energy
         return best

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_energy import collectives
 from lightning_energy.collectives import cpu_collective_group
-from tests.lightning_energy.processes import free_port
 
 from .perseus import nccl_like
-
-
-@pytest.fixture
-def single_process_group() -> Iterator[None]:
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_without_a_process_group_the_group_is_returned_as_is() -> None:

@@ -122,3 +122,50 @@ def test_physics_step_parameters() -> None:
         physics_preset("b200")
     with pytest.raises(ConfigError, match=r"step_compute_bound_share: 1\.5 is not allowed"):
         physics_preset("a100", compute_bound_share=1.5)
+
+
+@pytest.mark.parametrize("name", ["a100", "h100", "h200"])
+def test_blocked_in_a_collective_draws_more_than_idle_rising_with_the_clock(name: str) -> None:
+    """NCCL's kernels spin while a rank waits for its peers: idle plus the spin's
+    switching power, which rises with the clock as any switching power does."""
+    model = PHYSICS_PRESETS[name]
+    blocked = [model.blocked_power_w(f) for f in model.sm_clocks_mhz]
+    assert all(a > b for a, b in itertools.pairwise(blocked))
+    assert blocked[-1] > model.idle_power_w
+    assert blocked[0] == pytest.approx(model.idle_power_w + model.spin_power_w)
+    assert model.spin_power_w == pytest.approx(0.1 * model.compute_power_w)
+
+
+def test_a_wait_in_a_collective_spins_at_the_locked_clock_and_a_pause_idles() -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", **IDEAL))[0]
+    model = physics_preset("a100")
+
+    def energy_j(wait: str, seconds: float) -> float:
+        before = gpu.energy_j()
+        getattr(gpu, wait)(seconds)
+        return gpu.energy_j() - before
+
+    assert energy_j("wait_in_collective", 2.0) == pytest.approx(2.0 * model.blocked_power_w(1410))
+    gpu.set_locked_clocks_mhz(900, 900)
+    assert energy_j("wait_in_collective", 2.0) == pytest.approx(2.0 * model.blocked_power_w(900))
+    assert gpu.sm_clock_mhz() == 900  # spinning, not idle
+    # A real idle (a carbon pause: nothing queued) draws idle power whatever the clock.
+    assert energy_j("idle", 2.0) == pytest.approx(2.0 * model.idle_power_w)
+    gpu.reset_locked_clocks()
+    assert energy_j("idle", 2.0) == pytest.approx(2.0 * model.idle_power_w)
+    with pytest.raises(ConfigError, match=r"seconds=-1\.0"):
+        gpu.wait_in_collective(-1.0)
+
+
+def test_a_clock_set_within_the_latency_does_not_govern_the_wait_yet() -> None:
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", energy_counter_period_s=0.0))[0]
+    model = physics_preset("a100")
+    gpu.set_locked_clocks_mhz(900, 900)
+    before = gpu.energy_j()
+    gpu.wait_in_collective(0.01)  # starts before the board's 50 ms latency: still 1410 MHz
+    assert gpu.energy_j() - before == pytest.approx(0.01 * model.blocked_power_w(1410))
+    gpu.idle(0.1)
+    before = gpu.energy_j()
+    gpu.wait_in_collective(1.0)
+    assert gpu.energy_j() - before == pytest.approx(1.0 * model.blocked_power_w(900))
+    gpu.reset_locked_clocks()

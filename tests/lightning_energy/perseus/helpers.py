@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from lightning_energy.device.physics import physics_preset
 from lightning_energy.perseus import PipelineProfile
+from lightning_energy.perseus.profile import BlockedPower
 
 
 def physics_profile(
@@ -17,7 +19,7 @@ def physics_profile(
     seed: int = 0,
     forward_s: float = 0.02,
     backward_s: float = 0.04,
-    blocked_power_w: float = 70.0,
+    blocked_power_w: BlockedPower = 70.0,
 ) -> PipelineProfile:
     """A profile from the A100 physics model, with stage times and compute-bound shares
     drawn at random (seeded) so stages differ."""
@@ -64,3 +66,36 @@ class TickingCounter:
     def energy_j(self) -> float:
         """What the counter shows: the energy at its last tick."""
         return self._shown_j
+
+
+class CudaTimedGPU:
+    """A GPU as NVML shows it on a CUDA machine, for Perseus' CUDA path in CPU tests.
+
+    Settings and clocks go to a simulated GPU (so the guard locks and restores them as on
+    any GPU), but it is not a ``SimulatedGPU``: Perseus then times the training step with
+    CUDA events (the ``FakeCuda`` of ``tests/lightning_energy/device/fake_cuda.py``)
+    instead of simulating it. Its time is the CUDA fake's GPU time, and its energy counter
+    moves continuously at ``power_w`` over that time.
+    """
+
+    def __init__(self, gpu: Any, cuda: Any, power_w: float = 100.0) -> None:
+        self._gpu = gpu
+        self._cuda = cuda
+        self._power_w = power_w
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gpu, name)
+
+    def now_s(self) -> float:
+        return float(self._cuda.now_s)
+
+    def energy_j(self) -> float:
+        return self._power_w * float(self._cuda.now_s)
+
+    def energy_counter_period_s(self) -> float:
+        return 0.0
+
+    def locked_mhz(self) -> int:
+        """The upper end of the clock lock, or the maximum clock when unlocked."""
+        locked = self._gpu.locked_clocks_mhz()
+        return int(locked[1]) if locked is not None else max(self._gpu.supported_sm_clocks_mhz())

@@ -40,26 +40,28 @@ def _works() -> dict[tuple[int, str], StageWork]:
 
 def _profile_rank(
     gpu: SimulatedGPU, rank: int, works: dict[tuple[int, str], StageWork]
-) -> tuple[dict[Hashable, list[float]], EnergyTimeline]:
+) -> tuple[dict[Hashable, list[float]], dict[int, EnergyTimeline]]:
     """Profile one rank of a 1F1B pipeline as OnlinePerseus does: at each clock one
-    iteration for the change to land, then iterations marked on the timeline for at least
-    ``min_profile_s`` of the counter period. The other ranks' timing is replayed (each
-    instruction starts when the schedule says; the rank idles until then).
+    iteration for the change to land, then iterations marked on that clock's timeline for
+    at least ``min_profile_s`` of the counter period. The other ranks' timing is replayed
+    (each instruction starts when the schedule says; the rank waits for its input until
+    then, blocked in the receive at the locked clock).
 
-    Returns the naive per-instruction counter deltas by label, and the timeline.
+    Returns the naive per-instruction counter deltas by label, and each clock's timeline.
     """
     schedule = one_f_one_b(STAGES, MICROBATCHES)
     model = physics_preset("a100")
-    timeline = EnergyTimeline(gpu.energy_counter_period_s())
+    timelines: dict[int, EnergyTimeline] = {}
 
     def label(inst: Instruction) -> Hashable:
         locked = gpu.locked_clocks_mhz()
         assert locked is not None
         return (inst.stage, inst.kind, locked[1])
 
-    meter = InstructionMeter(gpu, timeline, label, gpu.clock.now)
     naive: dict[Hashable, list[float]] = defaultdict(list)
     for freq in CLOCKS:
+        timeline = timelines[freq] = EnergyTimeline(gpu.energy_counter_period_s())
+        meter = InstructionMeter(gpu, timeline, label, gpu.clock.now)
         gpu.set_locked_clocks_mhz(freq, freq)
         durations = [
             model.work_time_s(
@@ -77,7 +79,7 @@ def _profile_rank(
                 node = schedule.index[inst]
                 wait_s = start_s + finish[node] - durations[node] - gpu.clock.now()
                 if wait_s > 0:
-                    gpu.idle(wait_s)
+                    gpu.wait_in_collective(wait_s)
                 work = works[(inst.stage, inst.kind)]
                 if measuring:
                     meter.start(inst)
@@ -88,12 +90,12 @@ def _profile_rank(
                     meter.stop(inst)
             wait_s = start_s + float(finish.max()) - gpu.clock.now()
             if wait_s > 0:
-                gpu.idle(wait_s)
+                gpu.wait_in_collective(wait_s)
             meter.mark(None)  # the optimizer step: left out
             if measuring:
                 measured_s += gpu.clock.now() - start_s
             iteration += 1
-    return naive, timeline
+    return naive, timelines
 
 
 @pytest.mark.parametrize("period_s", [0.001, 0.01, 0.05, 0.1])
@@ -105,7 +107,8 @@ def test_instruction_energy_is_unbiased_on_a_coarse_counter(
     with its energy counter moving every ``period_s`` (two counter phases: the GPUs'
     uuids), against the exact physics.
 
-    Instructions last 8-40 ms and wait in 1F1B bubbles at 70 W. Reading the counter around
+    Instructions last 8-40 ms and wait in 1F1B bubbles (82-100 W: NCCL spins at the
+    locked clock). Reading the counter around
     each instruction and averaging gives the instruction's time at the power averaged over
     the period before it, bubbles included: biased low by 5-30 % on 10-100 ms counters
     (asserted below, so the board here is rude enough). The timeline splits the counter's
@@ -113,17 +116,20 @@ def test_instruction_energy_is_unbiased_on_a_coarse_counter(
     inside its bracket: unbiased, shrinking with the updates measured (200 counter periods
     per clock); on a counter that moves periodically (as this one does) the phase and
     period fitted over all brackets place them within about a millisecond. Tolerances:
-    the mean error over all instructions within 1 %, each within 5 %, except the last
+    the mean error over all instructions within 1 %, each within 7 % (the largest, 6 %,
+    on the 10 ms counter, whose brackets are as long as a forward), except the last
     stage's forward and backward, which run back to back with no wait between them: an
     update in one of them is all that tells them apart, so their split carries more
     error (within 25 %; 10 ms counter, whose brackets span a whole forward) while their
-    sum stays within 2 %. The plan chosen from the fit must be within 1 % of the energy
-    and time of the plan chosen from the truth, both evaluated on the truth.
+    sum stays within 2 %. The blocked power at each clock, fitted from that clock's waits
+    only, is within 5 % (4 % at worst, on the 10 ms counter). The plan chosen from the fit
+    must be within 1 % of the energy and time of the plan chosen from the truth, both
+    evaluated on the truth.
     """
     works = _works()
     truth = simulated_profile(physics_preset("a100"), works, CLOCKS)
     samples: dict[tuple[int, str], list[Sample]] = {}
-    blocked_j = blocked_s = 0.0
+    blocked: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])  # J, s per clock
     errors: dict[tuple[int, str, int], float] = {}
     naive_errors = []
     for rank in range(STAGES):
@@ -134,28 +140,29 @@ def test_instruction_energy_is_unbiased_on_a_coarse_counter(
         )[0]
         assert gpu.board.setting_latency_s > 0 and gpu.board.power_average_s > 0
         try:
-            naive, timeline = _profile_rank(gpu, rank, works)
+            naive, timelines = _profile_rank(gpu, rank, works)
         finally:
             gpu.reset_locked_clocks()
-        for key, measured in timeline.fit().items():
-            if key == BLOCKED_LABEL:
-                blocked_j += measured.power_w * measured.seconds
-                blocked_s += measured.seconds
-                continue
-            stage, kind, freq = key  # type: ignore[misc]
-            true_j = truth.entry(stage, kind).at(freq)[1]
-            errors[(stage, kind, freq)] = measured.segment_energy_j / true_j - 1
-            naive_errors.append(float(np.mean(naive[key])) / true_j - 1)
-            samples.setdefault((stage, kind), []).append(
-                (freq, measured.segment_s, measured.segment_energy_j)
-            )
+        for clock, timeline in timelines.items():
+            for key, measured in timeline.fit().items():
+                if key == BLOCKED_LABEL:
+                    blocked[clock][0] += measured.power_w * measured.seconds
+                    blocked[clock][1] += measured.seconds
+                    continue
+                stage, kind, freq = key  # type: ignore[misc]
+                true_j = truth.entry(stage, kind).at(freq)[1]
+                errors[(stage, kind, freq)] = measured.segment_energy_j / true_j - 1
+                naive_errors.append(float(np.mean(naive[key])) / true_j - 1)
+                samples.setdefault((stage, kind), []).append(
+                    (freq, measured.segment_s, measured.segment_energy_j)
+                )
     assert len(errors) == STAGES * 2 * len(CLOCKS)
     if period_s >= 0.01:
         assert np.mean(naive_errors) < -0.03  # the bias this test is about
     assert abs(np.mean(list(errors.values()))) < 0.01
     last = STAGES - 1
     for (stage, kind, freq), error in errors.items():
-        assert abs(error) < (0.25 if stage == last else 0.05), (stage, kind, freq, error)
+        assert abs(error) < (0.25 if stage == last else 0.07), (stage, kind, freq, error)
     for freq in CLOCKS:
         parts = [truth.entry(last, kind).at(freq)[1] for kind in ("forward", "backward")]
         fitted_sum = sum(
@@ -163,9 +170,11 @@ def test_instruction_energy_is_unbiased_on_a_coarse_counter(
             for kind, true_j in zip(("forward", "backward"), parts, strict=True)
         )
         assert fitted_sum == pytest.approx(sum(parts), rel=0.02)
-    assert blocked_j / blocked_s == pytest.approx(physics_preset("a100").idle_power_w, rel=0.02)
+    blocked_w = {f: j / s for f, (j, s) in blocked.items()}
+    for f in CLOCKS:
+        assert blocked_w[f] == pytest.approx(truth.blocked_power_at(f), rel=0.05), f
 
-    fitted = fit_profile(samples, CLOCKS, blocked_power_w=blocked_j / blocked_s)
+    fitted = fit_profile(samples, CLOCKS, blocked_power_w=blocked_w)
     schedule = one_f_one_b(STAGES, MICROBATCHES)
     best = PerseusPlanner(truth, schedule).plan_no_slowdown()
     chosen = evaluate(PerseusPlanner(fitted, schedule).plan_no_slowdown().plan, truth)

@@ -15,6 +15,7 @@ from lightning_energy.perseus import one_f_one_b
 from lightning_energy.perseus.online import (
     ClockModel,
     OnlinePerseus,
+    PowerCurve,
     default_profile_clocks,
     fit_profile,
 )
@@ -67,6 +68,33 @@ def test_fit_profile_predicts_within_the_profiled_range() -> None:
     assert profile.blocked_power_w == 70.0
     with pytest.raises(ProfileError, match="no clock in the profiled range"):
         fit_profile(samples, [800], blocked_power_w=70.0)
+
+
+def test_blocked_power_measured_per_clock_is_predicted_at_every_clock() -> None:
+    """The waits measured at each profiled clock (NCCL spins at the locked clock) give the
+    blocked power at every clock of the plan; none measured (no wait anywhere): 0 W."""
+    model = physics_preset("a100")
+    samples = {
+        (0, "forward"): _samples(0.02, 0.9, [1410, 1200, 990]),
+        (0, "backward"): _samples(0.04, 0.7, [1410, 1200, 990]),
+    }
+    measured = {f: model.blocked_power_w(f) for f in (1410, 1200, 990)}
+    profile = fit_profile(samples, range(1410, 500, -15), blocked_power_w=measured)
+    for f in profile.frequencies_mhz:
+        assert profile.blocked_power_at(f) == pytest.approx(model.blocked_power_w(f), rel=0.005)
+    assert profile.blocked_power_at(1410) > profile.blocked_power_at(990)
+    nothing = fit_profile(samples, [1410, 1200], blocked_power_w={})
+    assert nothing.blocked_power_w == {1410: 0.0, 1200: 0.0}
+
+
+def test_power_curve_holds_its_ends_and_never_goes_negative() -> None:
+    curve = PowerCurve.fit({1000: 80.0, 1400: 100.0})
+    assert curve.power_w(1200) == pytest.approx(90.0)
+    assert (curve.power_w(500), curve.power_w(2000)) == pytest.approx((80.0, 100.0))
+    assert PowerCurve.fit({1200: 90.0}).power_w(1400) == 90.0
+    assert PowerCurve((-10.0, 0.0, 0.0), 1000, 1400).power_w(1200) == 0.0
+    with pytest.raises(ProfileError, match="no power measured"):
+        PowerCurve.fit({})
 
 
 def test_default_profile_clocks() -> None:

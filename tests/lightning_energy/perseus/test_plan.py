@@ -37,6 +37,31 @@ def test_blocked_energy_counts_every_idle_device_second() -> None:
     assert result.blocked_energy_j == pytest.approx(5.0 * (2 * 6.0 - 6.0))
 
 
+def test_each_wait_draws_the_blocked_power_of_the_clock_in_force() -> None:
+    """A device waits for an instruction's input at that instruction's clock (the runtime
+    sets it, then receives), and for the iteration's end at its last clock."""
+    rows = [
+        (s, kind, f, t, 10.0 * t)
+        for s in range(2)
+        for kind, times in (
+            ("forward", {1410: 1.0, 1005: 2.0}),
+            ("backward", {1410: 2.0, 1005: 3.0}),
+        )
+        for f, t in times.items()
+    ]
+    profile = PipelineProfile.from_rows(rows, blocked_power_w={1410: 100.0, 1005: 80.0})
+    schedule = one_f_one_b(2, 1)  # device 0: F0 then B0; device 1: F1 then B1
+    clocks = {"F0": 1410, "B0": 1005, "F1": 1005, "B1": 1410}
+    plan = Plan(schedule, tuple(clocks[f"{i.kind[0].upper()}{i.stage}"] for i in schedule.nodes))
+    result = evaluate(plan, profile)
+    # F0 [0, 1], F1 [1, 3], B1 [3, 5], B0 [5, 8]: T = 8 s.
+    assert result.iteration_time_s == pytest.approx(8.0)
+    # Device 0 waits 4 s before B0 (1005 MHz); device 1 waits 1 s before F1 (1005 MHz)
+    # and 3 s after B1 (1410 MHz).
+    assert result.blocked_energy_j == pytest.approx(4 * 80.0 + 1 * 80.0 + 3 * 100.0)
+    assert profile.min_blocked_power_w == 80.0
+
+
 def test_json_round_trip(tmp_path: Path) -> None:
     schedule = one_f_one_b(2, 3)
     freqs = tuple(1410 - 15 * (i % 5) for i in range(len(schedule.nodes)))

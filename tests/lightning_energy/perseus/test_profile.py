@@ -81,3 +81,26 @@ def test_restricted_keeps_only_given_clocks() -> None:
     assert profile.restricted([1200, 999]).frequencies_mhz == (1200,)
     with pytest.raises(ProfileError, match="none of the clocks"):
         profile.restricted([1])
+
+
+def test_blocked_power_per_clock(tmp_path: Path) -> None:
+    """A GPU blocked in NCCL spins at the locked clock: one blocked power per clock. A
+    single number still loads (profiles on disk carry none)."""
+    path = tmp_path / "p.csv"
+    PipelineProfile.from_rows(_rows(), blocked_power_w=70.0).to_csv(path)
+    per_clock = {1410: 100.0, 1200: 90.0, 900: 75.0}  # clocks not profiled are dropped
+    profile = PipelineProfile.from_csv(path, blocked_power_w=per_clock)
+    assert profile.blocked_power_w == {1410: 100.0, 1200: 90.0}
+    assert (profile.blocked_power_at(1410), profile.blocked_power_at(1200)) == (100.0, 90.0)
+    assert profile.min_blocked_power_w == 90.0
+    assert profile.restricted([1200]).blocked_power_w == {1200: 90.0}
+    single = PipelineProfile.from_csv(path, blocked_power_w=70.0)
+    assert (single.blocked_power_at(1410), single.min_blocked_power_w) == (70.0, 70.0)
+    with pytest.raises(ProfileError, match="blocked power at 900 MHz: not a profiled clock"):
+        profile.blocked_power_at(900)
+    with pytest.raises(ProfileError) as info:
+        PipelineProfile.from_rows(_rows(), blocked_power_w={1410: -1.0, 1000: float("nan")})
+    message = str(info.value)
+    assert "blocked_power_w at 1410 MHz: -1.0 is not allowed" in message
+    assert "blocked_power_w at 1000 MHz: nan is not allowed" in message
+    assert "blocked_power_w: no value at [1200] MHz" in message

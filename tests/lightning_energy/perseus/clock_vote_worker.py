@@ -1,0 +1,74 @@
+"""One rank of a 2-process gloo run where rank 1's GPU cannot list its clocks (run by
+test_data_parallel.py): every Perseus run still votes on clock control on every rank.
+
+In turn: a straggler run, a strict straggler run (rank 1 raises, after voting), and an
+online pipeline run. Writes ``rank{r}.json`` with what each run decided.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_energy.collectives import cpu_collective_group
+from lightning_energy.config import PerseusConfig
+from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import GPUGuard
+from lightning_energy.errors import DeviceError, NotSupportedError
+from lightning_energy.perseus.data_parallel import StragglerRun
+from lightning_energy.perseus.pipeline_run import RankPipeline
+from lightning_energy.perseus.rank_gpu import RankGPU
+from lightning_energy.perseus.schedule import one_f_one_b
+
+from . import nccl_like
+
+
+def open_rank(rank: int, lease_dir: str, group: Any) -> RankGPU:
+    """This rank's simulated GPU; rank 1's fails to list its supported clocks."""
+    gpu = simulated_gpus(SimulatedSpec(gpu="a100", first_index=rank))[0]
+    if rank == 1:
+        gpu.inject_fault("supported_clocks", NotSupportedError)
+    guard = GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False)
+    guard.acquire()
+    return RankGPU(DeviceSet([gpu], gpu.now_s, "simulated"), guard, owned=True, group=group)
+
+
+def main() -> None:
+    rank, port, out_dir, lease_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    nccl_like.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = cpu_collective_group()
+    section = PerseusConfig(enabled=True, profile_clocks_mhz=(1410, 1200, 1005))
+    result: dict[str, Any] = {}
+    try:
+        straggler = StragglerRun(open_rank(rank, lease_dir, group), section)
+        result["straggler"] = None if straggler.equalizer is None else straggler.equalizer.enabled
+        straggler.close()
+        strict_rank = open_rank(rank, lease_dir, group)
+        try:
+            strict = StragglerRun(strict_rank, section, strict=rank == 1)
+        except DeviceError as exc:
+            result["strict"] = f"raised {type(exc).__name__}"
+            strict_rank.close()
+        else:
+            assert strict.equalizer is not None
+            result["strict"] = strict.equalizer.enabled
+            strict.close()
+        pipeline = RankPipeline(
+            open_rank(rank, lease_dir, group), section, one_f_one_b(2, 2), global_rank=rank
+        )
+        assert pipeline.online is not None
+        result["pipeline"] = pipeline.online.phase
+        pipeline.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
