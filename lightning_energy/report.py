@@ -14,9 +14,11 @@ Every integration writes the same report when the configuration names a ``report
       "profile":   [...],   # the measured power-limit frontier (time and energy per step)
       "decisions": [...],   # every setting applied, when, and why
       "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary) of
-                            # the writing process's GPUs ("scope" says which rank)
+                            # the writing process's GPUs ("scope" says which rank), its
+                            # node's CPU and DRAM energy, and what the totals count
       "job":       {...},   # the whole job: energy, savings and grams summed over every
-                            # rank (each GPU once), every GPU with its rank and node
+                            # rank (each GPU and each node once), every GPU with its rank
+                            # and node
       "carbon":    {...}    # optional: grams emitted vs. the carbon-unaware and full-power
                             # baselines
     }
@@ -41,7 +43,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,7 @@ __all__ = [
     "chosen_power_limits_w",
     "format_report",
     "load_report",
+    "node_energy_rows",
     "power_limit_rows",
     "save_report",
     "write_report",
@@ -297,10 +300,24 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "power_limits_measured": "num?",
         "power_limit_candidates": "num?",
         "power_limits_applied": "num?",
+        "node_energy": "obj?",
+        "job_node_energy_j": "num?",
+        "energy_counted": "str?",
     },
-    "job": {"ranks": "num!", "nodes": "num?", "energy_j": "num!"},
+    "job": {
+        "ranks": "num!",
+        "nodes": "num?",
+        "energy_j": "num!",
+        "node_energy_j": "num?",
+        "node_emissions_g": "num?",
+        "total_energy_j": "num?",
+        "total_emissions_g": "num?",
+        "counted": "str?",
+    },
     "carbon": {
         "emissions_g": "num?",
+        "node_emissions_g": "num?",
+        "total_emissions_g": "num?",
         "carbon_unaware_emissions_g": "num?",
         "full_power_emissions_g": "num?",
         "deadline_met": "bool?",
@@ -315,6 +332,15 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
     },
     "config": {"power_limit": "obj?"},
 }
+#: What the readers take from ``summary.node_energy`` (the node's CPUs and DRAM).
+_NODE_FIELDS = {
+    "measured": "bool?",
+    "energy_j": "num?",
+    "complete": "bool?",
+    "note": "str?",
+    "why": "str?",
+    "reason": "str?",
+}
 #: The largest magnitude a number in a report may have (far beyond any real run).
 _MAX_NUMBER = 1e18
 
@@ -325,6 +351,9 @@ def _field_problems(data: Mapping[str, Any]) -> list[str]:
     for section, fields in _SECTION_FIELDS.items():
         if isinstance(data.get(section), dict):
             problems.extend(_check_fields(data[section], fields, section))
+    node = data["summary"].get("node_energy")
+    if isinstance(node, dict):
+        problems.extend(_check_fields(node, _NODE_FIELDS, "summary.node_energy"))
     for section, fields in _ITEM_FIELDS.items():
         for i, item in enumerate(data[section]):
             where = f"{section}[{i}]"
@@ -439,6 +468,39 @@ def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> lis
     return rows
 
 
+def node_energy_rows(
+    summary: Mapping[str, Any], energy: Callable[[float], str]
+) -> list[tuple[str, str]]:
+    """The CPU and DRAM energy beside the GPUs', and the total with what it counts, as
+    summary rows (none for a summary without ``node_energy``).
+
+    Args:
+        summary: a run summary (``RunSummary.to_dict()`` or a checked report's section).
+        energy: formats joules in the table's unit.
+    """
+    node = summary.get("node_energy")
+    if not isinstance(node, Mapping):
+        return []
+    own_j = node.get("energy_j") if node.get("measured") else None
+    node_j = summary.get("job_node_energy_j")
+    if node_j is not None and node_j != own_j:  # other nodes of the job, or another rank's
+        rows = [("CPU + DRAM energy (whole job)", energy(float(node_j)))]
+    elif own_j is not None:
+        node_j = float(own_j)
+        note = "" if node.get("note") is None else f" (incomplete: {node['note']})"
+        rows = [("CPU + DRAM energy", energy(node_j) + note)]
+    else:
+        why = node.get("reason") or node.get("why") or "no reason recorded"
+        rows = [("CPU + DRAM energy", f"not measured: {why}")]
+    gpu_j = summary.get("job_energy_j")
+    gpu_j = summary.get("energy_j") if gpu_j is None else gpu_j
+    if gpu_j is not None:
+        counted = summary.get("energy_counted")
+        total = energy(float(gpu_j) + (node_j or 0.0))
+        rows.append(("total energy", f"{total} ({counted})" if counted else total))
+    return rows
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The summary table of a report, as ``lightning-energy report`` and the demo print it.
 
@@ -461,6 +523,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         scope = f"whole job: {job['ranks']:.0f} ranks on {job.get('nodes') or 1:.0f} node(s)"
         rows.append((f"energy ({scope})", _energy(float(job["energy_j"]), kwh)))
     duration_s = _measured(summary, "duration_s")
+    rows.extend(node_energy_rows(summary, lambda j: _energy(j, kwh)))
     rows.append(
         ("time (device clock)", NOT_MEASURED if duration_s is None else _duration(duration_s))
     )
@@ -489,7 +552,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     pace = _pace(report, paused=bool(pauses))
     if pace:
         rows.append(("carbon pace (step time)", pace))
-    rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0))
+    rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0, summary.get("energy_counted")))
     if summary.get("observe_only"):
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
     width = max(len(name) for name, _ in rows)
@@ -507,7 +570,11 @@ def _measured(section: Mapping[str, Any], key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tuple[str, str]]:
+def _carbon_rows(
+    carbon: Mapping[str, Any] | None, energy_j: float, counted: str | None
+) -> list[tuple[str, str]]:
+    """Where the intensity came from, the grams emitted and the baselines; with the node's
+    CPUs and DRAM measured, their grams and the total too (the baselines are the GPUs')."""
     if not carbon:
         return []
     rows: list[tuple[str, str]] = []
@@ -525,11 +592,19 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
     if emitted is None:
         return rows
     emitted = float(emitted)
-    kg = abs(emitted) >= 1000  # one mass unit for the whole table
+    node_g = carbon.get("node_emissions_g")
+    total_g = emitted + float(node_g or 0.0)
+    kg = abs(total_g) >= 1000  # one mass unit for the whole table
     if energy_j > 0:
         rows.append(("mean intensity", f"{emitted / (energy_j / J_PER_KWH):.0f} gCO2eq/kWh"))
-    rows.append(("emissions", _grams(emitted, kg)))
+    gpus = "" if node_g is None else " (GPUs)"
+    rows.append((f"emissions{gpus}", _grams(emitted, kg)))
+    if node_g is not None:
+        rows.append(("emissions (CPU + DRAM)", _grams(float(node_g), kg)))
+        what = f" ({counted})" if counted else ""
+        rows.append(("emissions (total)", _grams(total_g, kg) + what))
     for name, label in (("carbon_unaware", "vs. carbon-unaware"), ("full_power", "vs. full power")):
+        label += gpus
         baseline = carbon.get(f"{name}_emissions_g")
         if baseline is None:
             continue
