@@ -318,6 +318,46 @@ def test_a_report_with_a_bad_node_section_is_refused(tmp_path: Path) -> None:
     assert "summary.node_energy.energy_j" in str(caught.value)
 
 
+def test_the_lightning_callback_logs_and_summarises_the_node(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+    from tests.lightning_energy.integrations._models import (
+        energy_config,
+        make_loader,
+        module_class,
+    )
+
+    tree = FakePowercap.amd(tmp_path / "tree", packages=1)
+
+    class BusyCPUs(pl.Callback):
+        """The CPUs draw 12 J a step (after the energy callback's hook of the step)."""
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            tree.add_j("package-0", 12.0)
+
+    config = energy_config(tmp_path, node_energy={"powercap_root": str(tree.root)})
+    callback = EnergyCallback({**config, "log_every_n_steps": 5})
+    trainer = pl.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback, BusyCPUs()],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=pl.loggers.CSVLogger(tmp_path),
+    )
+    trainer.fit(module_class(pl)(), make_loader())
+    summary = callback.summary
+    assert summary is not None and summary.node_energy is not None
+    assert summary.node_energy["energy_j"] == pytest.approx(20 * 12.0)
+    assert summary.energy_counted == "GPUs + CPU packages (no DRAM)"
+    # Logged at step 20 before that step's 12 J, which the summary's last reading counts.
+    assert float(trainer.logged_metrics["energy/node_total_j"]) == pytest.approx(19 * 12.0)
+
+
 def _rows(table: str) -> dict[str, str]:
     pairs = (line.strip().split("  ", 1) for line in table.splitlines())
     return {name: value.strip() for name, value in pairs}
