@@ -25,6 +25,9 @@ YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
       target: 0.65
       batch_sizes: [64, 128, 256]
       default_batch_size: 128
+    node_energy:               # CPU packages and DRAM (RAPL); or `node_energy: false`
+      enabled: true
+      powercap_root: null      # /sys/class/powercap with real GPUs
     strict: false
     report: run.json
 
@@ -58,6 +61,7 @@ __all__ = [
     "BatchSizeConfig",
     "DeviceConfig",
     "EnergyConfig",
+    "NodeEnergyConfig",
     "PerseusConfig",
     "PowerLimitConfig",
     "load_config",
@@ -291,6 +295,25 @@ class BatchSizeConfig:
 
 
 @dataclass(frozen=True)
+class NodeEnergyConfig:
+    """The node's CPU-package and DRAM energy (RAPL), measured beside the GPUs' and counted
+    in the totals and grams; see :mod:`lightning_energy.node_energy`.
+
+    In YAML, ``node_energy: false`` is short for ``node_energy: {enabled: false}``.
+
+    Attributes:
+        enabled: measure it where the counters can be read (False: GPUs only).
+        powercap_root: the powercap directory to read, e.g. where a container mounts the
+            host's ``/sys/class/powercap``. None: ``/sys/class/powercap`` with real GPUs;
+            none with simulated GPUs (their energy is on a virtual clock, the host's CPU
+            energy is not theirs).
+    """
+
+    enabled: bool = True
+    powercap_root: str | None = None
+
+
+@dataclass(frozen=True)
 class EnergyConfig:
     """The whole configuration of an energy-optimised training job.
 
@@ -302,6 +325,7 @@ class EnergyConfig:
     carbon: CarbonConfig | None = None
     perseus: PerseusConfig = field(default_factory=PerseusConfig)
     batch_size: BatchSizeConfig = field(default_factory=BatchSizeConfig)
+    node_energy: NodeEnergyConfig = field(default_factory=NodeEnergyConfig)
     strict: bool = False
     report: str | None = None
     log_every_n_steps: int = 50
@@ -326,6 +350,7 @@ class EnergyConfig:
             "carbon",
             "perseus",
             "batch_size",
+            "node_energy",
             "strict",
             "report",
             "log_every_n_steps",
@@ -348,6 +373,7 @@ class EnergyConfig:
         if batch_size is not None:
             _check_batch_size(batch_size, problems)
         carbon = _build_carbon(data.get("carbon"), problems)
+        node_energy = _build_node_energy(data.get("node_energy"), problems)
         strict = data.get("strict", False)
         if not isinstance(strict, bool):
             problems.append(f"strict: {_shown(strict)} is not allowed; use true or false")
@@ -362,13 +388,14 @@ class EnergyConfig:
         if problems:
             raise ConfigError(problems, source)
         assert device is not None and power_limit is not None
-        assert perseus is not None and batch_size is not None
+        assert perseus is not None and batch_size is not None and node_energy is not None
         return cls(
             device=device,
             power_limit=power_limit,
             carbon=carbon,
             perseus=perseus,
             batch_size=batch_size,
+            node_energy=node_energy,
             strict=bool(strict),
             report=report,
             log_every_n_steps=int(every),
@@ -416,6 +443,7 @@ class EnergyConfig:
             "power_limit": _plain(dataclasses.asdict(self.power_limit)),
             "perseus": _plain(dataclasses.asdict(self.perseus)),
             "batch_size": _plain(dataclasses.asdict(self.batch_size)),
+            "node_energy": _plain(dataclasses.asdict(self.node_energy)),
             "strict": self.strict,
             "report": self.report,
             "log_every_n_steps": self.log_every_n_steps,
@@ -720,6 +748,26 @@ def _check_batch_size(section: BatchSizeConfig, problems: list[str]) -> None:
             problems.append(
                 f"batch_size.enabled: true is not allowed without {needed}; set them or use false"
             )
+
+
+def _build_node_energy(section: Any, problems: list[str]) -> NodeEnergyConfig | None:
+    """The ``node_energy:`` section: a mapping, or true/false for ``enabled``."""
+    if isinstance(section, bool):
+        return NodeEnergyConfig(enabled=section)
+    if section is not None and not isinstance(section, Mapping):
+        problems.append(
+            f"node_energy: {_shown(section)} is not allowed; use true, false or a mapping of "
+            "keys (enabled, powercap_root)"
+        )
+        return None
+    built: NodeEnergyConfig | None = _build(NodeEnergyConfig, section, "node_energy", problems)
+    root = None if built is None else built.powercap_root
+    if root is not None and (not root.strip() or "\0" in root):
+        problems.append(
+            f"node_energy.powercap_root: {_shown(root)} is not allowed; use a directory path "
+            "or null"
+        )
+    return built
 
 
 def _build_carbon(section: Any, problems: list[str]) -> CarbonConfig | None:

@@ -10,6 +10,7 @@ with the GPU and the operation attached, so callers catch one family::
     ├── CheckpointMismatchError     a resumed state belongs to another GPU model or job
     ├── StoreError                  the tuning-history database failed or is unsafe
     ├── JobSetupError               strict mode: a rank of the job cannot change its GPUs
+    ├── NodeEnergyError             the node's CPU and DRAM energy (RAPL) cannot be read
     └── DeviceError                 anything a GPU backend reports (``gpu_index`` attached)
         ├── NoPermissionError       the process may not change GPU settings
         ├── NotSupportedError       the GPU or driver lacks the feature
@@ -35,6 +36,7 @@ __all__ = [
     "JobSetupError",
     "LeaseConflictError",
     "NoPermissionError",
+    "NodeEnergyError",
     "NotSupportedError",
     "ProfileError",
     "StoreError",
@@ -84,6 +86,23 @@ class JobSetupError(EnergyError):
 
     The message names each such rank and why; every rank raises the same one.
     """
+
+
+class NodeEnergyError(EnergyError):
+    """The CPU-package and DRAM energy counters of the node (RAPL) cannot be read.
+
+    Never raised out of a training run: the node's energy is then reported as not
+    measured, with this error's message as the reason.
+
+    Args:
+        message: what failed, naming the file or directory.
+        why: the kind of failure in a few words, for summaries: ``permission``, ``no
+            RAPL``, ``unreadable`` or ``read failed``.
+    """
+
+    def __init__(self, message: str, *, why: str) -> None:
+        self.why = why
+        super().__init__(message)
 
 
 class DeviceError(EnergyError):

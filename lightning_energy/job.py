@@ -12,8 +12,11 @@ observe it and count none of its energy (:func:`measuring_ranks` counts the rank
 measure). Then each rank shares whether it can change its GPUs, and :func:`agree` turns the
 answers into one :class:`JobPlan`, identical on every rank.
 
+The CPUs and DRAM of a node are measured once too: :func:`node_meters` names the lowest
+rank of the ranks that read the same counters.
+
 At the end of a run :func:`job_totals` sums what every rank measured into the job's own
-numbers, each GPU once, labelled with its rank and node.
+numbers, each GPU and each node once, labelled with its rank and node.
 
 Example:
     >>> a = RankInfo(rank=0, node="n0", gpus=("GPU-a",))
@@ -41,6 +44,7 @@ __all__ = [
     "describe_shared",
     "job_totals",
     "measuring_ranks",
+    "node_meters",
     "node_name",
     "shared_gpus",
 ]
@@ -77,6 +81,8 @@ class RankInfo:
         rank: the global rank.
         node: the node it runs on (:func:`node_name`).
         gpus: the UUIDs of the GPUs (or MIG instances) it opened.
+        node_meter: which CPU and DRAM energy counters it can read (see
+            :attr:`lightning_energy.device.rapl.RaplCounters.key`); None: none.
         physical: the UUID of the physical GPU of each of ``gpus`` (a MIG instance's
             parent); empty when each is a whole GPU.
     """
@@ -84,6 +90,7 @@ class RankInfo:
     rank: int
     node: str
     gpus: tuple[str, ...]
+    node_meter: str | None = None
     physical: tuple[str, ...] = ()
 
     @property
@@ -98,15 +105,18 @@ class RankInfo:
             "node": self.node,
             "gpus": list(self.gpus),
             "physical": list(self.physical),
+            "node_meter": self.node_meter,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankInfo:
         """The inverse of :meth:`to_dict`."""
+        meter = data.get("node_meter")
         return cls(
             int(data["rank"]),
             str(data["node"]),
             tuple(str(g) for g in data["gpus"]),
+            None if meter is None else str(meter),
             tuple(str(g) for g in data.get("physical", ())),
         )
 
@@ -144,6 +154,18 @@ def _lowest_ranks(ranks: Sequence[RankInfo]) -> dict[str, int]:
         for physical in info.physical_gpus:
             first.setdefault(physical, info.rank)
     return first
+
+
+def node_meters(ranks: Sequence[RankInfo]) -> dict[str, int]:
+    """Who measures each node's CPUs and DRAM: ``{counters: the lowest rank reading them}``.
+
+    Ranks that read the same counters (one machine, one powercap tree) count them once.
+    """
+    lowest: dict[str, int] = {}
+    for info in sorted(ranks, key=lambda r: r.rank):
+        if info.node_meter is not None:
+            lowest.setdefault(info.node_meter, info.rank)
+    return lowest
 
 
 def describe_shared(shared: Mapping[str, int], ranks: Sequence[RankInfo]) -> str:
@@ -241,11 +263,17 @@ def job_totals(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Args:
         ranks: one mapping per rank with ``rank``, ``node``, ``gpus`` (each with ``uuid``
             and ``name``), ``counted`` (False for a rank whose GPUs another rank measures),
-            ``energy_j``, ``energy_saved_j`` and optionally ``emissions_g``.
+            ``energy_j``, ``energy_saved_j`` and optionally ``emissions_g``,
+            ``node_energy`` (its node's CPU and DRAM summary, ``measured_by`` another rank
+            when that rank measures them) and ``node_emissions_g``.
 
     Returns:
         ``scope: "job"``, the number of ranks and nodes, ``energy_j``, ``energy_saved_j``
         and ``emissions_g`` summed over counted ranks (each GPU once), and per-rank detail.
+        With node summaries also ``node_energy_j`` and ``node_emissions_g`` (each node
+        once; None when no node was measured), ``total_energy_j`` and
+        ``total_emissions_g`` (GPUs plus nodes), ``counted`` (what the totals count, in
+        words) and ``node_energy`` (each node's summary, with its ``node`` and ``rank``).
     """
     counted = [r for r in ranks if r.get("counted", True)]
     emissions = [r["emissions_g"] for r in counted if r.get("emissions_g") is not None]
@@ -254,7 +282,7 @@ def job_totals(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for r in sorted(counted, key=lambda r: r["rank"])
         for gpu in r.get("gpus", [])
     ]
-    return {
+    totals: dict[str, Any] = {
         "scope": "job",
         "ranks": len(ranks),
         "nodes": len({r["node"] for r in ranks}),
@@ -263,4 +291,39 @@ def job_totals(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "emissions_g": sum(emissions) if emissions else None,
         "gpus": gpus,
         "per_rank": [dict(r) for r in sorted(ranks, key=lambda r: r["rank"])],
+    }
+    if any(r.get("node_energy") for r in ranks):
+        totals.update(_node_totals(ranks, totals["energy_j"], totals["emissions_g"]))
+    return totals
+
+
+def _node_totals(
+    ranks: Sequence[Mapping[str, Any]], gpu_energy_j: float, gpu_emissions_g: float | None
+) -> dict[str, Any]:
+    """Each node's CPU and DRAM once: the rank that measured it, or the lowest rank of a
+    node nobody measured (with its reason)."""
+    from lightning_energy.node_energy import energy_counted
+
+    entries = [
+        {**r["node_energy"], "node": r["node"], "rank": r["rank"]}
+        for r in sorted(ranks, key=lambda r: r["rank"])
+        if r.get("node_energy") and r["node_energy"].get("measured_by") is None
+    ]
+    measured = [n for n in entries if n.get("measured")]
+    unmeasured: dict[str, dict[str, Any]] = {}
+    for n in entries:
+        if not any(m["node"] == n["node"] for m in measured):
+            unmeasured.setdefault(n["node"], n)  # the lowest rank says why
+    nodes = measured + list(unmeasured.values())
+    energies = [float(n["energy_j"]) for n in measured if n.get("energy_j") is not None]
+    node_j = sum(energies) if energies else None
+    grams = [float(r["node_emissions_g"]) for r in ranks if r.get("node_emissions_g") is not None]
+    node_g = sum(grams) if grams else None
+    return {
+        "node_energy_j": node_j,
+        "node_emissions_g": node_g,
+        "total_energy_j": gpu_energy_j + (node_j or 0.0),
+        "total_emissions_g": None if gpu_emissions_g is None else gpu_emissions_g + (node_g or 0.0),
+        "counted": energy_counted(nodes),
+        "node_energy": nodes,
     }

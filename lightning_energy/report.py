@@ -14,9 +14,11 @@ Every integration writes the same report when the configuration names a ``report
       "profile":   [...],   # the measured power-limit frontier (time and energy per step)
       "decisions": [...],   # every setting applied, when, and why
       "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary) of
-                            # the writing process's GPUs ("scope" says which rank)
+                            # the writing process's GPUs ("scope" says which rank), its
+                            # node's CPU and DRAM energy, and what the totals count
       "job":       {...},   # the whole job: energy, savings and grams summed over every
-                            # rank (each GPU once), every GPU with its rank and node
+                            # rank (each GPU and each node once), every GPU with its rank
+                            # and node
       "carbon":    {...}    # optional: grams emitted vs. the carbon-unaware and full-power
                             # baselines
     }
@@ -49,7 +51,7 @@ from typing import Any
 from carbon.accounting import J_PER_KWH
 from lightning_energy.controller import EnergyController
 from lightning_energy.errors import EnergyError
-from lightning_energy.summary_rows import power_limit_rows
+from lightning_energy.summary_rows import node_energy_rows, power_limit_rows
 
 __all__ = [
     "REPORT_VERSION",
@@ -297,10 +299,24 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "power_limits_measured": "num?",
         "power_limit_candidates": "num?",
         "power_limits_applied": "num?",
+        "node_energy": "obj?",
+        "job_node_energy_j": "num?",
+        "energy_counted": "str?",
     },
-    "job": {"ranks": "num!", "nodes": "num?", "energy_j": "num!"},
+    "job": {
+        "ranks": "num!",
+        "nodes": "num?",
+        "energy_j": "num!",
+        "node_energy_j": "num?",
+        "node_emissions_g": "num?",
+        "total_energy_j": "num?",
+        "total_emissions_g": "num?",
+        "counted": "str?",
+    },
     "carbon": {
         "emissions_g": "num?",
+        "node_emissions_g": "num?",
+        "total_emissions_g": "num?",
         "carbon_unaware_emissions_g": "num?",
         "full_power_emissions_g": "num?",
         "deadline_met": "bool?",
@@ -315,6 +331,15 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
     },
     "config": {"power_limit": "obj?"},
 }
+#: What the readers take from ``summary.node_energy`` (the node's CPUs and DRAM).
+_NODE_FIELDS = {
+    "measured": "bool?",
+    "energy_j": "num?",
+    "complete": "bool?",
+    "note": "str?",
+    "why": "str?",
+    "reason": "str?",
+}
 #: The largest magnitude a number in a report may have (far beyond any real run).
 _MAX_NUMBER = 1e18
 
@@ -325,6 +350,9 @@ def _field_problems(data: Mapping[str, Any]) -> list[str]:
     for section, fields in _SECTION_FIELDS.items():
         if isinstance(data.get(section), dict):
             problems.extend(_check_fields(data[section], fields, section))
+    node = data["summary"].get("node_energy")
+    if isinstance(node, dict):
+        problems.extend(_check_fields(node, _NODE_FIELDS, "summary.node_energy"))
     for section, fields in _ITEM_FIELDS.items():
         for i, item in enumerate(data[section]):
             where = f"{section}[{i}]"
@@ -428,6 +456,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         scope = f"whole job: {job['ranks']:.0f} ranks on {job.get('nodes') or 1:.0f} node(s)"
         rows.append((f"energy ({scope})", _energy(float(job["energy_j"]), kwh)))
     duration_s = _measured(summary, "duration_s")
+    rows.extend(node_energy_rows(summary, lambda j: _energy(j, kwh)))
     rows.append(
         ("time (device clock)", NOT_MEASURED if duration_s is None else _duration(duration_s))
     )
@@ -456,7 +485,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     pace = _pace(report, paused=bool(pauses))
     if pace:
         rows.append(("carbon pace (step time)", pace))
-    rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0))
+    rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0, summary.get("energy_counted")))
     if summary.get("observe_only"):
         rows.append(("mode", "observe-only (GPU settings could not be changed)"))
     width = max(len(name) for name, _ in rows)
@@ -474,7 +503,11 @@ def _measured(section: Mapping[str, Any], key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tuple[str, str]]:
+def _carbon_rows(
+    carbon: Mapping[str, Any] | None, energy_j: float, counted: str | None
+) -> list[tuple[str, str]]:
+    """Where the intensity came from, the grams emitted and the baselines; with the node's
+    CPUs and DRAM measured, their grams and the total too (the baselines are the GPUs')."""
     if not carbon:
         return []
     rows: list[tuple[str, str]] = []
@@ -492,11 +525,19 @@ def _carbon_rows(carbon: Mapping[str, Any] | None, energy_j: float) -> list[tupl
     if emitted is None:
         return rows
     emitted = float(emitted)
-    kg = abs(emitted) >= 1000  # one mass unit for the whole table
+    node_g = carbon.get("node_emissions_g")
+    total_g = emitted + float(node_g or 0.0)
+    kg = abs(total_g) >= 1000  # one mass unit for the whole table
     if energy_j > 0:
         rows.append(("mean intensity", f"{emitted / (energy_j / J_PER_KWH):.0f} gCO2eq/kWh"))
-    rows.append(("emissions", _grams(emitted, kg)))
+    gpus = "" if node_g is None else " (GPUs)"
+    rows.append((f"emissions{gpus}", _grams(emitted, kg)))
+    if node_g is not None:
+        rows.append(("emissions (CPU + DRAM)", _grams(float(node_g), kg)))
+        what = f" ({counted})" if counted else ""
+        rows.append(("emissions (total)", _grams(total_g, kg) + what))
     for name, label in (("carbon_unaware", "vs. carbon-unaware"), ("full_power", "vs. full power")):
+        label += gpus
         baseline = carbon.get(f"{name}_emissions_g")
         if baseline is None:
             continue

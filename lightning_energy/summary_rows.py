@@ -6,10 +6,10 @@ run's summary imports nothing of the ``carbon`` package.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["power_limit_rows"]
+__all__ = ["node_energy_rows", "power_limit_rows"]
 
 
 def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> list[tuple[str, str]]:
@@ -42,4 +42,37 @@ def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> lis
     if pre is not None:
         restored = " (every GPU put back to it at the end)" if chosen or applied else ""
         rows.append(("pre-job power limit", f"{float(pre):.0f} W{restored}"))
+    return rows
+
+
+def node_energy_rows(
+    summary: Mapping[str, Any], energy: Callable[[float], str]
+) -> list[tuple[str, str]]:
+    """The CPU and DRAM energy beside the GPUs', and the total with what it counts, as
+    summary rows (none for a summary without ``node_energy``).
+
+    Args:
+        summary: a run summary (``RunSummary.to_dict()`` or a checked report's section).
+        energy: formats joules in the table's unit.
+    """
+    node = summary.get("node_energy")
+    if not isinstance(node, Mapping):
+        return []
+    own_j = node.get("energy_j") if node.get("measured") else None
+    node_j = summary.get("job_node_energy_j")
+    if node_j is not None and node_j != own_j:  # other nodes of the job, or another rank's
+        rows = [("CPU + DRAM energy (whole job)", energy(float(node_j)))]
+    elif own_j is not None:
+        node_j = float(own_j)
+        note = "" if node.get("note") is None else f" (incomplete: {node['note']})"
+        rows = [("CPU + DRAM energy", energy(node_j) + note)]
+    else:
+        why = node.get("reason") or node.get("why") or "no reason recorded"
+        rows = [("CPU + DRAM energy", f"not measured: {why}")]
+    gpu_j = summary.get("job_energy_j")
+    gpu_j = summary.get("energy_j") if gpu_j is None else gpu_j
+    if gpu_j is not None:
+        counted = summary.get("energy_counted")
+        total = energy(float(gpu_j) + (node_j or 0.0))
+        rows.append(("total energy", f"{total} ({counted})" if counted else total))
     return rows

@@ -57,8 +57,10 @@ from lightning_energy.job import (
     describe_shared,
     job_totals,
     measuring_ranks,
+    node_meters,
     node_name,
 )
+from lightning_energy.node_energy import NotMeasured
 from lightning_energy.pacing import CarbonPacer, PaceUpdate, utc_now
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from carbon.config import CarbonConfig
     from lightning_energy.device.base import GPUInfo
     from lightning_energy.device.guard import GPUGuard
+    from lightning_energy.device.rapl import RaplCounters
     from lightning_energy.measure import Measurement
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 
@@ -144,6 +147,7 @@ class EnergyController:
         """
         self._guard: GPUGuard | None = None
         self._ranks: list[RankInfo] = []
+        self._node_counters: RaplCounters | NotMeasured | None = None
         self._plan = JobPlan(True, (), None)
         self._counts_energy = True
         self._clock_checks_left = _FOREIGN_CLOCK_CHECK_STEPS
@@ -291,6 +295,7 @@ class EnergyController:
             # NVML session for a job that never started.
             self._guard = None
             self._ledger.readings.meter = None
+            self._ledger.close_node()
             if self._owns_devices and self._devices is not None:
                 self._devices.close()
                 self._devices = None
@@ -316,11 +321,13 @@ class EnergyController:
 
         collective = self.collective
         single = collective.world_size == 1
+        counters = self._node_counters = self._open_node_counters(devices)
         me = RankInfo(
             collective.rank,
             self._node,
             tuple(g.uuid for g in devices.gpus),
-            tuple(g.physical_uuid for g in devices.gpus),
+            node_meter=None if isinstance(counters, NotMeasured) else counters.key,
+            physical=tuple(g.physical_uuid for g in devices.gpus),
         )
         self._ranks = (
             [me]
@@ -387,7 +394,33 @@ class EnergyController:
             self._ledger.intensity = first
             if self.config.carbon.allow_pause:
                 self._read_idle_power(devices)
+        self._start_node()
         self._ledger.begin_interval()
+
+    def _open_node_counters(self, devices: DeviceSet) -> RaplCounters | NotMeasured:
+        """This node's CPU and DRAM energy counters, or why there are none."""
+        from lightning_energy.node_energy import open_counters
+
+        return open_counters(self.config.node_energy, simulated=devices.backend == "simulated")
+
+    def _start_node(self) -> None:
+        """Measure the node's CPUs and DRAM when this rank is the lowest of the ranks that
+        read the same counters (each node once); otherwise say who does, or why nobody."""
+        from lightning_energy.node_energy import NodeEnergyMeter
+
+        rank = self.collective.rank
+        info: dict[str, Any] = {"node": self._node, "rank": rank}
+        found = self._node_counters
+        assert found is not None  # opened in _agree
+        if isinstance(found, NotMeasured):
+            self._ledger.start_node(None, {**info, **found.summary()})
+            return
+        measurer = node_meters(self._ranks).get(found.key, rank)
+        if measurer != rank:
+            why = NotMeasured(f"measured by rank {measurer}", f"rank {measurer} reads them")
+            self._ledger.start_node(None, {**info, **why.summary(), "measured_by": measurer})
+            return
+        self._ledger.start_node(NodeEnergyMeter(found), info)
 
     def _read_idle_power(self, devices: DeviceSet) -> None:
         """Before any work: the job-wide board power the GPUs read now, each GPU counted
@@ -529,6 +562,7 @@ class EnergyController:
             ledger.fail(exc)
         else:
             ledger.close(self._power_limit_w, stop_clock=self._devices is not None)
+        ledger.close_node()
         profile = self._session.profile_by_limit()
         world_size = self.collective.world_size
         carbon = None
@@ -998,7 +1032,12 @@ class EnergyController:
         ledger = self._ledger
         mine = ledger.own_totals(self.collective.rank, self._node, self._counts_energy)
         job = ledger.job = job_totals(self.collective.all_gather_object(mine))
-        ledger.summary = replace(summary, job_energy_j=job["energy_j"])
+        ledger.summary = replace(
+            summary,
+            job_energy_j=job["energy_j"],
+            job_node_energy_j=job.get("node_energy_j"),
+            energy_counted=job.get("counted", summary.energy_counted),
+        )
         return job
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,9 +1,10 @@
 """The run ledger: every number a run summary or report holds comes from here.
 
-It keeps the logging intervals (metrics, timeline), the energy and carbon accounting, the
-decisions, the baselines measured from the end of the profile on, the run summary and the
-job's totals. It decides nothing and changes no GPU: the coordinator tells it what
-happened and reads the numbers back.
+It keeps the logging intervals (metrics, timeline), the energy and carbon accounting (of
+the GPUs, and of the node's CPUs and DRAM where this rank measures them), the decisions,
+the baselines measured from the end of the profile on, the run summary and the job's
+totals. It decides nothing and changes no GPU: the coordinator tells it what happened and
+reads the numbers back.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_energy.device.base import DeviceSet, GPUInfo
     from lightning_energy.errors import DeviceError
     from lightning_energy.measure import Measurement
+    from lightning_energy.node_energy import NodeEnergyMeter
     from lightning_energy.pacing import CarbonPacer
 
 __all__ = ["RunLedger", "RunSummary"]
@@ -75,6 +77,16 @@ class RunSummary:
             checkpoint (0: not resumed).
         energy_before_resume_j: the energy the checkpoint counted for those steps (0: not
             resumed).
+        node_energy: the CPU packages and DRAM of this process's node (RAPL), when this
+            rank measures them: ``energy_j`` (with ``package_energy_j`` and
+            ``dram_energy_j``), the domains counted and left out, ``complete`` and its
+            ``note``; otherwise ``measured: false`` and why (``measured_by`` another rank
+            of the node). None: the run never started.
+        job_node_energy_j: the CPUs and DRAM of every node of the job, each once (None
+            until the ranks compared numbers, or when no node was measured).
+        energy_counted: what the energy and grams count, in words (``GPUs + CPU packages
+            + DRAM``, ``GPUs only: RAPL not readable (permission)``); the job's once the
+            ranks compared numbers.
     """
 
     steps: int
@@ -94,6 +106,9 @@ class RunSummary:
     power_limits_applied: int = 0
     resumed_at_step: int = 0
     energy_before_resume_j: float = 0.0
+    node_energy: dict[str, Any] | None = None
+    job_node_energy_j: float | None = None
+    energy_counted: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for logs and reports."""
@@ -140,6 +155,10 @@ class RunLedger:
         self.timeline: list[dict[str, Any]] = []
         self.decisions: list[Decision] = []
         self.device_info: list[GPUInfo] = []
+        self.node: NodeEnergyMeter | None = None
+        self.node_info: dict[str, Any] | None = None
+        self.node_energy_j = 0.0
+        self.node_emissions_g = 0.0
         self.job: dict[str, Any] | None = None
         self.summary: RunSummary | None = None
 
@@ -230,6 +249,7 @@ class RunLedger:
             missing).
         """
         m = self.readings.end(INTERVAL)
+        node = self._close_node_interval()
         steps = self.interval_steps
         if m is None:
             self.interval_steps = 0
@@ -258,10 +278,58 @@ class RunLedger:
         }
         if self.intensity is not None:
             entry.update(self._account_carbon(m.energy_j))
+        if node is not None:
+            node_j, node_g = node
+            entry["node_energy_j"] = node_j
+            self.metrics["energy/node_power_w"] = node_j / m.duration_s if m.duration_s > 0 else 0.0
+            self.metrics["energy/node_total_j"] = self.node_energy_j
+            if node_g is not None:
+                entry["node_emissions_g"] = node_g
+                self.metrics["carbon/node_emissions_g"] = self.node_emissions_g
         self.timeline.append(entry)
         self.interval_steps = 0
         self.published += 1
         return m
+
+    # ------------------------------------------------------------------ node
+    def start_node(self, meter: NodeEnergyMeter | None, info: dict[str, Any]) -> None:
+        """Measure the node's CPUs and DRAM from now on.
+
+        Args:
+            meter: the node's meter (None: this rank does not measure them).
+            info: the node and rank, and when there is no meter, why (the summary's base).
+        """
+        self.node, self.node_info = meter, info
+        if meter is not None:
+            meter.start()
+
+    def _close_node_interval(self) -> tuple[float, float | None] | None:
+        """The node's energy since the last interval and its grams (None: not measured
+        here, or this reading failed: the energy is counted at the next one)."""
+        if self.node is None:
+            return None
+        total_j = self.node.read_j()
+        if total_j is None:
+            return None
+        node_j, self.node_energy_j = total_j - self.node_energy_j, total_j
+        grams = None
+        if self.intensity is not None:
+            from carbon.accounting import emissions_g  # only jobs with a carbon: section
+
+            grams = emissions_g(node_j, self.intensity)
+            self.node_emissions_g += grams
+        return node_j, grams
+
+    def close_node(self) -> None:
+        """Stop measuring the node, after a last reading (idempotent)."""
+        if self.node is not None:
+            self.node.close()
+
+    def node_summary(self) -> dict[str, Any] | None:
+        """The node's CPUs and DRAM as measured here, or why not (None: never started)."""
+        if self.node_info is None:
+            return None
+        return {**self.node_info, **(self.node.summary() if self.node is not None else {})}
 
     # ------------------------------------------------------------------ carbon
     def _account_carbon(self, energy_j: float) -> dict[str, float | None]:
@@ -321,6 +389,9 @@ class RunLedger:
             now: the job's current time.
         """
         carbon: dict[str, Any] = {"emissions_g": self.emissions_g}
+        if self.node is not None:
+            carbon["node_emissions_g"] = self.node_emissions_g
+            carbon["total_emissions_g"] = self.emissions_g + self.node_emissions_g
         if pacer is None:
             return carbon
         carbon.update(pacer.summary(now))
@@ -425,8 +496,20 @@ class RunLedger:
             ),
             resumed_at_step=self.resumed_at_step,
             energy_before_resume_j=self.energy_before_resume_j,
+            node_energy=self.node_summary(),
+            energy_counted=self._energy_counted(),
         )
         return self.summary
+
+    def _energy_counted(self) -> str | None:
+        node = self.node_summary()
+        if node is None:
+            return None
+        if node.get("measured_by") is not None:
+            return f"GPUs (this node's CPUs and DRAM: rank {node['measured_by']}'s)"
+        from lightning_energy.node_energy import energy_counted
+
+        return energy_counted([node])
 
     def own_totals(self, rank: int, node: str, counted: bool) -> dict[str, Any]:
         """This rank's numbers, as compared with the other ranks' at the end of a run."""
@@ -442,4 +525,6 @@ class RunLedger:
             "energy_j": self.summary.energy_j,
             "energy_saved_j": self.summary.energy_saved_j,
             "emissions_g": carbon.get("emissions_g"),
+            "node_energy": self.summary.node_energy,
+            "node_emissions_g": carbon.get("node_emissions_g"),
         }

@@ -34,7 +34,7 @@ from lightning_energy.controller import (
     RunSummary,
 )
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.summary_rows import power_limit_rows
+from lightning_energy.summary_rows import node_energy_rows, power_limit_rows
 
 __all__ = [
     "EnergyAdapter",
@@ -171,6 +171,7 @@ def format_summary(summary: RunSummary) -> str:
         rows.insert(1, ("resumed at step", f"{summary.resumed_at_step} ({before} before)"))
     if summary.job_energy_j is not None and summary.job_energy_j != summary.energy_j:
         rows.append(("energy (whole job)", f"{summary.job_energy_j / 1000:.2f} kJ"))
+    rows += node_energy_rows(summary.to_dict(), lambda j: f"{j / 1000:.2f} kJ")
     rows.append(("time", f"{summary.duration_s:.1f} s"))
     chosen = [] if summary.power_limit_w is None else [summary.power_limit_w]
     rows += power_limit_rows(summary.to_dict(), chosen)
@@ -185,6 +186,9 @@ def format_summary(summary: RunSummary) -> str:
     carbon = summary.carbon or {}
     if "emissions_g" in carbon:
         rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))
+    if "node_emissions_g" in carbon:
+        rows.append(("CO2eq emitted (CPU + DRAM)", f"{carbon['node_emissions_g']:.1f} g"))
+        rows.append(("CO2eq emitted (total)", f"{carbon['total_emissions_g']:.1f} g"))
     for key, label in (
         ("carbon_unaware_emissions_g", "CO2eq if carbon-unaware"),
         ("full_power_emissions_g", "CO2eq at full power"),
@@ -207,6 +211,9 @@ def summary_values(summary: RunSummary) -> dict[str, float]:
     }
     if summary.power_limit_w is not None:
         values["energy/summary/power_limit_w"] = summary.power_limit_w
+    node_j = (summary.node_energy or {}).get("energy_j")
+    if node_j is not None:
+        values["energy/summary/node_energy_j"] = float(node_j)
     for key, value in (summary.carbon or {}).items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             values[f"carbon/summary/{key}"] = float(value)

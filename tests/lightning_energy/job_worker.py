@@ -2,7 +2,10 @@
 
 Arguments: rank, port, output folder, then a JSON object of options: ``local_rank``,
 ``node_rank``, ``strict``, ``state_dir`` and ``lease_dir`` (the simulated GPUs' settings
-and leases live in files, shared by every process, as a real GPU's are), ``steps``.
+and leases live in files, shared by every process, as a real GPU's are), ``steps``,
+``powercap_root`` (a fake powercap tree the node's CPU energy is read from) and
+``node_counter`` (``[energy_uj path, range_uj, joules]``: rank 0 moves that counter on by
+``joules`` after each of its steps, as the node's CPUs would).
 Writes ``rank<r>.json`` with the summary, the decisions, the job totals or the error.
 """
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.errors import EnergyError
+from tests.lightning_energy.device.fake_powercap import add_energy_j
 
 
 def main() -> None:
@@ -41,6 +45,7 @@ def main() -> None:
             },
             "strict": options.get("strict", False),
             "log_every_n_steps": 5,
+            "node_energy": {"powercap_root": options.get("powercap_root")},
         }
     )
     controller = EnergyController(
@@ -56,9 +61,12 @@ def main() -> None:
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
         result["power_limit_w"] = controller.devices.gpus[0].power_limit_w()
     else:
+        counter = options.get("node_counter")
         for _ in range(options.get("steps", 80)):
             controller.on_step_start()
             controller.on_step_end()
+            if counter is not None and rank == 0:
+                add_energy_j(Path(counter[0]), counter[2], counter[1])
         controller.teardown()
         job = controller.gather_job_totals()
         summary = controller.teardown()

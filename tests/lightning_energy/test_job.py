@@ -48,9 +48,9 @@ def test_a_gpu_opened_by_two_ranks_belongs_to_the_lowest() -> None:
 def test_mig_instances_of_one_gpu_are_measured_by_the_lowest_rank() -> None:
     """Every MIG instance reports its whole GPU's energy: count it for one rank only."""
     ranks = [
-        RankInfo(0, "a#0", ("MIG-a",), ("GPU-p",)),
-        RankInfo(1, "a#0", ("MIG-b",), ("GPU-p",)),
-        RankInfo(2, "a#0", ("MIG-c",), ("GPU-q",)),
+        RankInfo(0, "a#0", ("MIG-a",), physical=("GPU-p",)),
+        RankInfo(1, "a#0", ("MIG-b",), physical=("GPU-p",)),
+        RankInfo(2, "a#0", ("MIG-c",), physical=("GPU-q",)),
     ]
     assert shared_gpus(ranks, 0) == {}
     assert shared_gpus(ranks, 1) == {"MIG-b": 0}
