@@ -21,7 +21,7 @@ from torch.autograd import Variable
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import DeviceError
-from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control
+from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import (
     Reading,
     SimulatedDataParallel,
@@ -50,11 +50,11 @@ class StragglerRun:
         ddp_model: the DDP-wrapped model (CUDA GPUs: the end of its backward pass marks
             the end of the rank's compute); None where there is none.
         strict: raise when the GPU cannot lock clocks instead of running without Perseus
-            (after voting against clock control, so that no other rank waits for it).
+            (at the step where the ranks vote on clock control, after voting against, so
+            that no other rank waits for it).
 
     Raises:
         ConfigError: bad settings.
-        DeviceError: strict mode, the GPU cannot lock clocks.
     """
 
     def __init__(
@@ -71,32 +71,37 @@ class StragglerRun:
         self._probe: _CudaComputeProbe | None = None
         gpu = rank.gpu
         group = cpu_collective_group(rank.group)
+        self._strict_error: DeviceError | None = None
+        simulated = as_simulated(gpu)
         try:
             clocks = gpu.supported_sm_clocks_mhz()
         except DeviceError as exc:
-            # The other ranks vote on clock control now: take part, against, then go.
-            agree_on_clock_control(rank.guard, None, group=group)
-            if strict:
-                raise
+            # The other ranks vote on clock control after the first steps: this rank takes
+            # part then, against, and raises after the vote in strict mode.
             log.warning("Perseus: %s; ranks not equalised.", exc)
-            return
+            clocks = []
+            self._strict_error = exc if strict else None
+        measurable = simulated is not None or (torch.cuda.is_available() and ddp_model is not None)
+        if clocks and not measurable:
+            log.warning("Perseus: no CUDA and no simulated GPU; ranks not equalised.")
+            clocks = []  # nothing measures this rank's compute: it votes against
         self.equalizer = StragglerEqualizer(
             rank.guard,
             clocks,
-            profile_clocks_mhz=section.profile_clocks_mhz,
+            profile_clocks_mhz=section.profile_clocks_mhz if clocks else None,
             steps_per_clock=section.steps_per_clock,
             window_steps=section.window_steps,
             margin=section.margin,
             counter_period_s=gpu.energy_counter_period_s(),
             group=group,
         )
-        if (simulated := as_simulated(gpu)) is not None:
+        if simulated is not None:
+            # Every rank simulates its step (the simulated all-reduce is a collective),
+            # also one that cannot equalise.
             work = StageWork(section.simulated_step_s, section.compute_bound_share)
             self._simulation = SimulatedDataParallel(simulated, work, group=group)
-        elif torch.cuda.is_available() and ddp_model is not None:
+        elif clocks:
             self._probe = _CudaComputeProbe(ddp_model, gpu, self.equalizer)
-        else:
-            log.warning("Perseus: no CUDA and no simulated GPU; ranks not equalised.")
 
     def step_start(self) -> None:
         """A training step starts (before the forward pass)."""
@@ -109,19 +114,28 @@ class StragglerRun:
         Every rank counts every step, whatever it could measure: the equalizer's
         collectives happen at step counts, so a rank that skipped one would enter them at
         another step than the others (and an NCCL collective after them would hang).
+
+        Raises:
+            DeviceError: strict mode, this GPU cannot lock clocks (at the step of the
+                ranks' vote on clock control, after voting against).
         """
         if self.equalizer is None:
             return
         if self._simulation is not None:
             compute_s = self._simulation.compute()
+            self.equalizer.look_for_foreign_clocks()  # the GPU has just computed
             self.equalizer.record_step(compute_s, self._simulation.all_reduce())
         elif self._probe is not None:
+            self.equalizer.look_for_foreign_clocks()  # the step's kernels are still queued
             measured = self._probe.step_end()
             if measured is None:
                 self.equalizer.skip_step()
             else:
                 self.equalizer.record_step(*measured)
         self.equalizer.on_step_end()
+        if self._strict_error is not None and self.equalizer.voted:
+            error, self._strict_error = self._strict_error, None
+            raise error
 
     def close(self) -> None:
         """Put the clock back, leave the model as it was, and release the GPU when this

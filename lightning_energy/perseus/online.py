@@ -378,8 +378,17 @@ class OnlinePerseus:
         self._clock_iterations = 0  # at the current profiling clock, the landing one included
         self._clock_seconds = 0.0  # measured at the current profiling clock
         self._iteration_start_s: float | None = None
-        controller = runtime.controller
-        #: False when clocks cannot be changed on some rank: nothing is profiled or planned.
+        #: False until :meth:`start` (the ranks agreed to control clocks), and for good when
+        #: clocks cannot be changed on some rank: nothing is profiled or planned.
+        self.enabled = False
+        self._started = False
+
+    def start(self) -> None:
+        """Agree with the other ranks on clock control and lock the maximum clock
+        (collective; every rank). Called after the first iteration: an administrator's
+        clock lock shows only under load, and is looked for during it."""
+        controller = self.runtime.controller
+        self._started = True
         self.enabled = agree_on_clock_control(
             controller.guard,
             max(self.supported_clocks_mhz, default=None),
@@ -389,8 +398,10 @@ class OnlinePerseus:
 
     @property
     def phase(self) -> str:
-        """``"disabled"`` (clocks cannot be changed), ``"warmup"``, ``"profiling"`` or
-        ``"planned"``."""
+        """``"starting"`` (before :meth:`start`), ``"disabled"`` (clocks cannot be
+        changed), ``"warmup"``, ``"profiling"`` or ``"planned"``."""
+        if not self._started:
+            return "starting"
         if not self.enabled:
             return "disabled"
         if self._planned:
@@ -415,7 +426,7 @@ class OnlinePerseus:
 
     def on_iteration_start(self) -> None:
         """Set this iteration's clocks (profiling) and start measuring."""
-        if self.phase in ("planned", "disabled"):
+        if self.phase in ("starting", "planned", "disabled"):
             return
         if self.phase == "warmup":
             self.runtime.set_fixed_clock(max(self.supported_clocks_mhz))

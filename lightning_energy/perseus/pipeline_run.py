@@ -197,10 +197,12 @@ class RankPipeline:
     The engine's adapter calls :meth:`iteration_start`, :meth:`before` and :meth:`after`
     around every forward and backward this rank runs, and :meth:`iteration_end`; clocks
     follow the plan file of the ``perseus:`` section, or the plan of online profiling.
-    The first iterations' executed order is checked against the schedule: a mismatch
-    (the engine runs another schedule than it was described by) resets the clocks and
-    switches Perseus off with one warning (strict: a ``ConfigError``), since a plan for
-    another order could slow the pipeline down.
+    The first iteration runs at the clocks found: its executed order is checked against
+    the schedule (a mismatch, the engine running another schedule than it was described
+    by, resets the clocks and switches Perseus off with one warning, strict: a
+    ``ConfigError``, since a plan for another order could slow the pipeline down), and
+    while its work keeps the GPU busy the guard looks for an administrator's clock lock,
+    which NVML shows only under load. Clocks follow the plan from the second iteration.
 
     Args:
         rank: this rank's GPU and guard.
@@ -263,11 +265,12 @@ class RankPipeline:
         self._executed: list[Instruction] = []
         self._checked = False
         self._planning = plan_clocks
+        self._plan_file: Plan | None = None
         self.online: OnlinePerseus | None = None
         if not plan_clocks:
             return
         if section.plan is not None:
-            self.runtime.set_plan(Plan.load(section.plan, schedule=schedule))
+            self._plan_file = Plan.load(section.plan, schedule=schedule)
             return
         try:
             supported = gpu.supported_sm_clocks_mhz()
@@ -316,19 +319,32 @@ class RankPipeline:
     def after(self, inst: Instruction) -> None:
         """``inst`` ran on this rank."""
         self.runtime.after(inst)
+        if self._planning and not self._checked:
+            # The first iteration runs at the clocks found, and its work keeps the GPU
+            # busy: the guard looks for an administrator's clock lock (NVML shows one only
+            # under load), so that the first lock never replaces one, nor restore resets it.
+            self.rank.guard.check_foreign_clocks()
 
     def iteration_end(self) -> None:
-        """An iteration ended (after its last instruction); plans after profiling.
+        """An iteration ended (after its last instruction); after the first, the ranks
+        agree on the order and on clock control and the clocks follow the plan (or online
+        profiling); plans after profiling.
 
         Raises:
             ConfigError: strict mode, and the executed order is not the schedule's.
         """
-        if self._planning and not self._checked:
+        first = self._planning and not self._checked
+        if first:
             self._check_order()
         if self.online is not None:
             self.online.on_iteration_end()
         else:
             self.runtime.end_iteration()
+        if first and self._planning:
+            if self.online is not None:
+                self.online.start()
+            elif self._plan_file is not None:
+                self.runtime.set_plan(self._plan_file)
 
     def _check_order(self) -> None:
         """Agree (every rank, once) whether each rank ran its schedule's order."""

@@ -78,7 +78,7 @@ class StragglerEqualizer:
 
     Args:
         guard: the guard every clock change goes through.
-        supported_clocks_mhz: clocks the GPU supports.
+        supported_clocks_mhz: clocks the GPU supports (none: it votes against clock control).
         gpu_position: position of this rank's GPU in the guard.
         profile_clocks_mhz: clocks to profile (default: 3 from the maximum to 60 % of it).
         steps_per_clock: measured steps per clock, at least (each clock also gets one
@@ -90,6 +90,9 @@ class StragglerEqualizer:
         group: the data-parallel process group (None: the default group). Its CPU
             tensors go over a gloo group (see
             :func:`~lightning_energy.collectives.cpu_collective_group`).
+        vote_after_steps: steps run before the ranks agree on clock control and the first
+            clock is locked: an administrator's lock shows only while work runs, and is
+            looked for during these (see :meth:`look_for_foreign_clocks`).
 
     Raises:
         ConfigError: bad counts, margin or clocks, or a ``group`` that rejects CPU tensors.
@@ -107,6 +110,7 @@ class StragglerEqualizer:
         margin: float = 0.01,
         counter_period_s: float = 0.0,
         group: Any = None,
+        vote_after_steps: int = 3,
     ) -> None:
         problems = []
         if steps_per_clock < 1:
@@ -115,15 +119,19 @@ class StragglerEqualizer:
             problems.append(f"window_steps: {window_steps} is not allowed; use >= 1")
         if not 0 <= margin < 0.5:
             problems.append(f"margin: {margin} is not allowed; use a value in [0, 0.5)")
-        clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz, 3))
-        if len(set(clocks)) < 2:
-            problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        if vote_after_steps < 1:
+            problems.append(f"vote_after_steps: {vote_after_steps} is not allowed; use >= 1")
+        clocks: list[int] = []
+        if supported_clocks_mhz:  # none: this rank votes against clock control
+            clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz, 3))
+            if len(set(clocks)) < 2:
+                problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
         if problems:
             raise ConfigError(problems, source="StragglerEqualizer")
         self.guard = guard
         self.gpu_position = gpu_position
         self.supported_clocks_mhz = sorted(set(supported_clocks_mhz), reverse=True)
-        self.max_clock_mhz = self.supported_clocks_mhz[0]
+        self.max_clock_mhz = max(self.supported_clocks_mhz, default=0)
         self.profile_clocks_mhz = clocks
         self.steps_per_clock = steps_per_clock
         self.window_steps = window_steps
@@ -144,16 +152,32 @@ class StragglerEqualizer:
         self._window: list[float] = []
         self._landing = False  # the clock just changed
         self._drift = 1.0  # measured over modelled compute time
-        first = self.profile_clocks_mhz[0]
-        #: False when clocks cannot be changed on some rank: the equalizer does nothing.
-        self.enabled = agree_on_clock_control(guard, first, gpu_position, self.group)
+        self._vote_after_steps = vote_after_steps
+        #: False until the ranks agreed to control clocks (after the first steps), and for
+        #: good when clocks cannot be changed on some rank: the equalizer does nothing.
+        self.enabled = False
+        self.voted = False
+
+    def look_for_foreign_clocks(self) -> None:
+        """Until the vote, while the step's work keeps the GPU busy: let the guard look for
+        an administrator's clock lock (NVML shows one only under load, never on the idle GPU
+        of setup), so that none is replaced by the first lock and reset at the end."""
+        if not self.voted:
+            self.guard.check_foreign_clocks()
+
+    def _vote(self) -> None:
+        """After the first steps: lock the first profiling clock (collective; every rank)."""
+        self.voted = True
+        first = self.profile_clocks_mhz[0] if self.profile_clocks_mhz else None
+        self.enabled = agree_on_clock_control(self.guard, first, self.gpu_position, self.group)
         if self.enabled:
             self.clock_mhz = first
 
     @property
     def profiling(self) -> bool:
-        """True until the step model is fitted (never when disabled)."""
-        return self.enabled and self.model is None
+        """True until the step model is fitted (also before the ranks' vote; never once
+        disabled)."""
+        return not self.voted or (self.enabled and self.model is None)
 
     def _apply(self, freq_mhz: int) -> None:
         if freq_mhz != self.clock_mhz:
@@ -204,8 +228,13 @@ class StragglerEqualizer:
         self._timeline.leave_out()
 
     def on_step_end(self) -> None:
-        """Advance; profile, fit, and re-evaluate the clock at window ends (collective)."""
+        """Advance; after the first steps agree on clock control, then profile, fit, and
+        re-evaluate the clock at window ends (collectives)."""
         self.step += 1
+        if not self.voted:
+            if self.step >= self._vote_after_steps:
+                self._vote()
+            return
         if not self.enabled:
             return
         if self.profiling:

@@ -37,6 +37,13 @@ def open_rank(rank: int, lease_dir: str, group: Any) -> RankGPU:
     return RankGPU(DeviceSet([gpu], gpu.now_s, "simulated"), guard, owned=True, group=group)
 
 
+def _steps(run: StragglerRun) -> None:
+    """The steps until the ranks vote on clock control."""
+    for _ in range(3):
+        run.step_start()
+        run.step_end()
+
+
 def main() -> None:
     rank, port, out_dir, lease_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     nccl_like.install()
@@ -46,22 +53,31 @@ def main() -> None:
     result: dict[str, Any] = {}
     try:
         straggler = StragglerRun(open_rank(rank, lease_dir, group), section)
-        result["straggler"] = None if straggler.equalizer is None else straggler.equalizer.enabled
+        _steps(straggler)  # the ranks vote on clock control after the first steps
+        assert straggler.equalizer is not None
+        result["straggler"] = straggler.equalizer.enabled
         straggler.close()
         strict_rank = open_rank(rank, lease_dir, group)
+        strict = StragglerRun(strict_rank, section, strict=rank == 1)
         try:
-            strict = StragglerRun(strict_rank, section, strict=rank == 1)
+            _steps(strict)
         except DeviceError as exc:
             result["strict"] = f"raised {type(exc).__name__}"
-            strict_rank.close()
         else:
             assert strict.equalizer is not None
             result["strict"] = strict.equalizer.enabled
+        finally:
             strict.close()
+        schedule = one_f_one_b(2, 2)
         pipeline = RankPipeline(
-            open_rank(rank, lease_dir, group), section, one_f_one_b(2, 2), global_rank=rank
+            open_rank(rank, lease_dir, group), section, schedule, global_rank=rank
         )
         assert pipeline.online is not None
+        pipeline.iteration_start()  # after its first iteration, the pipeline's ranks vote
+        for inst in schedule.device_orders[rank]:
+            pipeline.before(inst)
+            pipeline.after(inst)
+        pipeline.iteration_end()
         result["pipeline"] = pipeline.online.phase
         pipeline.close()
         dist.barrier()

@@ -158,6 +158,7 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
                 group=group,
                 clock=gpu.clock.now,
             )
+            online.start()  # what RankPipeline does after the first iteration
             torch.manual_seed(0)
             module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
             stage = PerseusPipelineStage(module, rank, world, torch.device("cpu"), runtime=runtime)

@@ -128,6 +128,7 @@ def _single_rank(
             clock=gpu.clock.now,
             **options,
         )
+        online.start()  # as after the pipeline's first iteration
     except BaseException:
         runtime.close()
         guard.restore()

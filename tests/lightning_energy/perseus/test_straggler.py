@@ -107,7 +107,9 @@ def test_long_steps_with_work_between_them_still_fit(tmp_path: Path) -> None:
             steps_per_clock=2,
             window_steps=2,
             counter_period_s=gpu.energy_counter_period_s(),
+            vote_after_steps=1,
         )
+        equalizer.on_step_end()  # a first step, unmeasured: the ranks agree on clock control
         while equalizer.profiling:
             compute_s = sim.compute()
             equalizer.record_step(compute_s, sim.all_reduce())
@@ -172,7 +174,9 @@ def test_profiling_on_a_counter_that_ticks_every_100_ms(tmp_path: Path) -> None:
             steps_per_clock=3000,
             window_steps=10,
             counter_period_s=0.1,
+            vote_after_steps=1,
         )
+        equalizer.on_step_end()  # a first step, unmeasured: the ranks agree on clock control
         while equalizer.profiling:
             assert equalizer.clock_mhz is not None
             t = model.work_time_s(0.02, 0.85, equalizer.clock_mhz)
