@@ -95,6 +95,8 @@ _NVML_CLOCK_GRAPHICS = 0
 # How long, and how often, energy_counter_period_s polls the counter.
 _COUNTER_PROBE_S = 1.0
 _COUNTER_PROBE_INTERVAL_S = 0.002
+#: How long a synchronisation waits for a GPU's queued work before measuring without it.
+SYNC_TIMEOUT_S = 120.0
 # The period assumed when the counter does not move twice during the probe.
 _DEFAULT_COUNTER_PERIOD_S = 0.1
 # The counter period measured on each physical GPU (by UUID), for the life of the process.
@@ -298,6 +300,7 @@ class NVMLGPU:
         power_sample_interval_s: sampling period of the fallback energy integration.
         clock: monotonic seconds (probing the energy counter's period).
         sleep: waits that many seconds (probing the energy counter's period).
+        sync_timeout_s: how long :meth:`synchronize` waits for the GPU's queued work.
     """
 
     def __init__(
@@ -308,6 +311,7 @@ class NVMLGPU:
         power_sample_interval_s: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        sync_timeout_s: float = SYNC_TIMEOUT_S,
     ) -> None:
         self._session = NVMLSession()
         self._nvml = _pynvml()
@@ -320,6 +324,7 @@ class NVMLGPU:
         self._locked: tuple[int, int] | None = None
         self._clocks: list[int] | None = None
         self._synchronize: Callable[[], None] | None = None
+        self._sync_timeout_s = sync_timeout_s
         self._clock = clock
         self._sleep = sleep
         self._counter_period_s: float | None = None
@@ -725,10 +730,42 @@ class NVMLGPU:
             return self._sampler
 
     def synchronize(self) -> None:
-        """Wait for queued CUDA work on this GPU (no-op without CUDA in torch)."""
+        """Wait for queued CUDA work on this GPU (no-op without CUDA in torch), at most
+        ``sync_timeout_s``: a stream stalled in a collective whose peer is gone never
+        advances, and a measurement (at teardown too) must not wait for it forever.
+
+        Raises:
+            DriverError: the work did not finish in time (the wait goes on in a daemon
+                thread, and the caller measures without it), or CUDA failed (a sticky
+                error: every later CUDA call fails too).
+        """
         if self._synchronize is None:
             self._synchronize = _cuda_synchronizer(self._index)
-        self._synchronize()
+        done = threading.Event()
+        failed: list[BaseException] = []
+        synchronize = self._synchronize
+
+        def wait() -> None:
+            try:
+                synchronize()
+            except BaseException as exc:  # handed to the caller below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="lightning-energy-cuda-sync", daemon=True).start()
+        if not done.wait(self._sync_timeout_s):
+            raise DriverError(
+                f"GPU {self._index} did not finish its queued work within "
+                f"{self._sync_timeout_s:g} s (a collective whose peer is gone?): measured "
+                "without waiting for it",
+                gpu_index=self._index,
+                operation="synchronize",
+            )
+        if failed:
+            raise DriverError(
+                f"CUDA: {failed[0]}", gpu_index=self._index, operation="synchronize"
+            ) from failed[0]
 
     def now_s(self) -> float:
         """``time.perf_counter``: a real GPU's work takes wall-clock time."""
@@ -959,6 +996,7 @@ def nvml_gpus(
     *,
     power_sample_interval_s: float = 0.05,
     cuda: CudaRuntime | None = None,
+    sync_timeout_s: float = SYNC_TIMEOUT_S,
 ) -> list[NVMLGPU]:
     """Open GPUs through NVML.
 
@@ -967,6 +1005,7 @@ def nvml_gpus(
             visible GPUs.
         power_sample_interval_s: sampling period of the fallback energy integration on GPUs
             without an energy counter.
+        sync_timeout_s: how long each GPU's ``synchronize`` waits for its queued work.
         cuda: the CUDA side, asked when CUDA may number the GPUs differently from NVML
             (default :class:`~lightning_energy.device.cuda.TorchCuda`).
 
@@ -992,7 +1031,14 @@ def nvml_gpus(
         gpus: list[NVMLGPU] = []
         try:
             for i in wanted:
-                gpus.append(NVMLGPU(handles[i], i, power_sample_interval_s=power_sample_interval_s))
+                gpus.append(
+                    NVMLGPU(
+                        handles[i],
+                        i,
+                        power_sample_interval_s=power_sample_interval_s,
+                        sync_timeout_s=sync_timeout_s,
+                    )
+                )
         except BaseException:
             for gpu in gpus:
                 gpu.close()

@@ -379,6 +379,42 @@ def test_synchronize_uses_torch_cuda_when_available(
     assert synced == [torch.device("cuda", 1)]
 
 
+def test_a_gpu_whose_stream_never_advances_is_not_waited_for_forever(
+    fake: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collective whose peer is gone stalls the stream: a reading's synchronisation
+    gives up after the GPU's timeout with a DriverError (measurements go on without it),
+    instead of blocking the process, at teardown too."""
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(fake.devices).install(monkeypatch)
+    (gpu,) = nvml_gpus([0], sync_timeout_s=0.2)
+    try:
+        cuda.launch(0.01)
+        gpu.synchronize()  # work that finishes: waited for
+        cuda.stall(torch.cuda.current_stream(0))
+        with pytest.raises(DriverError, match="did not finish its queued work"):
+            gpu.synchronize()
+    finally:
+        cuda.release()
+        gpu.close()
+
+
+def test_a_sticky_cuda_error_in_a_synchronisation_is_a_driver_error(
+    fake: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(fake.devices).install(monkeypatch)
+    (gpu,) = nvml_gpus([0])
+    try:
+        cuda.lose(0)
+        with pytest.raises(DriverError, match="unspecified launch failure"):
+            gpu.synchronize()
+    finally:
+        gpu.close()
+
+
 def test_a_real_gpu_is_timed_on_the_wall_clock_and_reopened_through_nvml(
     gpus: list[NVMLGPU], monkeypatch: pytest.MonkeyPatch
 ) -> None:
