@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.kareus.files import write_atomically
 from lightning_energy.kareus.partition import PARTITION_KEYS, PartitionSetting
 from lightning_energy.kareus.search import MeasuredPoint, pareto_front, read_measurements
 from lightning_energy.perseus.plan import Plan, PlanEvaluation, evaluate
@@ -299,16 +299,7 @@ class KareusPlan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON, atomically (temporary file + rename)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.to_dict(), indent=1))
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KareusPlan:

@@ -39,12 +39,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_energy.errors import ProfileError
+from lightning_energy.kareus.files import raise_problems
 
 __all__ = ["PartitionMeasurements", "parse_partition_csv", "read_partition_csv"]
 
 _SETTING_COLUMNS = ("overlap_start", "overlap_end", "comm_sm_number", "comm_block_size")
 _REPEAT = re.compile(r"^(\d+):(time \(s\)|total energy \(J\))$")
-_MAX_LISTED = 20
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def parse_partition_csv(f: TextIO, *, source: str) -> PartitionMeasurements:
         energies.append(e)
     if not settings and not problems:
         problems.append("no measurements")
-    _raise(problems, source)
+    raise_problems(problems, f"the partition measurements {source}")
     grid = np.asarray(settings, dtype=np.int64)
     return PartitionMeasurements(
         source=source,
@@ -190,16 +190,3 @@ def _check_row(start: int, end: int, ctas: int, threads: int, values: Iterable[f
     if not all(math.isfinite(v) and v > 0 for v in values):
         return "times and energies must be finite and > 0"
     return ""
-
-
-def _raise(problems: list[str], source: str) -> None:
-    if not problems:
-        return
-    shown = problems[:_MAX_LISTED]
-    more = len(problems) - len(shown)
-    lines = "\n".join(f"  - {p}" for p in shown)
-    if more:
-        lines += f"\n  - ... and {more} more"
-    raise ProfileError(
-        f"{len(problems)} problem(s) in the partition measurements {source}:\n{lines}"
-    )

@@ -68,6 +68,7 @@ from scipy.stats import spearmanr
 
 from lightning_energy.device.physics import PhysicsModel, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.kareus.files import write_atomically
 from lightning_energy.kareus.measured import PartitionMeasurements
 from lightning_energy.kareus.partition import SEQUENTIAL, ComputeOp, Partition
 
@@ -704,10 +705,7 @@ def save_calibration(
         "physics": model.physics.to_dict(),
         "fit": report.to_dict(),
     }
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+    write_atomically(path, json.dumps(data, indent=1) + "\n")
 
 
 def load_calibration(path: str | os.PathLike[str]) -> tuple[OverlapPhysics, dict[str, Any]]:

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.kareus.files import raise_problems, write_atomically
 from lightning_energy.kareus.partition import SEQUENTIAL, PartitionSetting
 
 __all__ = [
@@ -229,15 +230,9 @@ class MeasurementCache:
             self._points[point.setting] = point
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(json.dumps({"format": CACHE_FORMAT, "key": self.key}) + "\n")
-            for point in self._points.values():
-                f.write(json.dumps(point.to_dict()) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        lines = [json.dumps({"format": CACHE_FORMAT, "key": self.key})]
+        lines.extend(json.dumps(point.to_dict()) for point in self._points.values())
+        write_atomically(self.path, "\n".join(lines) + "\n")
 
 
 def read_measurements(path: str | os.PathLike[str], key: str | None = None) -> list[MeasuredPoint]:
@@ -281,9 +276,7 @@ def read_measurements(path: str | os.PathLike[str], key: str | None = None) -> l
             problems.append(f"line {number}: time_s and energy_j must be finite and > 0")
             continue
         points.append(MeasuredPoint(setting, time_s, energy_j))
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems[:20])
-        raise ProfileError(f"{len(problems)} problem(s) in {path}:\n{listed}")
+    raise_problems(problems, str(path))
     return points
 
 
