@@ -399,9 +399,32 @@ def _optuna_search(
             f"sampler {sampler_name!r} needs Optuna: pip install 'lightning-energy[kareus]' "
             "(or use sampler='exhaustive')"
         ) from None
+    # Optuna logs every finished trial at INFO; quiet for the search, as it was afterwards.
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        _ask_and_tell(
+            optuna, meter, key, space, budget, static_power_w, sampler_name, cache, batch_size, seed
+        )
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _ask_and_tell(
+    optuna: Any,
+    meter: PartitionMeter,
+    key: str,
+    space: SearchSpace,
+    budget: int,
+    static_power_w: float,
+    sampler_name: str,
+    cache: MeasurementCache,
+    batch_size: int,
+    seed: int,
+) -> None:
+    """The ask/tell loop of :func:`_optuna_search`."""
     from optuna.distributions import CategoricalDistribution
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     distributions: dict[str, Any] = {
         "clock_mhz": _int_or_categorical(space.clocks_mhz),
         "ctas": _int_or_categorical(space.ctas),

@@ -80,6 +80,9 @@ def test_optuna_search_finds_the_exhaustive_pareto_set_of_a_small_grid(sampler: 
     )
     assert len(meter.settings) == len(set(meter.settings)) == SMALL.size  # each measured once
     assert result.front == exhaustive.front
+    import optuna
+
+    assert optuna.logging.get_verbosity() == optuna.logging.INFO  # left as it was
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "nsga2"])
