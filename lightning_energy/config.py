@@ -18,6 +18,11 @@ YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
     perseus:                   # optional; see docs/perseus.md
       enabled: true
       mode: ddp                # ddp (straggler clocks) | pipeline
+    kareus:                    # optional; see docs/kareus.md (planned by `lightning-energy plan`)
+      enabled: true
+      measurements_dir: runs/kareus
+      non_partition_profile: runs/kareus/non_partition.csv
+      layers_per_stage: [15, 13]
     batch_size:                # optional; see docs/batch-size.md
       enabled: true
       job_key: resnet50-imagenet
@@ -61,6 +66,7 @@ __all__ = [
     "BatchSizeConfig",
     "DeviceConfig",
     "EnergyConfig",
+    "KareusConfig",
     "NodeEnergyConfig",
     "PerseusConfig",
     "PowerLimitConfig",
@@ -252,6 +258,28 @@ class PerseusConfig:
 
 
 @dataclass(frozen=True)
+class KareusConfig:
+    """Kareus: nano-batch overlap co-tuned per partition and planned with Perseus, see
+    docs/kareus.md. ``lightning-energy plan --config`` reads this section; the pipeline
+    (schedule, micro-batches, virtual stages) comes from the ``perseus`` section.
+
+    Attributes:
+        enabled: plan with Kareus.
+        measurements_dir: folder of the partition searches' measurement files, one per key
+            (``fwd_attn.jsonl``, ``fwd_mlp.jsonl``, ``bwd_attn.jsonl``, ``bwd_mlp.jsonl``).
+        non_partition_profile: a profile CSV (``stage,instruction,frequency,time,energy``)
+            of each stage's work outside the transformer layers for one micro-batch
+            (embedding, output layer, loss), per clock.
+        layers_per_stage: transformer layers on each pipeline stage, each >= 1.
+    """
+
+    enabled: bool = False
+    measurements_dir: str | None = None
+    non_partition_profile: str | None = None
+    layers_per_stage: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class BatchSizeConfig:
     """Batch-size optimisation across recurring runs of a job, see docs/batch-size.md.
 
@@ -324,6 +352,7 @@ class EnergyConfig:
     power_limit: PowerLimitConfig = field(default_factory=PowerLimitConfig)
     carbon: CarbonConfig | None = None
     perseus: PerseusConfig = field(default_factory=PerseusConfig)
+    kareus: KareusConfig = field(default_factory=KareusConfig)
     batch_size: BatchSizeConfig = field(default_factory=BatchSizeConfig)
     node_energy: NodeEnergyConfig = field(default_factory=NodeEnergyConfig)
     strict: bool = False
@@ -349,6 +378,7 @@ class EnergyConfig:
             "power_limit",
             "carbon",
             "perseus",
+            "kareus",
             "batch_size",
             "node_energy",
             "strict",
@@ -369,6 +399,9 @@ class EnergyConfig:
         perseus = _build(PerseusConfig, data.get("perseus"), "perseus", problems)
         if perseus is not None:
             _check_perseus(perseus, problems)
+        kareus = _build(KareusConfig, data.get("kareus"), "kareus", problems)
+        if kareus is not None:
+            _check_kareus(kareus, data.get("kareus") or {}, problems)
         batch_size = _build(BatchSizeConfig, data.get("batch_size"), "batch_size", problems)
         if batch_size is not None:
             _check_batch_size(batch_size, problems)
@@ -389,11 +422,13 @@ class EnergyConfig:
             raise ConfigError(problems, source)
         assert device is not None and power_limit is not None
         assert perseus is not None and batch_size is not None and node_energy is not None
+        assert kareus is not None
         return cls(
             device=device,
             power_limit=power_limit,
             carbon=carbon,
             perseus=perseus,
+            kareus=kareus,
             batch_size=batch_size,
             node_energy=node_energy,
             strict=bool(strict),
@@ -442,6 +477,7 @@ class EnergyConfig:
             "device": _plain(dataclasses.asdict(self.device)),
             "power_limit": _plain(dataclasses.asdict(self.power_limit)),
             "perseus": _plain(dataclasses.asdict(self.perseus)),
+            "kareus": _plain(dataclasses.asdict(self.kareus)),
             "batch_size": _plain(dataclasses.asdict(self.batch_size)),
             "node_energy": _plain(dataclasses.asdict(self.node_energy)),
             "strict": self.strict,
@@ -696,6 +732,31 @@ def _check_perseus(section: PerseusConfig, problems: list[str]) -> None:
             problems.append(f"perseus.{key}: {value} is not allowed; use an integer >= {lowest}")
     if section.plan is not None and (not section.plan.strip() or "\0" in section.plan):
         problems.append(f"perseus.plan: {section.plan!r} is not allowed; use a file path or null")
+
+
+def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: list[str]) -> None:
+    for key in ("measurements_dir", "non_partition_profile"):
+        value = getattr(section, key)
+        if value is not None and (not value.strip() or "\0" in value):
+            problems.append(f"kareus.{key}: {value!r} is not allowed; use a path or null")
+    layers = section.layers_per_stage
+    if layers is not None and (not layers or min(layers) < 1):
+        problems.append(
+            f"kareus.layers_per_stage: {list(layers)} is not allowed; use one integer >= 1 "
+            "per pipeline stage"
+        )
+    if section.enabled:
+        # A key given with a bad value is reported as such, not as missing.
+        missing = [
+            f"kareus.{key}"
+            for key in ("measurements_dir", "non_partition_profile", "layers_per_stage")
+            if getattr(section, key) is None and given.get(key) is None
+        ]
+        if missing:
+            problems.append(
+                f"kareus.enabled: true is not allowed without {', '.join(missing)}; set them "
+                "or use false"
+            )
 
 
 def _check_batch_size(section: BatchSizeConfig, problems: list[str]) -> None:

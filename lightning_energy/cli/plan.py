@@ -7,6 +7,13 @@ for no slowdown (default), a target iteration time, or the energy optimum as JSO
     lightning-energy plan --profile profile.csv --schedule 1f1b --microbatches 8 \\
         --p2p-power-w 70 --target-time 1.9 --output plan.json
 
+With ``--config energy.yaml`` whose ``kareus:`` section is enabled it plans with Kareus
+instead: the instruction options come from the partition searches' measurements, the
+pipeline (schedule, micro-batches) from the ``perseus:`` section unless given here, and the
+plan carries the clock and partition settings of every instruction (docs/kareus.md)::
+
+    lightning-energy plan --config energy.yaml --p2p-power-w 640 --output kareus_plan.json
+
 Exit codes: 0 ok, 2 bad arguments or a malformed profile, 1 planning failed.
 """
 
@@ -21,11 +28,13 @@ from typing import Any
 
 from lightning_energy.argtypes import float_in, int_in
 from lightning_energy.cli import EXIT_OK
+from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError, ProfileError
+from lightning_energy.kareus.compose import KareusPlanner, planner_from_files
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import FrontierPoint, PerseusPlanner
 from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import SCHEDULES, build_schedule
+from lightning_energy.perseus.schedule import SCHEDULES, PipelineSchedule, build_schedule
 
 __all__ = ["register", "run"]
 
@@ -50,21 +59,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "a profile and write the frequency plan for no slowdown, a target iteration time or "
         "the energy optimum.",
     )
-    parser.add_argument("--profile", required=True, type=Path, metavar="FILE", help="profile CSV")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", type=Path, metavar="FILE", help="profile CSV (Perseus)")
+    source.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="YAML configuration whose kareus section is enabled: plan with Kareus",
+    )
     parser.add_argument(
-        "--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)"
+        "--schedule",
+        default=None,
+        choices=SCHEDULES,
+        help="pipeline schedule (default 1f1b, or perseus.schedule with --config)",
     )
     parser.add_argument(
         "--microbatches",
-        required=True,
+        default=None,
         type=int_in(1, MAX_MICROBATCHES),
         metavar="M",
-        help=f"microbatches per iteration (1 to {MAX_MICROBATCHES})",
+        help=f"microbatches per iteration (1 to {MAX_MICROBATCHES}; required with --profile, "
+        "perseus.microbatches with --config)",
     )
     parser.add_argument(
         "--virtual-stages",
         type=int_in(1, MAX_VIRTUAL_STAGES),
-        default=1,
+        default=None,
         metavar="V",
         help="stages per GPU (interleaved_1f1b; the profile lists all virtual stages)",
     )
@@ -91,9 +111,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--output",
         type=Path,
-        default=Path("perseus_plan.json"),
+        default=None,
         metavar="FILE",
-        help="where to write the plan (default perseus_plan.json)",
+        help="where to write the plan (default perseus_plan.json, kareus_plan.json with --config)",
     )
     parser.add_argument(
         "--time-step-s",
@@ -131,19 +151,17 @@ def _progress_bar(enabled: bool) -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print the frontier summary and the chosen plan, write the plan JSON."""
+    if args.output is None:
+        args.output = Path("kareus_plan.json" if args.config else "perseus_plan.json")
     if args.output.is_dir():
         raise ConfigError(f"--output {args.output}: is a folder; give a file path", "command line")
-    try:
-        profile = PipelineProfile.from_csv(args.profile, blocked_power_w=args.p2p_power_w)
-        schedule = build_schedule(
-            args.schedule,
-            profile.num_stages,
-            args.microbatches,
-            virtual_stages=args.virtual_stages,
-        )
-        planner = PerseusPlanner(profile, schedule)
-    except ProfileError as exc:
-        raise ConfigError(str(exc), source=str(args.profile)) from exc
+    if args.config is not None:
+        kareus = _kareus_planner(args)
+        planner, baseline_label = kareus.perseus, "every instruction at its fastest option"
+    else:
+        kareus, planner = None, _perseus_planner(args)
+        baseline_label = f"all {planner.profile.frequencies_mhz[0]} MHz"
+    schedule, profile = planner.schedule, planner.profile
     _check_time_step(planner, args.time_step_s)
     bar, callback = _progress_bar(not args.no_progress and not args.json)
     try:
@@ -171,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
     metadata["baseline_iteration_time_s"] = baseline.iteration_time_s
     if args.target_time is not None:
         metadata["target_time_s"] = args.target_time
+    plan = Plan(schedule, chosen.plan.frequencies_mhz, metadata)
     try:
-        Plan(schedule, chosen.plan.frequencies_mhz, metadata).save(args.output)
+        (plan if kareus is None else kareus.kareus_plan(plan)).save(args.output)
     except OSError as exc:
         raise ConfigError(
             f"--output {args.output}: cannot write the plan ({exc.strerror or exc}); give a "
@@ -181,14 +200,15 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     rows = frontier.summary(args.rows)
     if args.json:
-        print(json.dumps(_summary(args, baseline, chosen, rows, len(frontier)), indent=2))
+        summary = _summary(args, schedule, baseline, chosen, rows, len(frontier))
+        print(json.dumps(summary, indent=2))
         return EXIT_OK
     print(
         f"{schedule.name}: {schedule.num_stages} stages on {schedule.num_devices} GPUs, "
         f"{schedule.num_microbatches} microbatches, blocked power {profile.blocked_power_w:g} W"
     )
     print(
-        f"baseline (all {profile.frequencies_mhz[0]} MHz): {baseline.iteration_time_s:.4f} s, "
+        f"baseline ({baseline_label}): {baseline.iteration_time_s:.4f} s, "
         f"{baseline.energy_j:.1f} J per iteration"
     )
     print(f"frontier: {len(frontier)} plans")
@@ -202,6 +222,54 @@ def run(args: argparse.Namespace) -> int:
         f"({1 - chosen.energy_j / baseline.energy_j:.1%} less energy{gap}) -> {args.output}"
     )
     return EXIT_OK
+
+
+def _perseus_planner(args: argparse.Namespace) -> PerseusPlanner:
+    """The Perseus planner of ``--profile``."""
+    if args.microbatches is None:
+        raise ConfigError("--microbatches: required with --profile", "command line")
+    try:
+        profile = PipelineProfile.from_csv(args.profile, blocked_power_w=args.p2p_power_w)
+        schedule = build_schedule(
+            args.schedule or "1f1b",
+            profile.num_stages,
+            args.microbatches,
+            virtual_stages=args.virtual_stages or 1,
+        )
+        return PerseusPlanner(profile, schedule)
+    except ProfileError as exc:
+        raise ConfigError(str(exc), source=str(args.profile)) from exc
+
+
+def _kareus_planner(args: argparse.Namespace) -> KareusPlanner:
+    """The Kareus planner of ``--config``: its kareus section, the pipeline of its perseus
+    section (command-line values first)."""
+    config = EnergyConfig.from_yaml(args.config)
+    kareus, perseus = config.kareus, config.perseus
+    if not kareus.enabled:
+        raise ConfigError(
+            "kareus.enabled: false is not allowed with --config; set it to true (and its "
+            "measurements_dir, non_partition_profile, layers_per_stage), or plan Perseus "
+            "with --profile",
+            str(args.config),
+        )
+    assert kareus.measurements_dir and kareus.non_partition_profile and kareus.layers_per_stage
+    try:
+        schedule = build_schedule(
+            args.schedule or perseus.schedule,
+            len(kareus.layers_per_stage),
+            args.microbatches or perseus.microbatches,
+            virtual_stages=args.virtual_stages or perseus.virtual_stages,
+        )
+        return planner_from_files(
+            kareus.measurements_dir,
+            kareus.non_partition_profile,
+            kareus.layers_per_stage,
+            schedule,
+            blocked_power_w=args.p2p_power_w,
+        )
+    except ProfileError as exc:
+        raise ConfigError(str(exc), source=str(args.config)) from exc
 
 
 def _check_time_step(planner: PerseusPlanner, time_step_s: float | None) -> None:
@@ -221,15 +289,18 @@ def _check_time_step(planner: PerseusPlanner, time_step_s: float | None) -> None
 
 def _summary(
     args: argparse.Namespace,
+    schedule: PipelineSchedule,
     baseline: FrontierPoint,
     chosen: FrontierPoint,
     rows: list[tuple[float, float, float]],
     points: int,
 ) -> dict[str, Any]:
+    source = {"profile": str(args.profile)} if args.config is None else {"config": str(args.config)}
     return {
-        "profile": str(args.profile),
-        "schedule": args.schedule,
-        "microbatches": args.microbatches,
+        **source,
+        "planner": "perseus" if args.config is None else "kareus",
+        "schedule": schedule.name,
+        "microbatches": schedule.num_microbatches,
         "baseline": {"iteration_time_s": baseline.iteration_time_s, "energy_j": baseline.energy_j},
         "frontier": {
             "points": points,

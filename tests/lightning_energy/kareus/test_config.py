@@ -1,0 +1,58 @@
+"""The ``kareus:`` section of the configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.errors import ConfigError
+
+SECTION = {
+    "enabled": True,
+    "measurements_dir": "runs/kareus",
+    "non_partition_profile": "runs/kareus/non_partition.csv",
+    "layers_per_stage": [15, 13],
+}
+
+
+def problems(section: Any) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        EnergyConfig.from_mapping({"kareus": section})
+    return err.value.problems
+
+
+def test_a_complete_section_is_read_and_round_trips() -> None:
+    config = EnergyConfig.from_mapping({"kareus": SECTION})
+    assert config.kareus.enabled and config.kareus.layers_per_stage == (15, 13)
+    assert EnergyConfig.from_mapping(config.to_mapping()) == config
+    assert not EnergyConfig.from_mapping({}).kareus.enabled  # off by default
+
+
+def test_enabled_needs_its_files_and_layers() -> None:
+    assert problems({"enabled": True}) == [
+        "kareus.enabled: true is not allowed without kareus.measurements_dir, "
+        "kareus.non_partition_profile, kareus.layers_per_stage; set them or use false"
+    ]
+
+
+def test_every_bad_value_is_reported_at_once() -> None:
+    found = problems(
+        {
+            "enabled": "yes",
+            "measurements_dir": "  ",
+            "layers_per_stage": [15, 0],
+            "nanobatches": 4,
+        }
+    )
+    assert len(found) == 4
+    assert "kareus.enabled: 'yes' is not allowed; use true or false" in found
+    assert "kareus.measurements_dir: '  ' is not allowed; use a path or null" in found
+    assert any(p.startswith("kareus.layers_per_stage: [15, 0] is not allowed") for p in found)
+    assert any(
+        p.startswith("kareus.nanobatches: unknown key; allowed keys: enabled,") for p in found
+    )
+    assert problems({**SECTION, "layers_per_stage": "15,13"}) == [
+        "kareus.layers_per_stage: '15,13' is not allowed; use a list of integers"
+    ]
