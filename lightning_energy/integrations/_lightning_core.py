@@ -335,8 +335,9 @@ class EnergySingleDeviceCore(EnergyStrategyCore):
     devices it parsed from the ``Trainer``'s ``accelerator`` and ``devices`` flags
     (``devices=[1]`` on CUDA: ``cuda:1``; ``accelerator="cpu"``: the CPU); the strategy
     trains on that one. A device given to the strategy wins, as with Lightning's own
-    ``SingleDeviceStrategy``. Like a DDP strategy object, an instance passed to a second
-    ``Trainer`` keeps the devices of the first.
+    ``SingleDeviceStrategy``. The strategy pins no devices itself (``parallel_devices``
+    reads None), so each ``Trainer`` it is passed to gives it its own, as a
+    ``SingleDeviceStrategy`` object is reused.
 
     Args:
         device: the device to train on; None: the one the ``Trainer`` chose (before it
@@ -364,9 +365,10 @@ class EnergySingleDeviceCore(EnergyStrategyCore):
         self._parallel_devices: list[torch.device] | None = None
 
     @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The devices Lightning parsed from the ``Trainer``'s flags (None before)."""
-        return self._parallel_devices
+    def parallel_devices(self) -> None:
+        """None: the strategy pins no devices; Lightning's connector sets the ``Trainer``'s
+        (the setter) whenever the strategy is given to a ``Trainer``."""
+        return None
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Sequence[torch.device | str | int] | None) -> None:
