@@ -128,6 +128,47 @@ def _summary_us(name: str, samples_s: Sequence[float]) -> dict[str, float]:
     }
 
 
+def window_readings(lease_dir: str) -> dict[str, float]:
+    """Readings per profiling window on 20 ms steps and a 100 ms energy counter.
+
+    Each reading synchronises the GPUs and, across ranks, is a collective; a window of
+    10 s is 500 such steps. Counted over a whole profile of four limits (the warm-up
+    window has no reading).
+    """
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", step_time_s=0.02))
+    devices = DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated")
+    config = EnergyConfig.from_mapping(
+        {
+            "device": {"backend": "simulated", "lease_dir": lease_dir},
+            "power_limit": {"selector": "energy", "power_limits_w": [400, 300, 250, 200]},
+        }
+    )
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    controller.setup()
+    readings = 0
+    sum_and_max = controller.collective.sum_and_max
+
+    def counted(sums: Sequence[float], maxima: Sequence[float]) -> tuple[list[float], list[float]]:
+        nonlocal readings
+        readings += 1
+        return sum_and_max(sums, maxima)
+
+    controller.collective.sum_and_max = counted  # type: ignore[method-assign, assignment]
+    try:
+        while not controller.profile_done:
+            controller.on_step_start()
+            gpus[0].run_step()
+            controller.on_step_end()
+    finally:
+        controller.teardown()
+    windows = sum(1 for d in controller.decisions if d["purpose"] == "profile") - 1
+    return {
+        "profile_windows": float(windows),
+        "profile_steps": float(controller.steps),
+        "readings_per_window": (readings - 1) / windows,  # less the setup's counter period
+    }
+
+
 def sampler_cpu_share(duration_s: float) -> dict[str, float]:
     """CPU share of the power-sampler thread on an in-memory pynvml GPU with no counter."""
     fake = _fake_pynvml()
@@ -467,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as lease_dir:
             if args.steps > 0:
                 result.update(step_overhead_us(args.steps, lease_dir))
+                result.update(window_readings(lease_dir))
             if args.sampler_s > 0:
                 result.update(sampler_cpu_share(args.sampler_s))
             if args.decisions > 0:
@@ -489,6 +531,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{result['p999_step_overhead_us']:.1f} us, max "
             f"{result['max_step_overhead_us']:.0f} us; first step "
             f"{result['first_step_overhead_us']:.0f} us (target median <= 50 us)"
+        )
+        print(
+            f"profiling on 20 ms steps and a 100 ms counter: "
+            f"{result['readings_per_window']:.1f} readings (GPU sync + collective) per window "
+            f"of {result['profile_steps'] / result['profile_windows']:.0f} steps on average"
         )
     if args.sampler_s > 0:
         print(
