@@ -119,7 +119,7 @@ def test_provider_failure_exits_1(
     )
     assert main(["carbon", "now", "--config", path]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: electricitymaps: credentials rejected") and TOKEN not in err
+    assert err.startswith("error: electricitymaps: the token was rejected") and TOKEN not in err
 
 
 def test_configuration_problems_exit_2(

@@ -242,8 +242,9 @@ def test_replay_a_trace_with_a_virtual_clock() -> None:
         assert reading.intensity_g_per_kwh == series.at(clock.now())
         clock.t += 3600
     assert len(monitor.history()) == 48
-    forecast = monitor.forecast()  # fetched at 47:00 for 48 h; 47:00 is over now
-    assert forecast[0].time == clock.now() and len(forecast) == 47
+    forecast = monitor.forecast()  # fetched at 47:00 for 72 h; 47:00 is over now
+    assert forecast[0].time == clock.now() and len(forecast) == 71
+    assert monitor.forecast_reach_s == 72 * 3600.0  # what the trace gave at that poll
     assert [p.intensity_g_per_kwh for p in forecast] == [series.at(p.time) for p in forecast]
 
 
