@@ -40,7 +40,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from carbon.errors import CarbonConfigError, QuotaError
-from carbon.forecast import DailyProfileForecaster, interval_ends_s
+from carbon.forecast import DailyProfileForecaster, forecast_reach_s, interval_ends_s
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint, Reading, ReadingStatus
 
@@ -67,14 +67,6 @@ def _turn_s(
     if turn is None or not now_s < turn < now_s + poll_interval_s:
         return None
     return turn
-
-
-def _reach_s(forecast: list[IntensityPoint], now_s: float) -> float:
-    """Seconds from ``now_s`` to the end of a forecast's last interval (0 when empty)."""
-    if not forecast:
-        return 0.0
-    starts_s = np.array(sorted(p.time.timestamp() for p in forecast))
-    return max(float(interval_ends_s(starts_s)[-1]) - now_s, 0.0)
 
 
 class CarbonMonitor:
@@ -425,7 +417,7 @@ class CarbonMonitor:
             self._last_good, self._last_good_at = point, now_s
             if forecast is not None:
                 self._forecast = forecast
-                self._forecast_reach_s = _reach_s(forecast, now_s)
+                self._forecast_reach_s = forecast_reach_s(forecast, now_s)
             self._turn_s = _turn_s(point, self._forecast, now_s, self.poll_interval_s)
             for p in [*seeded, point]:
                 self._history[p.time] = p

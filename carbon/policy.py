@@ -228,8 +228,7 @@ class _BasePolicy(ABC):
     _points: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        forecaster = self.forecaster or DailyProfileForecaster(level_decay_s=_DAY_S)
-        self._outlook = IntensityOutlook(forecaster, self.history_s)
+        self._outlook = IntensityOutlook(self.forecaster, self.history_s)
 
     def observe(self, points: Sequence[IntensityPoint]) -> None:
         """Learn from past intensities (the forecast extension fits on them).
