@@ -57,6 +57,7 @@ __all__ = [
     "executed_point",
     "fill_cheapest",
     "frontier_from_profile",
+    "interval_offsets",
     "plan_intervals",
     "plan_steps",
 ]
@@ -443,6 +444,28 @@ def _plan_without_pause(
     total, steps, energy = best
     pad = durations.size - steps.size
     return Schedule(np.pad(steps, (0, pad)), np.pad(energy, (0, pad)), total, True)
+
+
+#: The shortest planning interval: a shorter last one merges into the one before it (at
+#: epoch-second magnitudes a sliver can round to no width at all).
+MIN_INTERVAL_S = 1.0
+
+
+def interval_offsets(span_s: float, step_s: float) -> FloatArray:
+    """The edges of the planning intervals from now (0) to ``span_s``: every ``step_s``,
+    the last one shorter, a last one under :data:`MIN_INTERVAL_S` merged into the one
+    before it.
+
+    Example:
+        >>> interval_offsets(7200.5, 3600.0).tolist()
+        [0.0, 3600.0, 7200.5]
+        >>> interval_offsets(9000.0, 3600.0).tolist()
+        [0.0, 3600.0, 7200.0, 9000.0]
+    """
+    offsets = np.arange(0.0, span_s, step_s, dtype=np.float64)
+    if offsets.size > 1 and span_s - offsets[-1] < MIN_INTERVAL_S:
+        offsets = offsets[:-1]
+    return np.append(offsets, span_s)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from carbon.planning import (
     efficient_points,
     executed_point,
     frontier_from_profile,
+    interval_offsets,
     plan_intervals,
 )
 from carbon.types import IntensityPoint, PointKind, as_utc
@@ -513,7 +514,7 @@ class ForecastPolicy(_BasePolicy):
         )
 
     def _choose(self, s: _Situation) -> tuple[float, bool, str]:
-        offsets = np.append(np.arange(0.0, s.time_left_s, self.interval_s), s.time_left_s)
+        offsets = interval_offsets(s.time_left_s, self.interval_s)
         edges = offsets + s.now_s
         intensity = self._outlook.means(
             s.now_s, s.intensity_now, s.forecast, edges, self.interval_s

@@ -34,7 +34,7 @@ import numpy as np
 
 from carbon.errors import CarbonConfigError
 from carbon.forecast import forecast_reach_s
-from carbon.planning import IntensityOutlook, OperatingPoint, plan_intervals
+from carbon.planning import IntensityOutlook, OperatingPoint, interval_offsets, plan_intervals
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = ["MAX_WITHIN_S", "MIN_DURATION_S", "StartWindow", "best_start"]
@@ -42,8 +42,6 @@ __all__ = ["MAX_WITHIN_S", "MIN_DURATION_S", "StartWindow", "best_start"]
 #: The furthest end of a window: a week (past the forecast, a daily profile is a guess).
 MAX_WITHIN_S = 7 * 86400.0
 _J_PER_KWH = 3.6e6
-#: The shortest planning interval: a shorter last one merges into the one before it.
-_MIN_INTERVAL_S = 1.0
 #: The shortest job planned.
 MIN_DURATION_S = 60.0
 
@@ -144,10 +142,7 @@ def best_start(
     for p in sorted(history, key=lambda p: p.time):
         if p.kind is not PointKind.FORECAST and p.time.timestamp() <= now_s:
             outlook.record(p.time.timestamp(), p.intensity_g_per_kwh)
-    offsets = np.arange(0.0, within_s, step_s)
-    if within_s - offsets[-1] < _MIN_INTERVAL_S and offsets.size > 1:
-        offsets = offsets[:-1]  # a sliver of an interval merges into the one before it
-    offsets = np.append(offsets, within_s)
+    offsets = interval_offsets(within_s, step_s)
     edges = offsets + now_s
     intensity = outlook.means(now_s, intensity_now_g_per_kwh, forecast, edges, step_s)
     durations = np.diff(edges)

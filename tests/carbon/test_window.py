@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carbon.errors import CarbonConfigError
-from carbon.planning import IntensityOutlook
+from carbon.planning import IntensityOutlook, interval_offsets
 from carbon.types import IntensityPoint, PointKind
 from carbon.window import MAX_WITHIN_S, best_start
 
@@ -31,10 +31,7 @@ def _brute_force(
     """g/kWh x seconds of every possible start, from the same expected intensities."""
     steps = int(np.ceil(duration_s / step_s - 1e-9))
     step = duration_s / steps
-    offsets = np.arange(0.0, within_s, step)
-    if within_s - offsets[-1] < 1.0 and offsets.size > 1:
-        offsets = offsets[:-1]
-    edges = np.append(offsets, within_s) + NOW.timestamp()
+    edges = interval_offsets(within_s, step) + NOW.timestamp()
     means = IntensityOutlook().means(NOW.timestamp(), now_g, forecast, edges, step)
     fits = [k for k in range(means.size) if edges[k] + duration_s <= edges[-1] + 1e-6]
     grams = [float(means[k : k + steps] @ np.full(steps, step)) for k in fits]
