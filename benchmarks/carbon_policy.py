@@ -534,6 +534,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--time-col", help="the trace's time column (detected by default)")
     parser.add_argument("--value-col", help="the trace's intensity column (detected by default)")
+    parser.add_argument(
+        "--emission-factor",
+        choices=("direct", "lifecycle"),
+        default="direct",
+        help="which column of an Electricity Maps export to read (default: direct; grams of "
+        "the two are not comparable)",
+    )
     parser.add_argument("--power-trace", type=Path, default=Path(str(default_power)))
     parser.add_argument("--workload", default="imagenet/resnet50", help="dataset/network")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -587,7 +594,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = [Shape(h, s, p) for h in args.work_hours for s in args.slack for p in pauses]
     max_span_s = max(s.work_hours * 3600.0 * (1 + s.slack) for s in shapes)
     traces: list[TraceSeries] = [
-        load_trace(name, time_col=args.time_col, value_col=args.value_col)
+        load_trace(
+            name,
+            time_col=args.time_col,
+            value_col=args.value_col,
+            emission_factor="lifecycle" if args.emission_factor == "lifecycle" else "direct",
+        )
         for name in (args.trace or list(SHIPPED_TRACES))
     ]
     tasks = []
@@ -638,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "slack": args.slack,
                 "frontier": [p.label for p in frontier],
                 "measured_limits": [p.label for p in measured],
+                "emission_factor": args.emission_factor,
             },
             "elapsed_s": elapsed_s,
             "results": [
@@ -664,7 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"workload {args.workload} bs {args.batch_size}; frontier: {hull} (of "
         f"{len(measured)} measured limits); idle {idle_power_w:g} W; {len(shapes)} shapes x "
-        f"{args.starts} starts per trace and forecast mode; {elapsed_s:.0f} s"
+        f"{args.starts} starts per trace and forecast mode; {args.emission_factor} emission "
+        f"factors; {elapsed_s:.0f} s"
     )
     for mode in modes:
         title = {

@@ -151,7 +151,9 @@ def format_summary(summary: RunSummary) -> str:
         rows.append(("GPU readings", f"failed mid-run, energy incomplete ({summary.read_error})"))
     carbon = summary.carbon or {}
     if "emissions_g" in carbon:
-        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))
+        factor = carbon.get("emission_factor")
+        of = f" ({factor} emission factors)" if factor else ""
+        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g{of}"))
     for key, label in (
         ("carbon_unaware_emissions_g", "CO2eq if carbon-unaware"),
         ("full_power_emissions_g", "CO2eq at full power"),

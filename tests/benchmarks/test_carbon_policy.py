@@ -171,6 +171,7 @@ def test_json_reports_both_forecasts_pause_modes_and_idle_power(
             assert key in forecast
         assert forecast["jobs"] == 2
     assert out["settings"]["measured_limits"][0] == "300 W"
+    assert out["settings"]["emission_factor"] == "direct"  # grams say which factor they use
 
 
 def test_a_forecast_reaching_further_captures_more_of_the_oracle(

@@ -15,6 +15,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.errors import EnergyError, GPULostError
+from lightning_energy.integrations._common import format_summary
 from lightning_energy.plots import render_plots
 from lightning_energy.report import (
     REPORT_VERSION,
@@ -131,6 +132,10 @@ def test_carbon_aware_report_has_intensity_grams_and_baselines(
     table = format_report(report)
     assert "CISO via trace (direct emission factors), forecast policy" in table
     assert re.search(r"forecast for pacing +72 h asked, the last one reached \d+ h", table)
+    logged = format_summary(carbon_aware.teardown())  # the summary a fit logs at its end
+    assert re.search(
+        r"CO2eq emitted \(this process\) +[\d.]+ g \(direct emission factors\)", logged
+    )
     assert "vs. carbon-unaware" in table and "vs. full power" in table
     assert "gCO2eq/kWh" in table
 
