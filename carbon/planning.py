@@ -492,6 +492,10 @@ class IntervalPlan:
 
 #: Remaining-work grid of :func:`plan_intervals` (points; fewer when there are fewer steps).
 PLAN_RESOLUTION = 1000
+#: With a delayed start allowed, waiting must save more than this share of the grams of
+#: starting now: a difference of rounding (of interval lengths at epoch-second magnitudes,
+#: of mean intensities) is a tie, and a tie starts now.
+DELAY_MIN_SAVING = 1e-6
 
 
 def plan_intervals(
@@ -516,7 +520,9 @@ def plan_intervals(
 
     With ``allow_delay`` the job may also wait before it starts: an interval before the
     first one that runs costs nothing (nothing is allocated yet), so the plan also chooses
-    when to start; between two starts of the same grams the earlier one is taken. This is
+    when to start; it waits only while a later start saves more than
+    :data:`DELAY_MIN_SAVING` of the grams, so of two starts of the same grams the earlier
+    one is taken. This is
     how :mod:`carbon.window` finds the best time to start a job that cannot pause.
 
     Args:
@@ -593,7 +599,7 @@ def plan_intervals(
         )[:, 0]
         k = int(np.argmin(costs))
         later_g = float(values[t + 1][-1])
-        if allow_delay and work == need and later_g < costs[k] - 1e-12 * abs(costs[k]):
+        if allow_delay and work == need and later_g < costs[k] * (1.0 - DELAY_MIN_SAVING):
             continue  # not started: choice -1, nothing charged (a tie starts now)
         if k < rates.size:
             run_s = min(float(durations[t]), work / rates[k])

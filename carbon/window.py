@@ -145,7 +145,7 @@ def best_start(
     offsets = interval_offsets(within_s, step_s)
     edges = offsets + now_s
     intensity = outlook.means(now_s, intensity_now_g_per_kwh, forecast, edges, step_s)
-    durations = np.diff(edges)
+    durations = np.diff(offsets)  # exact: the edges lose digits at epoch magnitudes
     job = [OperatingPoint(step_s, power_w * step_s)]
 
     def plan(allow_delay: bool) -> tuple[int, float]:
