@@ -33,7 +33,7 @@ from carbon.config import (
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint
-from carbon.window import MAX_WITHIN_S, StartWindow, best_start
+from carbon.window import MAX_WITHIN_S, MIN_DURATION_S, StartWindow, best_start
 from lightning_energy.argtypes import float_in, non_empty
 
 __all__ = ["register"]
@@ -162,7 +162,10 @@ def handle(args: argparse.Namespace) -> int:
         logging.getLogger().setLevel(logging.DEBUG)
     try:
         config = _config(args)
-        power = _power(args) if args.carbon_action == "window" else None
+        power = None
+        if args.carbon_action == "window":
+            _check_window(args)
+            power = _power(args)
         provider = build_provider(config, now=_now)
     except (CarbonConfigError, _UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -199,8 +202,13 @@ def _config(args: argparse.Namespace) -> CarbonConfig:
     )
 
 
-def _power(args: argparse.Namespace) -> tuple[float, str] | None:
-    """The job's mean power and where it comes from, when given."""
+def _check_window(args: argparse.Namespace) -> None:
+    """Durations that parse but cannot be planned."""
+    if args.duration.total_seconds() < MIN_DURATION_S:
+        raise _UsageError(
+            f"--duration {_hours(args.duration)} is not allowed; allowed: at least "
+            f"{_hours(timedelta(seconds=MIN_DURATION_S))}"
+        )
     if args.within < args.duration:
         raise _UsageError(
             f"--within {_hours(args.within)} is shorter than --duration "
@@ -211,6 +219,10 @@ def _power(args: argparse.Namespace) -> tuple[float, str] | None:
             f"--within {_hours(args.within)} is not allowed; allowed: from the duration to "
             f"{MAX_WITHIN_S / 3600:g}h (past the forecast only a daily profile is left)"
         )
+
+
+def _power(args: argparse.Namespace) -> tuple[float, str] | None:
+    """The job's mean power and where it comes from, when given."""
     if args.power_w is not None:
         return float(args.power_w), "given"
     if args.report is None:
@@ -417,9 +429,11 @@ def _print_window(
 
 
 def _hours(duration: timedelta) -> str:
-    """A duration in words: ``8 h``, ``1 h 30 min``, ``45 min``."""
-    minutes = round(duration.total_seconds() / 60)
-    hours, minutes = divmod(minutes, 60)
+    """A duration in words: ``8 h``, ``1 h 30 min``, ``45 min``, ``30 s``."""
+    seconds = duration.total_seconds()
+    if seconds < 60:
+        return f"{seconds:g} s"
+    hours, minutes = divmod(round(seconds / 60), 60)
     if hours and minutes:
         return f"{hours} h {minutes} min"
     return f"{hours} h" if hours else f"{minutes} min"

@@ -138,6 +138,7 @@ def test_electricitymaps_without_a_forecast_in_the_plan_still_plans_and_says_so(
             "--within 6 h is shorter than --duration 8 h",
         ),
         (["--duration", "8h", "--within", "200h", *TRACE], "allowed: from the duration to 168h"),
+        (["--duration", "30s", *TRACE], "--duration 30 s is not allowed; allowed: at least 1 min"),
         (["--duration", "2025-01-01T00:00:00Z", *TRACE], "is a time; use a duration such as '8h'"),
         (["--duration", "soon", *TRACE], "argument --duration: 'soon' is not allowed"),
         (
@@ -171,6 +172,7 @@ def test_provider_only_goes_with_region(tmp_path: Path, capsys: pytest.CaptureFi
 _VALID_DURATIONS = st.one_of(
     st.builds(lambda n: f"{n}h", st.integers(1, 60)),
     st.builds(lambda n: f"{n}m", st.integers(1, 3000)),
+    st.builds(lambda n: f"{n}s", st.integers(1, 200)),
     st.builds(lambda d, h: f"P{d}DT{h}H", st.integers(0, 3), st.integers(0, 23)),
 )
 _DURATIONS = st.one_of(
