@@ -1,4 +1,5 @@
-"""carbon: grid carbon intensity (providers, monitor, forecaster, accounting, config).
+"""carbon: grid carbon intensity (providers, monitor, forecaster, accounting, config) and
+the best time to start a job (window).
 
 Usable on its own; it imports nothing from ``lightning_energy``.
 
@@ -49,6 +50,7 @@ from carbon.providers import (
     shipped_trace_path,
 )
 from carbon.types import IntensityPoint, PointKind, Reading, ReadingStatus
+from carbon.window import StartWindow, best_start
 
 __all__ = [
     "SHIPPED_TRACES",
@@ -74,11 +76,13 @@ __all__ = [
     "Reading",
     "ReadingStatus",
     "RegionNotInPlanError",
+    "StartWindow",
     "TraceError",
     "TraceProvider",
     "TraceSeries",
     "UKCarbonIntensityProvider",
     "WattTimeProvider",
+    "best_start",
     "build_monitor",
     "build_provider",
     "emissions_g",

@@ -47,6 +47,13 @@ PROVIDERS = ("electricitymaps", "watttime", "uk", "trace", "constant")
 POLICIES = ("static", "threshold", "forecast")
 FALLBACKS = ("constant", "daily")
 EMISSION_FACTORS = ("direct", "lifecycle")
+#: The emission factor behind the values of the providers where it cannot be chosen: the
+#: UK API's factors count nothing for wind, solar, hydro and nuclear (operational, direct
+#: emissions); WattTime serves marginal operating emission rates; a constant is whatever
+#: the configuration says it is.
+FIXED_EMISSION_FACTORS = {"uk": "direct", "watttime": "marginal", "constant": "unspecified"}
+#: The forecast asked for at each poll by default: the longest any provider gives (72 h).
+DEFAULT_FORECAST_HORIZON_S = 72 * 3600.0
 FORECASTERS = ("perfect", "daily")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -67,6 +74,7 @@ MAX_DEADLINE = timedelta(days=366)
 #: Keys that only mean something for some providers.
 _PROVIDER_KEYS: dict[str, tuple[str, ...]] = {
     "token_env": ("electricitymaps",),
+    "api_version": ("electricitymaps",),
     "username_env": ("watttime",),
     "password_env": ("watttime",),
     "emission_factor": ("electricitymaps", "trace"),
@@ -165,14 +173,19 @@ class CarbonConfig:
         token_env: environment variable holding the Electricity Maps token.
         username_env: environment variable holding the WattTime username.
         password_env: environment variable holding the WattTime password.
-        base_url: the provider's API root (default: its public URL).
-        emission_factor: ``direct`` or ``lifecycle`` (Electricity Maps, traces).
+        base_url: the provider's API root (default: its public URL; for Electricity Maps
+            the root of one API version, e.g. ``https://proxy:8443/v4``).
+        api_version: Electricity Maps only: ``v4`` or ``v3``; by default the version
+            ``base_url`` ends with, else ``v4``.
+        emission_factor: ``direct`` or ``lifecycle`` (Electricity Maps, traces); what
+            reports state is :attr:`emission_factor_reported`.
         poll_interval_s: seconds between polls (> 0).
         max_staleness_s: serve the last good value this long during an outage
             (>= ``poll_interval_s``).
         fallback: ``constant`` or ``daily`` (a daily profile of the values seen).
         fallback_g_per_kwh: the constant fallback (>= 0).
-        forecast_horizon_s: forecast fetched at each poll, seconds ahead (>= 0).
+        forecast_horizon_s: forecast fetched at each poll, seconds ahead (>= 0; by
+            default 72 h, the longest a provider gives: Electricity Maps v4 72 h, UK 48 h).
         constant_g_per_kwh: the value of the ``constant`` provider (default:
             ``fallback_g_per_kwh``).
         time_col: trace time column (detected when unset).
@@ -196,12 +209,13 @@ class CarbonConfig:
     username_env: str | None = None
     password_env: str | None = None
     base_url: str | None = None
+    api_version: str | None = None
     emission_factor: str = "direct"
     poll_interval_s: float = 900.0
     max_staleness_s: float = 7200.0
     fallback: str = "constant"
     fallback_g_per_kwh: float = 400.0
-    forecast_horizon_s: float = 48 * 3600.0
+    forecast_horizon_s: float = DEFAULT_FORECAST_HORIZON_S
     constant_g_per_kwh: float | None = None
     time_col: str | None = None
     value_col: str | None = None
@@ -225,6 +239,21 @@ class CarbonConfig:
         """Field names and values, with the credentials of ``base_url`` masked."""
         items = [(f.name, getattr(self, f.name)) for f in fields(self)]
         return [(k, redact_url(v) if k == "base_url" and v else v) for k, v in items]
+
+    @property
+    def emission_factor_reported(self) -> str:
+        """The emission factor behind the intensities this configuration yields, as every
+        report and summary states it: ``emission_factor`` for Electricity Maps and traces,
+        ``direct`` for the UK API, ``marginal`` for WattTime, ``unspecified`` for a
+        constant. Values of different factors are not comparable (one Danish hour: 75 g
+        life-cycle, 20 g direct)."""
+        return FIXED_EMISSION_FACTORS.get(self.provider, self.emission_factor)
+
+    @property
+    def electricitymaps_api_version(self) -> str:
+        """The Electricity Maps API version spoken: ``api_version``, else the version
+        ``base_url`` ends with, else ``v4``."""
+        return electricitymaps.resolve_api_version(self.api_version, self.base_url)[0]
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], source: str | None = None) -> CarbonConfig:
@@ -436,6 +465,10 @@ def _validate(c: CarbonConfig) -> list[str]:
     ):
         shown = repr(redact_url(c.base_url)) if isinstance(c.base_url, str) else repr(c.base_url)
         problems.append(f"base_url: {shown} is not allowed; allowed: an http:// or https:// URL")
+    if c.provider == "electricitymaps" and isinstance(c.base_url, (str, type(None))):
+        api_problem = electricitymaps.resolve_api_version(c.api_version, c.base_url)[1]
+        if api_problem:
+            problems.append(api_problem)
     choice("emission_factor", c.emission_factor, EMISSION_FACTORS)
     poll_ok = number("poll_interval_s", c.poll_interval_s, 0, strict=True)
     staleness_ok = number("max_staleness_s", c.max_staleness_s, 0, strict=False)
@@ -602,6 +635,7 @@ def build_provider(
         return electricitymaps.ElectricityMapsProvider(
             config.region,
             token,
+            api_version="v3" if config.electricitymaps_api_version == "v3" else "v4",
             emission_factor="lifecycle" if config.emission_factor == "lifecycle" else "direct",
             now=now,
             **http,
@@ -624,7 +658,7 @@ def build_provider(
         return TraceProvider(
             series,
             now=now,
-            forecast_horizon_s=config.forecast_horizon_s or 48 * 3600.0,
+            forecast_horizon_s=config.forecast_horizon_s or DEFAULT_FORECAST_HORIZON_S,
             forecaster="daily" if config.forecaster == "daily" else "perfect",
         )
     value = config.constant_g_per_kwh

@@ -12,6 +12,8 @@ the operation attached (never a token)::
         ├── AuthError                   401/403 on credentials: missing, wrong or expired
         ├── QuotaError                  429 (``retry_after_s`` attached when sent)
         ├── RegionNotInPlanError        the account's plan does not cover the region/signal
+        │                               (or endpoint: an Electricity Maps 401 once the
+        │                               token was accepted)
         ├── NoDataError                 the provider answered but has no data for the request
         ├── BadResponseError            unparseable body or unexpected shape
         └── ProviderUnavailableError    5xx, timeouts, connection errors
@@ -127,7 +129,8 @@ class QuotaError(ProviderError):
 
 
 class RegionNotInPlanError(ProviderError):
-    """The account's plan does not include this region or signal (e.g. WattTime 403)."""
+    """The account's plan does not include this region, signal or endpoint (e.g. WattTime
+    403; Electricity Maps 403, or 401 once a request with the token has succeeded)."""
 
 
 class NoDataError(ProviderError):

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from carbon.errors import CarbonConfigError, CarbonError
 from carbon.types import IntensityPoint, PointKind, as_utc
 
-__all__ = ["DailyProfileForecaster", "interval_ends_s"]
+__all__ = ["DailyProfileForecaster", "forecast_reach_s", "interval_ends_s"]
 
 _DAY_S = 86400.0
 
@@ -297,3 +297,21 @@ def interval_ends_s(times_s: FloatArray, default_s: float = 3600.0) -> FloatArra
     positive = steps[steps > 0]
     last_s = float(positive[-1]) if positive.size else float(default_s)
     return np.append(times[1:], times[-1] + last_s)
+
+
+def forecast_reach_s(points: Sequence[IntensityPoint], now_s: float) -> float:
+    """How far a forecast reaches: seconds from ``now_s`` to the end of its last interval
+    (:func:`interval_ends_s`), 0 for an empty or past one.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> from carbon.types import PointKind
+        >>> t = [datetime(2023, 1, 1, h, tzinfo=timezone.utc) for h in (0, 1, 2)]
+        >>> points = [IntensityPoint(x, 100.0, PointKind.FORECAST, "x") for x in t]
+        >>> forecast_reach_s(points, t[0].timestamp()) / 3600
+        3.0
+    """
+    times = np.array(sorted(p.time.timestamp() for p in points), dtype=np.float64)
+    if times.size == 0:
+        return 0.0
+    return max(float(interval_ends_s(times)[-1]) - now_s, 0.0)

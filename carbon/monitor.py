@@ -40,7 +40,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from carbon.errors import CarbonConfigError, QuotaError
-from carbon.forecast import DailyProfileForecaster, interval_ends_s
+from carbon.forecast import DailyProfileForecaster, forecast_reach_s, interval_ends_s
 from carbon.providers.base import CarbonProvider
 from carbon.types import IntensityPoint, Reading, ReadingStatus
 
@@ -81,7 +81,9 @@ class CarbonMonitor:
             serves a daily profile learnt from the values seen so far (the constant while
             none were seen).
         fallback_g_per_kwh: the constant fallback (>= 0).
-        forecast_horizon_s: how far ahead to fetch the forecast at each poll; 0 disables.
+        forecast_horizon_s: how far ahead to fetch the forecast at each poll (by default
+            72 h, the longest a provider gives; a provider serves what it has, e.g. the UK
+            API 48 h); 0 disables.
         history_window_s: how much of the values seen is kept (by their time).
         seed_history_s: at the first successful poll, also fetch this much history from
             the provider (feeds the daily fallback and forecasters); 0 disables.
@@ -102,7 +104,7 @@ class CarbonMonitor:
         max_staleness_s: float = 7200.0,
         fallback: Literal["constant", "daily"] = "constant",
         fallback_g_per_kwh: float = 400.0,
-        forecast_horizon_s: float = 48 * 3600.0,
+        forecast_horizon_s: float = 72 * 3600.0,
         history_window_s: float = 7 * 86400.0,
         seed_history_s: float = 24 * 3600.0,
         clock: Callable[[], float] = time.time,
@@ -143,6 +145,7 @@ class CarbonMonitor:
         self._last_good: IntensityPoint | None = None
         self._last_good_at: float | None = None
         self._forecast: list[IntensityPoint] = []
+        self._forecast_reach_s: float | None = None
         self._history: dict[datetime, IntensityPoint] = {}
         self._profile: DailyProfileForecaster | None = None
         self._outage_since: float | None = None
@@ -284,6 +287,14 @@ class CarbonMonitor:
             return sorted(self._history.values(), key=lambda p: p.time)
 
     @property
+    def forecast_reach_s(self) -> float | None:
+        """How far ahead the last forecast fetched reached when it came (the end of its
+        last interval, in seconds after that poll): what the provider gave of the
+        ``forecast_horizon_s`` asked for. ``None`` before any forecast came."""
+        with self._state_lock:
+            return self._forecast_reach_s
+
+    @property
     def in_outage(self) -> bool:
         """Whether the last poll failed."""
         with self._state_lock:
@@ -406,6 +417,7 @@ class CarbonMonitor:
             self._last_good, self._last_good_at = point, now_s
             if forecast is not None:
                 self._forecast = forecast
+                self._forecast_reach_s = forecast_reach_s(forecast, now_s)
             self._turn_s = _turn_s(point, self._forecast, now_s, self.poll_interval_s)
             for p in [*seeded, point]:
                 self._history[p.time] = p

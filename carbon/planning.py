@@ -57,6 +57,7 @@ __all__ = [
     "executed_point",
     "fill_cheapest",
     "frontier_from_profile",
+    "interval_offsets",
     "plan_intervals",
     "plan_steps",
 ]
@@ -64,6 +65,7 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 
 _J_PER_KWH = 3.6e6
+_DAY_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -444,6 +446,28 @@ def _plan_without_pause(
     return Schedule(np.pad(steps, (0, pad)), np.pad(energy, (0, pad)), total, True)
 
 
+#: The shortest planning interval: a shorter last one merges into the one before it (at
+#: epoch-second magnitudes a sliver can round to no width at all).
+MIN_INTERVAL_S = 1.0
+
+
+def interval_offsets(span_s: float, step_s: float) -> FloatArray:
+    """The edges of the planning intervals from now (0) to ``span_s``: every ``step_s``,
+    the last one shorter, a last one under :data:`MIN_INTERVAL_S` merged into the one
+    before it.
+
+    Example:
+        >>> interval_offsets(7200.5, 3600.0).tolist()
+        [0.0, 3600.0, 7200.5]
+        >>> interval_offsets(9000.0, 3600.0).tolist()
+        [0.0, 3600.0, 7200.0, 9000.0]
+    """
+    offsets = np.arange(0.0, span_s, step_s, dtype=np.float64)
+    if offsets.size > 1 and span_s - offsets[-1] < MIN_INTERVAL_S:
+        offsets = offsets[:-1]
+    return np.append(offsets, span_s)
+
+
 @dataclass(frozen=True)
 class IntervalPlan:
     """A least-carbon plan holding one setting per interval.
@@ -468,6 +492,10 @@ class IntervalPlan:
 
 #: Remaining-work grid of :func:`plan_intervals` (points; fewer when there are fewer steps).
 PLAN_RESOLUTION = 1000
+#: With a delayed start allowed, waiting must save more than this share of the grams of
+#: starting now: a difference of rounding (of interval lengths at epoch-second magnitudes,
+#: of mean intensities) is a tie, and a tie starts now.
+DELAY_MIN_SAVING = 1e-6
 
 
 def plan_intervals(
@@ -479,6 +507,7 @@ def plan_intervals(
     allow_pause: bool,
     idle_power_w: float = 0.0,
     resolution: int = PLAN_RESOLUTION,
+    allow_delay: bool = False,
 ) -> IntervalPlan:
     """Plan the least-carbon run when every interval holds one setting or a pause.
 
@@ -489,6 +518,13 @@ def plan_intervals(
     at the deadline costs far more than any run, so the deadline is kept whenever it can
     be. The plan is then rolled forward from the exact remaining work.
 
+    With ``allow_delay`` the job may also wait before it starts: an interval before the
+    first one that runs costs nothing (nothing is allocated yet), so the plan also chooses
+    when to start; it waits only while a later start saves more than
+    :data:`DELAY_MIN_SAVING` of the grams, so of two starts of the same grams the earlier
+    one is taken. This is
+    how :mod:`carbon.window` finds the best time to start a job that cannot pause.
+
     Args:
         intensity_g_per_kwh: carbon intensity of each interval.
         duration_s: length of each interval (the last one ends at the deadline).
@@ -497,6 +533,7 @@ def plan_intervals(
         allow_pause: whether the job may pause for an interval.
         idle_power_w: power drawn while paused.
         resolution: grid points for the work left.
+        allow_delay: whether the job may wait, for free, before its first interval.
 
     Returns:
         The plan; ``feasible`` is False when even full speed cannot do the work in time.
@@ -538,6 +575,8 @@ def plan_intervals(
             left, values[-1], left, scale[t], durations[t], rates, powers, allow_pause, idle_power_w
         ).min(axis=0)
         best[0] = 0.0
+        if allow_delay:  # not started yet (all the work left): waiting is free
+            best[-1] = min(best[-1], values[-1][-1])
         values.append(best)
     values.reverse()
     choices = np.full(count, -1, dtype=np.int64)
@@ -559,6 +598,9 @@ def plan_intervals(
             idle_power_w,
         )[:, 0]
         k = int(np.argmin(costs))
+        later_g = float(values[t + 1][-1])
+        if allow_delay and work == need and later_g < costs[k] * (1.0 - DELAY_MIN_SAVING):
+            continue  # not started: choice -1, nothing charged (a tie starts now)
         if k < rates.size:
             run_s = min(float(durations[t]), work / rates[k])
             choices[t], steps[t], energy[t] = k, rates[k] * run_s, powers[k] * run_s
@@ -599,18 +641,24 @@ class IntensityOutlook:
     """The intensity to expect over coming intervals: the current value, then a forecast,
     then, past its end, a daily profile fitted on the intensities seen and the forecast.
 
+    Pacing and the best start (:mod:`carbon.window`) expect the same intensities from the
+    same inputs: both use this class with its defaults.
+
     Args:
-        forecaster: continues a short or missing forecast.
+        forecaster: continues a short or missing forecast; by default a
+            :class:`~carbon.forecast.DailyProfileForecaster` whose level persists for a day.
         history_s: how much recorded history to keep for it.
 
     Example:
-        >>> out = IntensityOutlook(DailyProfileForecaster(), history_s=7 * 86400.0)
+        >>> out = IntensityOutlook()
         >>> out.means(0.0, 100.0, [], np.array([0.0, 3600.0, 7200.0]), 3600.0).tolist()
         [100.0, 100.0]
     """
 
-    def __init__(self, forecaster: DailyProfileForecaster, history_s: float) -> None:
-        self._forecaster = forecaster
+    def __init__(
+        self, forecaster: DailyProfileForecaster | None = None, history_s: float = 7 * _DAY_S
+    ) -> None:
+        self._forecaster = forecaster or DailyProfileForecaster(level_decay_s=_DAY_S)
         self._history_s = history_s
         self._history: dict[float, float] = {}
         self._oldest_s = math.inf

@@ -54,6 +54,7 @@ from carbon.planning import (
     efficient_points,
     executed_point,
     frontier_from_profile,
+    interval_offsets,
     plan_intervals,
 )
 from carbon.types import IntensityPoint, PointKind, as_utc
@@ -228,8 +229,7 @@ class _BasePolicy(ABC):
     _points: tuple[OperatingPoint, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        forecaster = self.forecaster or DailyProfileForecaster(level_decay_s=_DAY_S)
-        self._outlook = IntensityOutlook(forecaster, self.history_s)
+        self._outlook = IntensityOutlook(self.forecaster, self.history_s)
 
     def observe(self, points: Sequence[IntensityPoint]) -> None:
         """Learn from past intensities (the forecast extension fits on them).
@@ -444,12 +444,16 @@ class ForecastPolicy(_BasePolicy):
     far (measured, when :class:`JobProgress` carries them) plus the plan's against the
     grams of the carbon-unaware run of the same job (the setting of the least-energy
     constant pace that met the deadline when the job started, never pausing), counted
-    over the same past and the same outlook. Unless the plan saves at least ``min_saving``
-    (a share) on both counts, under the outlook and under a pessimistic one past the
-    forecast, the job runs at the carbon-unaware pace (or faster, when that is needed to
-    keep the deadline). When even the steady pace cannot bring a job that is behind back
-    under the carbon-unaware run, only the first count applies: the plan is then followed
-    only if it loses less than the steady pace under both outlooks.
+    over the same past and the same outlook. A plan is followed only if it saves at least
+    ``min_saving`` (a share) on both counts, under the outlook and under a pessimistic one
+    past the forecast. When the plan for the outlook does not, the plan for the
+    pessimistic outlook is weighed the same way: it moves work only where that pays even
+    if the hours past the forecast are as dirty as the past week allows (pausing through
+    the dirtiest forecast hours, not through those that are merely dirtier than the
+    profile). When neither pays, the job runs at the carbon-unaware pace (or faster, when
+    that is needed to keep the deadline). When even the steady pace cannot bring a job
+    that is behind back under the carbon-unaware run, only the first count applies: a plan
+    is then followed only if it loses less than the steady pace under both outlooks.
 
     Attributes:
         min_saving: the predicted share of emissions a plan must save to be followed.
@@ -510,13 +514,12 @@ class ForecastPolicy(_BasePolicy):
         )
 
     def _choose(self, s: _Situation) -> tuple[float, bool, str]:
-        offsets = np.append(np.arange(0.0, s.time_left_s, self.interval_s), s.time_left_s)
+        offsets = interval_offsets(s.time_left_s, self.interval_s)
         edges = offsets + s.now_s
         intensity = self._outlook.means(
             s.now_s, s.intensity_now, s.forecast, edges, self.interval_s
         )
         durations = np.diff(edges)
-        plan = self._plan_interval(s, intensity, durations)
         steady = executed_point(s.points, 1.0 / s.pace)
         steady_s = np.clip(s.steps * steady.time_per_step_s - offsets[:-1], 0.0, durations)
         steady_j = steady_s * steady.power_w
@@ -526,24 +529,37 @@ class ForecastPolicy(_BasePolicy):
             unaware_j = np.clip(unaware.end_s - edges[:-1], 0.0, durations) * unaware.power_w
             past_job_g, past_unaware_g = unaware.job_g, unaware.unaware_g
         keep = 1.0 - self.min_saving
-        fallback = (s.pace, False, "forecast: carbon-unaware pace, a plan would not pay")
-        if plan is None:
-            return fallback
-        rate, pause, plan_j = plan
-        for outlook in (intensity, self._pessimistic(s, edges, intensity)):
-            plan_g = float(outlook @ plan_j) / _J_PER_KWH
-            steady_g = float(outlook @ steady_j) / _J_PER_KWH
-            unaware_g = past_unaware_g + float(outlook @ unaware_j) / _J_PER_KWH
-            recoverable = past_job_g + steady_g <= unaware_g
-            if plan_g >= keep * steady_g or (
-                recoverable and past_job_g + plan_g >= keep * unaware_g
-            ):
-                return fallback
-        plan_g = float(intensity @ plan_j) / _J_PER_KWH
-        if pause:
-            return s.r_eff, True, f"forecast: pause, {plan_g:.0f} g to go"
-        label = executed_point(s.points, 1.0 / rate).label or f"{rate:.4g} steps/s"
-        return rate, False, f"forecast: {label} now, {plan_g:.0f} g to go"
+        pessimistic = self._pessimistic(s, edges, intensity)
+
+        def pays(plan_j: FloatArray) -> bool:
+            for outlook in (intensity, pessimistic):
+                plan_g = float(outlook @ plan_j) / _J_PER_KWH
+                steady_g = float(outlook @ steady_j) / _J_PER_KWH
+                unaware_g = past_unaware_g + float(outlook @ unaware_j) / _J_PER_KWH
+                recoverable = past_job_g + steady_g <= unaware_g
+                if plan_g >= keep * steady_g or (
+                    recoverable and past_job_g + plan_g >= keep * unaware_g
+                ):
+                    return False
+            return True
+
+        # The plan for the outlook; if it does not pay under both outlooks, the plan for
+        # the pessimistic one, which only moves work where that pays even then.
+        outlooks = [intensity]
+        if not np.array_equal(pessimistic, intensity):
+            outlooks.append(pessimistic)
+        for planned_on in outlooks:
+            plan = self._plan_interval(s, planned_on, durations)
+            if plan is None or not pays(plan[2]):
+                continue
+            rate, pause, plan_j = plan
+            plan_g = float(intensity @ plan_j) / _J_PER_KWH
+            robust = " (robust plan)" if planned_on is pessimistic else ""
+            if pause:
+                return s.r_eff, True, f"forecast: pause, {plan_g:.0f} g to go{robust}"
+            label = executed_point(s.points, 1.0 / rate).label or f"{rate:.4g} steps/s"
+            return rate, False, f"forecast: {label} now, {plan_g:.0f} g to go{robust}"
+        return s.pace, False, "forecast: carbon-unaware pace, a plan would not pay"
 
     def _plan_interval(
         self, s: _Situation, intensity: FloatArray, durations: FloatArray

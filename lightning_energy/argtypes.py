@@ -61,7 +61,9 @@ def float_in(low: float, high: float, *, low_inclusive: bool = True) -> Callable
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number; use a number {above} and <= {high:g}"
+            ) from None
         inside = low <= value if low_inclusive else low < value
         if not (math.isfinite(value) and inside and value <= high):
             raise argparse.ArgumentTypeError(

@@ -394,11 +394,16 @@ class CarbonPacer:
             self._adopt(decision)
 
     def summary(self, finished_at: datetime) -> dict[str, Any]:
-        """Deadline facts for the run summary."""
+        """Where the intensities came from (provider, region, emission factor, the forecast
+        asked for and how far the last one reached) and the deadline facts, for the run
+        summary."""
         return {
             "provider": self.config.provider,
             "region": self.config.region,
+            "emission_factor": self.config.emission_factor_reported,
             "policy": self.config.policy,
+            "forecast_horizon_s": self.config.forecast_horizon_s,
+            "forecast_reach_s": self.monitor.forecast_reach_s,
             "deadline": self.deadline.isoformat() if self.deadline else None,
             "finished": finished_at.isoformat(),
             "deadline_met": None if self.deadline is None else finished_at <= self.deadline,

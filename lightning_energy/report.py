@@ -324,7 +324,10 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "full_power_meets_deadline": "bool?",
         "provider": "str?",
         "region": "str?",
+        "emission_factor": "str?",
         "policy": "str?",
+        "forecast_horizon_s": "num?",
+        "forecast_reach_s": "num?",
         "deadline": "str?",
         "finished": "str?",
         "baselines": "obj?",
@@ -513,9 +516,16 @@ def _carbon_rows(
     rows: list[tuple[str, str]] = []
     if carbon.get("provider"):
         grid = f"{carbon.get('region') or 'no region'} via {carbon['provider']}"
+        if carbon.get("emission_factor"):
+            grid += f" ({carbon['emission_factor']} emission factors)"
         if carbon.get("policy"):
             grid += f", {carbon['policy']} policy"
         rows.append(("carbon intensity from", grid))
+    if carbon.get("forecast_horizon_s") is not None:
+        forecast = f"{float(carbon['forecast_horizon_s']) / 3600:g} h asked"
+        if carbon.get("forecast_reach_s") is not None:
+            forecast += f", the last one reached {float(carbon['forecast_reach_s']) / 3600:.0f} h"
+        rows.append(("forecast for pacing", forecast))
     deadline = carbon.get("deadline")
     if deadline:
         met = carbon.get("deadline_met")

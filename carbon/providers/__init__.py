@@ -1,6 +1,6 @@
 """Carbon-intensity providers: one interface, one shape of answer (IntensityPoint).
 
-- :class:`ElectricityMapsProvider`: Electricity Maps API v3 (token).
+- :class:`ElectricityMapsProvider`: Electricity Maps API v4, or v3 while it answers (token).
 - :class:`WattTimeProvider`: WattTime API v3 (username/password).
 - :class:`UKCarbonIntensityProvider`: Great Britain, carbonintensity.org.uk (no key).
 - :class:`TraceProvider`: a recorded CSV trace replayed with an adjustable clock.

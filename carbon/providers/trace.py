@@ -444,7 +444,7 @@ class TraceProvider:
         self,
         series: TraceSeries,
         now: Callable[[], datetime] | None = None,
-        forecast_horizon_s: float = 48 * 3600.0,
+        forecast_horizon_s: float = 72 * 3600.0,
         forecaster: Literal["perfect", "daily"] = "perfect",
     ) -> None:
         if forecaster not in ("perfect", "daily"):

@@ -185,7 +185,9 @@ def format_summary(summary: RunSummary) -> str:
         rows.append(("GPU readings", f"failed mid-run, energy incomplete ({summary.read_error})"))
     carbon = summary.carbon or {}
     if "emissions_g" in carbon:
-        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g"))
+        factor = carbon.get("emission_factor")
+        of = f" ({factor} emission factors)" if factor else ""
+        rows.append(("CO2eq emitted (this process)", f"{carbon['emissions_g']:.1f} g{of}"))
     if "node_emissions_g" in carbon:
         rows.append(("CO2eq emitted (CPU + DRAM)", f"{carbon['node_emissions_g']:.1f} g"))
         rows.append(("CO2eq emitted (total)", f"{carbon['total_emissions_g']:.1f} g"))

@@ -148,11 +148,8 @@ def test_json_reports_both_forecasts_pause_modes_and_idle_power(
         (r["settings"]["forecast"], r["settings"]["trace"], r["settings"]["allow_pause"])
         for r in out["results"]
     }
-    assert settings == {
-        (mode, trace, pause)
-        for mode in ("perfect", "daily")
-        for trace in ("grid", "all")
-        for pause in (False, True)
+    assert settings == {  # one trace: no summary over "all" traces repeating it
+        (mode, "grid", pause) for mode in ("perfect", "daily") for pause in (False, True)
     }
     for result in out["results"]:
         assert result["settings"]["idle_power_w"] == 30.0  # the A40 trace's idle power
@@ -174,6 +171,7 @@ def test_json_reports_both_forecasts_pause_modes_and_idle_power(
             assert key in forecast
         assert forecast["jobs"] == 2
     assert out["settings"]["measured_limits"][0] == "300 W"
+    assert out["settings"]["emission_factor"] == "direct"  # grams say which factor they use
 
 
 def test_a_forecast_reaching_further_captures_more_of_the_oracle(
@@ -203,3 +201,39 @@ def test_a_forecast_reach_that_is_not_a_positive_number_is_refused(
 ) -> None:
     with pytest.raises(SystemExit, match="--forecast-hours must be a number > 0"):
         bench.main(["--trace", "DE", "--forecast-hours", hours])
+
+
+def test_without_headroom_the_table_gives_grams_and_lists_each_setting_once(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without pausing the frontier oracle is the constant least-energy pace: it saves
+    # nothing, and a capture would be a ratio of two roundings.
+    argv = ["--trace", "FR", "--starts", "2", "--work-hours", "24", "--slack", "0.1"]
+    argv += ["--forecast", "perfect", "--workers", "1"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| FR, ")]
+    labels = [tuple(cell.strip() for cell in row.split("|")[1:3]) for row in rows]
+    assert len(labels) == len(set(labels)) == 2 * len(bench.REPORTED)  # once each, no "all"
+    assert "| all, " not in out
+    for row in rows:
+        cells = [cell.strip() for cell in row.split("|")]
+        captures = cells[6:8]
+        for cell in captures:
+            if cell.endswith("%"):
+                assert abs(float(cell[:-1])) <= 1000, row  # no ratio of roundings
+        if row.startswith("| FR, no pause"):
+            assert captures[0].startswith("no headroom: oracle 0.0 g, this "), row
+    assert bench.main([*argv, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    keys = [
+        (r["settings"]["forecast"], r["settings"]["trace"], r["settings"]["allow_pause"])
+        for r in results
+    ]
+    assert sorted(keys) == sorted(set(keys)) == [("perfect", "FR", False), ("perfect", "FR", True)]
+    for r in results:
+        forecast = r["policies"]["forecast"]
+        if not r["settings"]["allow_pause"]:
+            assert forecast["oracle_capture"] is None  # no headroom
+            assert abs(forecast["oracle_saving_g"]) < 1e-3
+        assert isinstance(forecast["saving_g"], float)

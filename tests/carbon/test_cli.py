@@ -96,7 +96,12 @@ def test_electricitymaps_via_local_server_never_logs_the_token(
     code = main(["carbon", "now", "--config", path, "--json", "--verbose"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert json.loads(captured.out)["g_per_kwh"] == 506.0
+    body = json.loads(captured.out)
+    assert body["g_per_kwh"] == 506.0 and body["emission_factor"] == "direct"
+    assert main(["carbon", "now", "--config", path]) == 0
+    assert capsys.readouterr().out.startswith(
+        "electricitymaps US-MIDW-MISO (direct emission factors): 506.0 gCO2eq/kWh"
+    )
     assert any(r.name.startswith("urllib3") for r in caplog.records)  # DEBUG was on
     assert logging.getLogger().level == logging.DEBUG
     everything = captured.out + captured.err + "\n".join(r.getMessage() for r in caplog.records)
@@ -119,7 +124,7 @@ def test_provider_failure_exits_1(
     )
     assert main(["carbon", "now", "--config", path]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: electricitymaps: credentials rejected") and TOKEN not in err
+    assert err.startswith("error: electricitymaps: the token was rejected") and TOKEN not in err
 
 
 def test_configuration_problems_exit_2(

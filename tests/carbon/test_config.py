@@ -402,3 +402,73 @@ def test_credentials_in_base_url_never_shown(monkeypatch: pytest.MonkeyPatch) ->
     assert "ftp://***@x" in str(info.value)
     for text in shown:
         assert "pw-PLANTED" not in text and "proxyuser" not in text and SECRET_VALUE not in text
+
+
+def test_electricitymaps_speaks_v4_by_default_and_v3_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ELECTRICITYMAPS_TOKEN", SECRET_VALUE)
+    config = CarbonConfig.from_mapping({"provider": "electricitymaps", "region": "DE"})
+    assert config.electricitymaps_api_version == "v4"
+    assert config.forecast_horizon_s == 72 * 3600.0  # the longest forecast a provider gives
+    provider = build_provider(config)
+    assert isinstance(provider, ElectricityMapsProvider)
+    assert provider.base_url == "https://api.electricitymaps.com/v4"
+    legacy = CarbonConfig.from_mapping(
+        {"provider": "electricitymaps", "region": "DE", "api_version": "v3"}
+    )
+    old = build_provider(legacy)
+    assert isinstance(old, ElectricityMapsProvider) and old.api_version == "v3"
+    assert old.base_url == "https://api.electricitymaps.com/v3"
+    # a configured base_url of one version speaks that version
+    proxied = CarbonConfig.from_mapping(
+        {"provider": "electricitymaps", "region": "DE", "base_url": "http://proxy:8080/v3"}
+    )
+    assert proxied.electricitymaps_api_version == "v3"
+    for p in (provider, old):
+        p.close()
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({"api_version": "v5"}, "api_version: 'v5' is not allowed; allowed: v4, v3"),
+        ({"api_version": 4}, "api_version: 4 is not allowed; allowed: v4, v3"),
+        (
+            {"api_version": "v4", "base_url": "http://proxy:8080/v3"},
+            "api_version: 'v4' does not match base_url, which ends in '/v3'",
+        ),
+    ],
+)
+def test_a_bad_api_version_is_named_with_what_is_allowed(
+    monkeypatch: pytest.MonkeyPatch, mapping: dict[str, object], message: str
+) -> None:
+    monkeypatch.setenv("ELECTRICITYMAPS_TOKEN", SECRET_VALUE)
+    with pytest.raises(CarbonConfigError) as info:
+        CarbonConfig.from_mapping({"provider": "electricitymaps", "region": "DE", **mapping})
+    assert message in str(info.value)
+    with pytest.raises(CarbonConfigError, match="api_version: 'v4' is not used by provider 'uk'"):
+        CarbonConfig(provider="uk", region="13", api_version="v4")
+
+
+@pytest.mark.parametrize(
+    ("mapping", "factor"),
+    [
+        ({"provider": "electricitymaps", "region": "DE"}, "direct"),
+        (
+            {"provider": "electricitymaps", "region": "DE", "emission_factor": "lifecycle"},
+            "lifecycle",
+        ),
+        ({"provider": "trace", "region": "DE", "emission_factor": "lifecycle"}, "lifecycle"),
+        ({"provider": "uk", "region": "national"}, "direct"),
+        ({"provider": "watttime", "region": "CAISO_NORTH"}, "marginal"),
+        ({"provider": "constant"}, "unspecified"),
+    ],
+)
+def test_every_configuration_says_which_emission_factor_its_values_use(
+    monkeypatch: pytest.MonkeyPatch, mapping: dict[str, str], factor: str
+) -> None:
+    monkeypatch.setenv("ELECTRICITYMAPS_TOKEN", SECRET_VALUE)
+    monkeypatch.setenv("WATTTIME_USER", "user")
+    monkeypatch.setenv("WATTTIME_PASSWORD", SECRET_VALUE)
+    assert CarbonConfig.from_mapping(mapping).emission_factor_reported == factor

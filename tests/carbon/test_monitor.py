@@ -242,8 +242,9 @@ def test_replay_a_trace_with_a_virtual_clock() -> None:
         assert reading.intensity_g_per_kwh == series.at(clock.now())
         clock.t += 3600
     assert len(monitor.history()) == 48
-    forecast = monitor.forecast()  # fetched at 47:00 for 48 h; 47:00 is over now
-    assert forecast[0].time == clock.now() and len(forecast) == 47
+    forecast = monitor.forecast()  # fetched at 47:00 for 72 h; 47:00 is over now
+    assert forecast[0].time == clock.now() and len(forecast) == 71
+    assert monitor.forecast_reach_s == 72 * 3600.0  # what the trace gave at that poll
     assert [p.intensity_g_per_kwh for p in forecast] == [series.at(p.time) for p in forecast]
 
 
@@ -517,10 +518,14 @@ def test_a_scheduled_poll_meeting_a_young_poll_at_the_turn_is_no_outage(
     # The value's hour turns half a second after the first poll; the poll asked for at
     # the turn is still waiting for its answer when the scheduled one comes due. That poll
     # has run for less than poll_interval_s: nothing is late, so no outage is reported.
+    # The real seconds a poll has run for are read from a clock that stands still, so a
+    # busy machine delaying this thread cannot age the poll past poll_interval_s.
     caplog.set_level(logging.DEBUG)
     clock = Clock(T0 + timedelta(seconds=3599.5))
     provider = ScriptedProvider(clock)
-    monitor = CarbonMonitor(provider, poll_interval_s=2.0, seed_history_s=0, clock=clock)
+    monitor = CarbonMonitor(
+        provider, poll_interval_s=2.0, seed_history_s=0, clock=clock, monotonic=lambda: 0.0
+    )
     with monitor:
         _first_value_served(monitor, provider)
         provider.gate = threading.Event()

@@ -454,3 +454,33 @@ def test_benchmark_simulation_ranks_oracle_first_and_misses_nothing(
     for k in range(2):
         oracle = result["oracle"][k]
         assert oracle <= result["forecast"][k] + 1e-9 < result["static"][k] < result["full"][k]
+
+
+def test_a_plan_that_only_pays_on_an_optimistic_tail_gives_way_to_the_robust_one() -> None:
+    """Past the forecast the daily profile expects about 200 g/kWh, but some days were at
+    300. Pausing through the hours at 280 pays only if the tail is as clean as expected;
+    pausing through the hour at 500 pays even if it is at 300. The policy pauses now
+    instead of giving up every plan because the first one does not pay pessimistically."""
+    point = OperatingPoint(1.0, 200.0, "200 W")  # one setting: pausing is all there is
+    history = [
+        IntensityPoint(
+            T0 - timedelta(hours=h), 100.0 if (h // 24) % 2 else 300.0, PointKind.MEASURED, "h"
+        )
+        for h in range(1, 7 * 24 + 1)
+    ]
+    policy = make_policy("forecast", allow_pause=True)
+    policy.observe(history)
+    ahead = [280.0] * 8 + [150.0] * 2
+    forecast = _points(T0 + timedelta(hours=1), ahead, PointKind.FORECAST)
+    progress = JobProgress(30 * 3600, T0, T0 + timedelta(hours=45))
+    decision = policy.decide(progress, 500.0, forecast, [point], idle_power_w=30.0)
+    assert decision.pause, decision.reason
+    # an hour at 280 is not paused through on the strength of the profile alone
+    later = policy.decide(
+        JobProgress(30 * 3600, T0 + timedelta(hours=1), T0 + timedelta(hours=45)),
+        280.0,
+        forecast[1:],
+        [point],
+        idle_power_w=30.0,
+    )
+    assert not later.pause, later.reason

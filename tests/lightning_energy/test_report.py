@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.errors import EnergyError, GPULostError
+from lightning_energy.integrations._common import format_summary
 from lightning_energy.plots import render_plots
 from lightning_energy.report import (
     REPORT_VERSION,
@@ -122,10 +124,18 @@ def test_carbon_aware_report_has_intensity_grams_and_baselines(
     assert carbon["emissions_g"] == pytest.approx(sum(e["emissions_g"] for e in timeline))
     assert any(e["scale"] is not None and e["scale"] >= 1.0 for e in timeline)
     assert carbon["region"] == "CISO" and carbon["provider"] == "trace"
+    assert carbon["emission_factor"] == "direct"  # the numbers say which factor they use
+    assert carbon["forecast_horizon_s"] == 72 * 3600.0
+    assert 0 < carbon["forecast_reach_s"] <= 73 * 3600.0
     assert carbon["full_power_emissions_g"] > 0 and carbon["carbon_unaware_emissions_g"] > 0
     assert set(carbon["baselines"]) == {"carbon_unaware", "full_power"}
     table = format_report(report)
-    assert "CISO via trace, forecast policy" in table
+    assert "CISO via trace (direct emission factors), forecast policy" in table
+    assert re.search(r"forecast for pacing +72 h asked, the last one reached \d+ h", table)
+    logged = format_summary(carbon_aware.teardown())  # the summary a fit logs at its end
+    assert re.search(
+        r"CO2eq emitted \(this process\) +[\d.]+ g \(direct emission factors\)", logged
+    )
     assert "vs. carbon-unaware" in table and "vs. full power" in table
     assert "gCO2eq/kWh" in table
 

@@ -227,8 +227,9 @@ def test_rejected_token_fails_without_printing_it(
     assert main(["doctor", "--config", str(config), "--timeout", "2"]) == 1
     out = capsys.readouterr().out
     assert _lines(out)["carbon"].startswith(
-        "FAIL region DE: electricitymaps: credentials rejected: Invalid token"
+        "FAIL region DE: electricitymaps: the token was rejected"
     )
+    assert "Invalid token" in _lines(out)["carbon"]
     assert SECRET not in out
 
 

@@ -26,7 +26,8 @@ def test_prints_the_summary_and_draws_three_plots(
     out = capsys.readouterr().out
     assert f"Run report {run_json}" in out
     assert "1x NVIDIA A40 (simulated)" in out and "steps" in out
-    assert "FR via trace, forecast policy" in out and "vs. full power" in out
+    assert "FR via trace (direct emission factors), forecast policy" in out
+    assert "vs. full power" in out
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "emissions.png",
         "frontier.png",
