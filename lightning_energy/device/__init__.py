@@ -19,11 +19,10 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,7 @@ from lightning_energy.device.simulated import (
     simulated_gpus,
 )
 from lightning_energy.device.traces import PowerTrace, TraceModel, WorkloadTrace
-from lightning_energy.device.zeusd import ZeusdGPU, daemon_from_env, may_change_settings_itself
+from lightning_energy.device.zeusd import ZeusdGPU, daemon_for_backend, gpu_factory
 from lightning_energy.device.zeusd_client import ZeusdClient
 from lightning_energy.errors import ConfigError, DriverError
 
@@ -106,23 +105,6 @@ def _what_nvml_drives(indices: Sequence[int] | None, local_rank: int | None) -> 
     return "the visible GPUs"
 
 
-def _configured_daemon() -> ZeusdClient | None:
-    """``auto``: the zeusd to change settings through, or None for NVML itself (the
-    environment names no zeusd, or this process may change settings itself)."""
-    daemon = ZeusdClient.from_env()
-    if daemon is None:
-        return None
-    if may_change_settings_itself():
-        logger.debug("%r is configured, but this process holds CAP_SYS_ADMIN: using NVML", daemon)
-        return None
-    logger.info(
-        "This process may not change GPU settings itself: changing them through zeusd at %s "
-        "(device.backend: zeusd).",
-        daemon.address,
-    )
-    return daemon
-
-
 def _simulated_set(
     spec: SimulatedSpec, indices: Sequence[int] | None, local_rank: int | None
 ) -> DeviceSet:
@@ -156,9 +138,7 @@ def _nvml_set(
     daemon: ZeusdClient | None = None,
 ) -> DeviceSet:
     """The NVML GPUs asked for; changed through ``daemon`` (the zeusd backend) if given."""
-    factory: Callable[..., NVMLGPU] = (
-        NVMLGPU if daemon is None else functools.partial(ZeusdGPU, daemon=daemon)
-    )
+    factory = gpu_factory(daemon)
     if device is not None and device.type == "cuda":
         gpus = [nvml_gpu_for_device(device, cuda, factory=factory)]
     else:
@@ -243,7 +223,7 @@ def open_devices(
     if backend == "nvml":
         return _nvml_set(indices, local_rank, device, cuda)
     if backend == "zeusd":
-        return _nvml_set(indices, local_rank, device, cuda, daemon_from_env())
+        return _nvml_set(indices, local_rank, device, cuda, daemon_for_backend(backend))
     if device is not None and not on_cuda:
         logger.info(
             "The framework computes on %r, not on a GPU: using the simulated backend (%s), "
@@ -259,7 +239,7 @@ def open_devices(
         reason = str(exc)
     else:
         if count > 0:
-            return _nvml_set(indices, local_rank, device, cuda, _configured_daemon())
+            return _nvml_set(indices, local_rank, device, cuda, daemon_for_backend(backend))
         reason = "NVML sees no GPU"
     logger.info(
         "No NVIDIA GPU available (%s): using the simulated backend (%s).", reason, spec.label

@@ -88,8 +88,8 @@ def _open_nvml_gpu(gpu_uuid: str, index: int, daemon: ZeusdClient | None = None)
     """Open a GPU by UUID through NVML, whatever ``CUDA_VISIBLE_DEVICES`` says (past a lost
     GPU elsewhere on the node, which NVML's own by-UUID lookup stops at), changed through
     ``daemon`` when one is given; ``index`` only labels its errors."""
-    from lightning_energy.device.nvml import NVMLGPU, NVMLSession, _handle_for_cuda_uuid, _pynvml
-    from lightning_energy.device.zeusd import ZeusdGPU
+    from lightning_energy.device.nvml import NVMLSession, _handle_for_cuda_uuid, _pynvml
+    from lightning_energy.device.zeusd import gpu_factory
 
     with NVMLSession():
         handle = _handle_for_cuda_uuid(_pynvml(), gpu_uuid, index)
@@ -99,7 +99,7 @@ def _open_nvml_gpu(gpu_uuid: str, index: int, daemon: ZeusdClient | None = None)
                 gpu_index=index,
                 operation="get_handle",
             )
-        return NVMLGPU(handle, index) if daemon is None else ZeusdGPU(handle, index, daemon=daemon)
+        return gpu_factory(daemon)(handle, index)
 
 
 def _daemon_for_lease(store: LeaseStore, lease: Lease) -> ZeusdClient | None:

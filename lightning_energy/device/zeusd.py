@@ -24,6 +24,7 @@ the job observes) rather than risk changing another job's GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -45,8 +46,10 @@ from lightning_energy.errors import (
 __all__ = [
     "PROC_STATUS",
     "ZeusdGPU",
+    "daemon_for_backend",
     "daemon_from_env",
     "daemon_index",
+    "gpu_factory",
     "may_change_settings_itself",
 ]
 
@@ -256,6 +259,13 @@ class ZeusdGPU(NVMLGPU):
         return LeaseSource("zeusd", zeusd_address=str(self._daemon.address))
 
 
+def gpu_factory(daemon: ZeusdClient | None) -> Callable[..., NVMLGPU]:
+    """What builds each GPU from its NVML handle and index (the ``factory`` of
+    :func:`~lightning_energy.device.nvml.nvml_gpus`): a :class:`ZeusdGPU` changed through
+    ``daemon``, or a plain :class:`~lightning_energy.device.nvml.NVMLGPU` when it is None."""
+    return NVMLGPU if daemon is None else functools.partial(ZeusdGPU, daemon=daemon)
+
+
 def daemon_from_env(environ: Mapping[str, str] | None = None) -> ZeusdClient:
     """The zeusd the environment names (``ZEUSD_SOCK_PATH``, else ``ZEUSD_HOST_PORT``),
     else zeusd's default socket, with ``ZEUSD_TOKEN``.
@@ -267,3 +277,32 @@ def daemon_from_env(environ: Mapping[str, str] | None = None) -> ZeusdClient:
     return (
         client if client is not None else ZeusdClient.for_address(ZeusdAddress.default(), environ)
     )
+
+
+def daemon_for_backend(backend: str) -> ZeusdClient | None:
+    """The zeusd a device backend changes GPU settings through, or None for NVML itself.
+
+    Args:
+        backend: ``"zeusd"`` (:func:`daemon_from_env`), ``"auto"`` (the daemon
+            ``ZEUSD_SOCK_PATH`` or ``ZEUSD_HOST_PORT`` names, unless this process may
+            change settings itself) or another backend (None).
+
+    Raises:
+        ConfigError: a zeusd variable is set to something unusable.
+    """
+    if backend == "zeusd":
+        return daemon_from_env()
+    if backend != "auto":
+        return None
+    daemon = ZeusdClient.from_env()
+    if daemon is None:
+        return None
+    if may_change_settings_itself():
+        log.debug("%r is configured, but this process holds CAP_SYS_ADMIN: using NVML", daemon)
+        return None
+    log.info(
+        "This process may not change GPU settings itself: changing them through zeusd at %s "
+        "(device.backend: zeusd).",
+        daemon.address,
+    )
+    return daemon

@@ -67,12 +67,15 @@ from lightning_energy.errors import (
 )
 
 __all__ = [
+    "CONTROL_SCOPE",
     "DEFAULT_SOCKET_PATHS",
     "HOST_PORT_ENV",
     "MAX_ANSWER_BYTES",
     "REQUEST_TIMEOUT_S",
+    "SCOPE_FIX",
     "SOCK_PATH_ENV",
     "TOKEN_ENV",
+    "TOKEN_FIX",
     "DaemonGPU",
     "Discovery",
     "Whoami",
@@ -93,6 +96,15 @@ REQUEST_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 1 << 20
 #: The scope a token needs to change GPU settings.
 CONTROL_SCOPE = "gpu-control"
+#: How to get a token, where none is sent.
+TOKEN_FIX = (
+    f"set {TOKEN_ENV} to a token from `zeusd token issue` with the scopes {CONTROL_SCOPE} "
+    "and gpu-read"
+)
+#: How to get a token that may change GPU settings.
+SCOPE_FIX = (
+    f"ask the administrator for a token with the scope {CONTROL_SCOPE} and set {TOKEN_ENV} to it"
+)
 
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
@@ -533,8 +545,7 @@ class ZeusdClient:
         operation = _operation(path)
         if status == 401:
             fix = (
-                f"set {TOKEN_ENV} to a token from `zeusd token issue` with the scopes "
-                f"{CONTROL_SCOPE} and gpu-read"
+                TOKEN_FIX
                 if self._token is None
                 else f"ask the administrator for a new token (with the scope {CONTROL_SCOPE}) "
                 f"and set {TOKEN_ENV} to it"
@@ -545,8 +556,7 @@ class ZeusdClient:
                 "the daemon itself may not change the GPU: run zeusd as root (see "
                 "docs/permissions.md)"
                 if per_gpu
-                else f"ask the administrator for a token with the scope {CONTROL_SCOPE} and set "
-                f"{TOKEN_ENV} to it"
+                else SCOPE_FIX
             )
             return NoPermissionError(message, gpu_index=gpu_index, operation=operation, fix=fix)
         if status == 404:
