@@ -150,3 +150,15 @@ def test_a_lease_of_a_version_without_zeusd_still_reads(node: Node, tmp_path: Pa
     path.write_text(json.dumps(data))
     lease = LeaseStore(tmp_path / "leases").read(node.nvml.devices[0].uuid)
     assert lease is not None and (lease.backend, lease.zeusd_address) == ("nvml", None)
+
+
+def test_a_clock_lock_left_behind_is_released_through_the_daemon(
+    node: Node, tmp_path: Path
+) -> None:
+    device = node.nvml.devices[0]
+    device.locked = (1005, 1005)  # what the killed job left
+    path = write_lease(tmp_path, node, power_limit_changed=False, clocks_changed=True)
+    (result,) = recover(tmp_path / "leases")
+    assert result.status == "restored", result.message
+    assert device.locked is None and not path.exists()
+    assert [p for p, _ in node.daemon.writes()] == ["/gpu/reset_gpu_locked_clocks"]
