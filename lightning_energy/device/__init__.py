@@ -176,7 +176,7 @@ def open_devices(
         device: the framework's root device. A CUDA device selects this process's one GPU
             by UUID (see :mod:`~lightning_energy.device.mapping`; simulated: its index
             stands for ``local_rank``). Another device (the CPU): simulated under
-            ``"auto"``, ``local_rank`` decides under ``"nvml"``. None (unknown):
+            ``"auto"``, ``local_rank`` decides under ``"nvml"`` and ``"zeusd"``. None (unknown):
             ``local_rank`` decides.
         cuda: the CUDA side of the mapping (default: ``torch.cuda``).
 
@@ -220,9 +220,7 @@ def open_devices(
         simulated_rank = local_rank
     if backend == "simulated":
         return _simulated_set(spec, indices, simulated_rank)
-    if backend == "nvml":
-        return _nvml_set(indices, local_rank, device, cuda)
-    if backend == "zeusd":
+    if backend in ("nvml", "zeusd"):
         return _nvml_set(indices, local_rank, device, cuda, daemon_for_backend(backend))
     if device is not None and not on_cuda:
         logger.info(
