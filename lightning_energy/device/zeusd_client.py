@@ -279,7 +279,7 @@ class ZeusdClient:
 
     Args:
         address: where the daemon listens.
-        token: the bearer token (None: send none).
+        token: the bearer token (None or empty: send none).
         timeout_s: seconds to connect and to wait for each answer.
 
     Raises:
@@ -296,18 +296,18 @@ class ZeusdClient:
     ) -> None:
         problems = []
         if token is not None:
-            token = token.strip()
-            if not _TOKEN.fullmatch(token):
-                problems.append(
-                    f"{TOKEN_ENV}: the value is not a zeusd token (a JWT of letters, digits and "
-                    "'.-_'; not shown); set it to the output of `zeusd token issue`"
-                )
+            token = token.strip() or None  # an empty token is none, as in Zeus' own client
+        if token is not None and not _TOKEN.fullmatch(token):
+            problems.append(
+                f"{TOKEN_ENV}: the value is not a zeusd token (a JWT of letters, digits and "
+                "'.-_'; not shown); set it to the output of `zeusd token issue`"
+            )
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             problems.append(f"timeout_s: {timeout_s!r} is not allowed; use seconds > 0")
         if problems:
             raise ConfigError(problems, source="zeusd")
         self._address = address
-        self._token = token or None
+        self._token = token
         self._timeout_s = timeout_s
 
     @classmethod

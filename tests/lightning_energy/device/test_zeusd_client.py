@@ -224,6 +224,16 @@ def test_the_environment_names_the_daemon() -> None:
     assert tcp is not None and str(tcp.address) == "tcp:::1:4938" and tcp.has_token
 
 
+@pytest.mark.parametrize("empty", ["", " ", "\n"])
+def test_an_empty_token_is_no_token_as_for_zeus(daemon: FakeZeusd, empty: str) -> None:
+    """Zeus' own client sends no token when ``ZEUSD_TOKEN`` is empty: a job that works with
+    Zeus works here too."""
+    env = {**daemon.env(), "ZEUSD_TOKEN": empty}
+    no_auth = ZeusdClient.from_env(env)
+    assert no_auth is not None and not no_auth.has_token
+    assert no_auth.discover().gpus  # and it is usable
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [
