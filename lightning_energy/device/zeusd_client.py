@@ -491,26 +491,37 @@ class ZeusdClient:
         log.debug("%s: %s %s", where, method, target)
         conn = self._connection()
         try:
-            conn.request(method, target, headers=headers)
-            answer = conn.getresponse()
-            status = answer.status
-            body = answer.read(MAX_ANSWER_BYTES + 1)
-        except TimeoutError:
-            change = " (the change may still be applied)" if method == "POST" else ""
-            raise DaemonUnreachableError(
-                f"{where} did not answer {method} {path} within {self._timeout_s:g} s{change}",
-                gpu_index=gpu_index,
-                operation=_operation(path),
-                maybe_applied=method == "POST",
-            ) from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise DaemonUnreachableError(
-                f"{where} cannot be reached for {method} {path}: "
-                f"{self._scrub(_describe_os_error(exc))}{self._address_hint()}",
-                gpu_index=gpu_index,
-                operation=_operation(path),
-                maybe_applied=method == "POST" and _after_sending(exc),
-            ) from None
+            try:
+                conn.connect()
+            except OSError as exc:  # nothing was sent
+                raise DaemonUnreachableError(
+                    f"{where} cannot be reached for {method} {path}: "
+                    f"{self._scrub(_describe_os_error(exc))}{self._address_hint()}",
+                    gpu_index=gpu_index,
+                    operation=_operation(path),
+                ) from None
+            try:
+                conn.request(method, target, headers=headers)
+                answer = conn.getresponse()
+                status = answer.status
+                body = answer.read(MAX_ANSWER_BYTES + 1)
+            except TimeoutError:
+                change = " (the change may still be applied)" if method == "POST" else ""
+                raise DaemonUnreachableError(
+                    f"{where} did not answer {method} {path} within {self._timeout_s:g} s{change}",
+                    gpu_index=gpu_index,
+                    operation=_operation(path),
+                    maybe_applied=method == "POST",
+                ) from None
+            except (OSError, http.client.HTTPException) as exc:  # the request may have arrived
+                change = " (the change may still be applied)" if method == "POST" else ""
+                raise DaemonUnreachableError(
+                    f"{where} dropped the connection during {method} {path}: "
+                    f"{self._scrub(_describe_os_error(exc))}{change}",
+                    gpu_index=gpu_index,
+                    operation=_operation(path),
+                    maybe_applied=method == "POST",
+                ) from None
         finally:
             conn.close()
         if len(body) > MAX_ANSWER_BYTES:
@@ -603,12 +614,6 @@ def _describe_os_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
-
-
-def _after_sending(exc: BaseException) -> bool:
-    """Whether a failure came after the request may have reached the daemon (a dropped
-    connection), rather than before it (nothing listening, no socket)."""
-    return not isinstance(exc, (FileNotFoundError, ConnectionRefusedError, PermissionError))
 
 
 # ---------------------------------------------------------------------- answers

@@ -8,6 +8,7 @@ import http.client
 import json
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,46 @@ def test_a_daemon_that_is_down_is_unreachable_and_nothing_was_sent(
     finally:
         fake.stop()
     assert nvml.devices[0].limit_mw == 200_000
+
+
+def test_a_change_that_never_connected_was_not_applied(tmp_path: Path) -> None:
+    """Failing to connect (here: a daemon whose accept queue is full, or a socket path
+    under a regular file) sends nothing, whatever the error: the guard must not take the
+    change as possibly applied."""
+    busy = tmp_path / "busy.sock"
+    (tmp_path / "a-file").write_text("")
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server,
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first,
+    ):
+        server.bind(str(busy))
+        server.listen(0)
+        first.connect(str(busy))  # fills the queue: the next connection waits
+        for where in (busy, tmp_path / "a-file" / "z.sock"):
+            zeusd = ZeusdClient(ZeusdAddress(socket_path=str(where)), timeout_s=0.2)
+            with pytest.raises(DaemonUnreachableError, match="cannot be reached") as info:
+                zeusd.set_power_limit_mw(0, 200_000, gpu_index=0)
+            assert info.value.maybe_applied is False, str(info.value)
+
+
+def test_a_connection_dropped_after_the_request_may_have_applied_it(tmp_path: Path) -> None:
+    path = tmp_path / "drops.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen(1)
+
+        def drop_after_the_request() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)  # the request arrived; the daemon dies before answering
+
+        dropper = threading.Thread(target=drop_after_the_request, daemon=True)
+        dropper.start()
+        zeusd = ZeusdClient(ZeusdAddress(socket_path=str(path)))
+        with pytest.raises(DaemonUnreachableError, match="dropped the connection") as info:
+            zeusd.set_power_limit_mw(0, 200_000, gpu_index=0)
+        dropper.join(timeout=60)
+    assert info.value.maybe_applied is True and "may still be applied" in str(info.value)
 
 
 def test_an_answer_too_late_is_unreachable_and_may_have_applied(
