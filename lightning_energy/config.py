@@ -4,7 +4,7 @@ The same schema serves every integration (Lightning callback and strategy, Light
 YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
 
     device:
-      backend: auto            # auto | nvml | simulated
+      backend: auto            # auto | nvml | zeusd | simulated
       gpu: a40                 # simulated GPU: a40 | v100 (Zeus traces), a100 | h100, or a CSV path
       calibration: null        # or a JSON from benchmarks/gpu/calibrate.py (replaces gpu)
       workload: imagenet/resnet50
@@ -76,7 +76,7 @@ __all__ = [
 #: The environment variable naming the YAML configuration file.
 CONFIG_ENV_VAR = "LIGHTNING_ENERGY_CONFIG"
 
-_BACKENDS = ("auto", "nvml", "simulated")
+_BACKENDS = ("auto", "nvml", "zeusd", "simulated")
 _PERSEUS_MODES = ("ddp", "pipeline")
 _PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
@@ -86,8 +86,10 @@ class DeviceConfig:
     """Which GPUs to drive and, for the simulated backend, what they run.
 
     Attributes:
-        backend: ``auto`` (NVML when a GPU is visible, else simulated), ``nvml`` or
-            ``simulated``.
+        backend: ``auto`` (NVML when a GPU is visible, changed through zeusd when
+            ``ZEUSD_SOCK_PATH`` or ``ZEUSD_HOST_PORT`` is set and the process may not
+            change settings itself; else simulated), ``nvml``, ``zeusd`` (NVML's GPUs
+            changed through Zeus' daemon) or ``simulated``.
         gpu: simulated GPU: ``a40``/``v100`` (real Zeus traces), ``a100``/``h100``
             (physics presets) or the path of a Zeus-format power trace CSV.
         workload: simulated trace workload, ``dataset/network`` (None: a default one).
@@ -640,7 +642,7 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
                 f"device.start: {_shown(device.start)} is not allowed; use an ISO 8601 date and "
                 "time such as 2023-06-01T00:00:00Z"
             )
-    if problems or device.backend == "nvml":
+    if problems or device.backend in ("nvml", "zeusd"):
         return
     # The simulated GPU is used whenever no real one is found: check it now, not mid-fit.
     from lightning_energy.errors import ProfileError

@@ -17,6 +17,7 @@ with the GPU and the operation attached, so callers catch one family::
         ├── GPULostError            the GPU fell off the bus / was reset
         ├── GPUNotFoundError        no such GPU (index, UUID or CUDA_VISIBLE_DEVICES entry)
         ├── DriverError             NVML missing, not initialised, or another driver failure
+        │   └── DaemonUnreachableError  the GPU-settings daemon (zeusd) does not answer
         ├── LeaseConflictError      another live process holds the GPU's lease
         └── UntrustedLeaseError     a lease file or directory that may not be acted on
 """
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 __all__ = [
     "CheckpointMismatchError",
     "ConfigError",
+    "DaemonUnreachableError",
     "DeviceError",
     "DriverError",
     "EnergyError",
@@ -125,7 +127,27 @@ class DeviceError(EnergyError):
 
 
 class NoPermissionError(DeviceError):
-    """The process may not change GPU settings (needs root or CAP_SYS_ADMIN)."""
+    """The process may not change GPU settings: it needs root or CAP_SYS_ADMIN, or, through
+    zeusd, a token with the ``gpu-control`` scope.
+
+    Args:
+        message: what was refused, in words.
+        gpu_index: the GPU concerned, when there is one.
+        operation: the backend call that was refused.
+        fix: how to get the permission, when the backend knows better than the default
+            advice (root or ``CAP_SYS_ADMIN``); None: that default.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        gpu_index: int | None = None,
+        operation: str | None = None,
+        fix: str | None = None,
+    ) -> None:
+        self.fix = fix
+        super().__init__(message, gpu_index=gpu_index, operation=operation)
 
 
 class NotSupportedError(DeviceError):
@@ -142,6 +164,31 @@ class GPUNotFoundError(DeviceError):
 
 class DriverError(DeviceError):
     """NVML is missing or uninitialised, or the driver failed in another way."""
+
+
+class DaemonUnreachableError(DriverError):
+    """The daemon that changes GPU settings for unprivileged processes (zeusd) cannot be
+    reached: no socket, nothing listening, a dropped connection or no answer in time.
+
+    Args:
+        message: what failed, naming the daemon's address and the request.
+        gpu_index: the GPU concerned, when there is one.
+        operation: the request that failed.
+        maybe_applied: a change was sent and may have been applied all the same (no
+            answer in time, a dropped connection): whoever restores must put the GPU
+            back as if it had been.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        gpu_index: int | None = None,
+        operation: str | None = None,
+        maybe_applied: bool = False,
+    ) -> None:
+        self.maybe_applied = maybe_applied
+        super().__init__(message, gpu_index=gpu_index, operation=operation)
 
 
 class LeaseConflictError(DeviceError):

@@ -78,6 +78,14 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("test leaked state: " + "; ".join(problems))
 
 
+@pytest.fixture(autouse=True)
+def _no_zeusd_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without a zeusd configured, whatever the shell that started the
+    suite exports (``device.backend: auto`` would otherwise change GPUs through it)."""
+    for var in ("ZEUSD_SOCK_PATH", "ZEUSD_HOST_PORT", "ZEUSD_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture
 def default_signal_handlers() -> Iterator[None]:
     """SIGINT and SIGTERM with Python's default handlers for the test, whatever the suite

@@ -6,9 +6,15 @@ One line per check, ``OK``, ``WARN`` or ``FAIL``, each failure with its fix:
   is used instead, which is fine for trying things out);
 - GPUs: every visible GPU with its power-limit range, default and current limit;
 - permissions: setting each GPU's current power limit back to itself (nothing changes) is
-  allowed, or why not (no root/CAP_SYS_ADMIN, MIG). The check changes the GPU like a job
-  does, through :class:`~lightning_energy.device.guard.GPUGuard`: with a lease, restored
-  at once, and not at all while another job holds the GPU's lease;
+  allowed, or why not (no root/CAP_SYS_ADMIN, MIG, a zeusd that refuses). The check
+  changes the GPU like a job does, through :class:`~lightning_energy.device.guard.GPUGuard`
+  (and through zeusd where a job would go through it): with a lease, restored at once,
+  and not at all while another job holds the GPU's lease;
+- zeusd (when ``device.backend`` is ``zeusd``, or ``auto`` with ``ZEUSD_SOCK_PATH`` or
+  ``ZEUSD_HOST_PORT`` set): the daemon answers ``/discover``, with its schema (which
+  zeusd release), GPUs, enabled API groups (``gpu-control`` is needed) and whether it
+  requires a token; then the token (``/auth/whoami``): whose it is, its scopes
+  (``gpu-control`` is needed) and when it expires. The token is never printed;
 - configuration: ``--config FILE`` (or ``$LIGHTNING_ENERGY_CONFIG``) is valid;
 - carbon: the configured provider answers a ``latest`` request within ``--timeout``
   seconds and accepts the credentials (which are never printed);
@@ -33,13 +39,15 @@ import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from lightning_energy.argtypes import float_in
 from lightning_energy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from lightning_energy.config import CONFIG_ENV_VAR, EnergyConfig, load_config
 from lightning_energy.errors import (
     ConfigError,
+    DaemonUnreachableError,
     DeviceError,
     EnergyError,
     LeaseConflictError,
@@ -47,6 +55,9 @@ from lightning_energy.errors import (
     NotSupportedError,
     UntrustedLeaseError,
 )
+
+if TYPE_CHECKING:
+    from lightning_energy.device.zeusd_client import Discovery, ZeusdClient
 
 __all__ = ["Check", "register", "run", "run_checks"]
 
@@ -58,6 +69,7 @@ _DRIVER_FIX = (
 )
 _LEASE_OPERATIONS = ("lease_dir", "read_lease", "write_lease", "lock_lease", "remove_lease")
 _LEASE_FIX = "see the leases line below and docs/permissions.md"
+_ZEUSD_FIX = "see the zeusd lines below and docs/permissions.md"
 
 
 @dataclass(frozen=True)
@@ -65,8 +77,8 @@ class Check:
     """The outcome of one check.
 
     Attributes:
-        name: what was checked (``nvml``, ``gpu 0``, ``permissions``, ``config``,
-            ``carbon``, ``leases``).
+        name: what was checked (``nvml``, ``gpu 0``, ``gpu 0 perms``, ``zeusd``,
+            ``zeusd token``, ``config``, ``carbon``, ``leases``).
         status: ``OK``, ``WARN`` or ``FAIL``.
         message: what was found.
         fix: what to do about it (None when nothing is needed).
@@ -82,7 +94,7 @@ def register(subparsers: Any) -> None:
     """Add the ``doctor`` subcommand."""
     parser = subparsers.add_parser(
         "doctor",
-        help="check NVML, GPUs, permissions, configuration, carbon provider and leases",
+        help="check NVML, GPUs, permissions, zeusd, configuration, carbon provider and leases",
         description="Check what lightning-energy needs on this machine and say how to fix "
         "what is missing. Nothing is changed.",
     )
@@ -131,7 +143,11 @@ def run_checks(config_path: str | None, *, timeout_s: float = 5.0) -> tuple[list
     """
     checks: list[Check] = []
     config, config_check = _load(config_path)
-    checks.extend(_nvml_checks(config, config.device.lease_dir if config is not None else None))
+    backend = config.device.backend if config is not None else "auto"
+    daemon, zeusd_checks = _zeusd_checks(backend)
+    lease_dir = config.device.lease_dir if config is not None else None
+    checks.extend(_nvml_checks(backend, lease_dir, daemon))
+    checks.extend(zeusd_checks)
     checks.append(config_check)
     if config is not None and config.carbon is not None:
         checks.append(_carbon_check(config, timeout_s))
@@ -157,18 +173,21 @@ def _load(path: str | None) -> tuple[EnergyConfig | None, Check]:
 
 
 # --------------------------------------------------------------------------- NVML
-def _nvml_checks(config: EnergyConfig | None, lease_dir: str | None) -> Iterator[Check]:
+def _nvml_checks(
+    backend: str, lease_dir: str | None, daemon: ZeusdClient | None
+) -> Iterator[Check]:
+    """NVML, its GPUs and the permission to change each (through ``daemon`` if given)."""
     from lightning_energy.device.nvml import NVMLSession, nvml_gpus
+    from lightning_energy.device.zeusd import gpu_factory
 
-    backend = config.device.backend if config is not None else "auto"
     try:
         session = NVMLSession()
     except DeviceError as exc:
         if backend == "simulated":
             yield Check("nvml", OK, f"not available ({exc}); not needed: the backend is simulated")
-        elif backend == "nvml":
+        elif backend in ("nvml", "zeusd"):
             yield Check(
-                "nvml", FAIL, f"not available ({exc}) but device.backend is nvml", _DRIVER_FIX
+                "nvml", FAIL, f"not available ({exc}) but device.backend is {backend}", _DRIVER_FIX
             )
         else:
             yield Check(
@@ -182,7 +201,7 @@ def _nvml_checks(config: EnergyConfig | None, lease_dir: str | None) -> Iterator
         return
     try:
         try:
-            gpus = nvml_gpus()
+            gpus = nvml_gpus(factory=gpu_factory(daemon))
         except (DeviceError, ConfigError) as exc:
             yield Check(
                 "nvml",
@@ -192,12 +211,12 @@ def _nvml_checks(config: EnergyConfig | None, lease_dir: str | None) -> Iterator
             )
             return
         if not gpus:
-            status = FAIL if backend == "nvml" else WARN
+            real = backend in ("nvml", "zeusd")
             yield Check(
                 "nvml",
-                status,
+                FAIL if real else WARN,
                 "NVML works but no GPU is visible"
-                + ("" if backend == "nvml" else ": the simulated GPU will be used"),
+                + ("" if real else ": the simulated GPU will be used"),
                 "check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`",
             )
             return
@@ -246,16 +265,18 @@ def _permission_check(gpu: Any, name: str, current_w: float, lease_dir: str | No
             guard.set_power_limit_w(current_w)
     except LeaseConflictError as exc:
         return Check(name, WARN, f"not checked, nothing changed: {exc}")
-    except NoPermissionError:
+    except NoPermissionError as exc:
         return Check(
             name,
             FAIL,
             "no permission to change the power limit: jobs will run observe-only "
             "(energy measured, nothing saved)",
-            PERMISSION_HELP,
+            exc.fix or PERMISSION_HELP,
         )
     except NotSupportedError as exc:
         return Check(name, WARN, f"settings cannot be changed ({exc}): observe-only")
+    except DaemonUnreachableError as exc:
+        return Check(name, FAIL, f"not checked, nothing changed: {exc}", _ZEUSD_FIX)
     except DeviceError as exc:
         if exc.operation in _LEASE_OPERATIONS:
             return Check(name, WARN, f"not checked, nothing changed: {exc}", _LEASE_FIX)
@@ -266,6 +287,99 @@ def _permission_check(gpu: Any, name: str, current_w: float, lease_dir: str | No
             "check the driver with `nvidia-smi -q -d POWER`",
         )
     return Check(name, OK, "may change the power limit (checked without changing it)")
+
+
+# --------------------------------------------------------------------------- zeusd
+def _zeusd_checks(backend: str) -> tuple[ZeusdClient | None, list[Check]]:
+    """The zeusd a job with ``backend`` would change settings through (None: none), and the
+    checks of it: none where no daemon is involved."""
+    from lightning_energy.device.zeusd import daemon_for_backend
+    from lightning_energy.device.zeusd_client import ZeusdClient
+
+    if backend not in ("auto", "zeusd"):
+        return None, []
+    try:
+        configured = ZeusdClient.from_env()
+        daemon = daemon_for_backend(backend)
+    except ConfigError as exc:
+        return None, [Check("zeusd", FAIL, "; ".join(exc.problems), "see docs/permissions.md")]
+    if daemon is not None:
+        return daemon, _daemon_checks(daemon)
+    if configured is None:
+        return None, []
+    return None, [
+        Check(
+            "zeusd",
+            OK,
+            f"{configured.address} is configured, but this process changes GPU settings itself "
+            "(root or CAP_SYS_ADMIN): NVML is used (device.backend: zeusd uses the daemon)",
+        )
+    ]
+
+
+def _daemon_checks(daemon: ZeusdClient) -> list[Check]:
+    """Whether ``daemon`` answers and may change GPU settings, then its token."""
+    from lightning_energy.device.zeusd_client import CONTROL_SCOPE
+
+    try:
+        found = daemon.discover()
+    except DaemonUnreachableError as exc:
+        fix = (
+            "start zeusd (docs/permissions.md), or set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT to "
+            "where it listens"
+        )
+        return [Check("zeusd", FAIL, str(exc), fix)]
+    except DeviceError as exc:
+        fix = "check the daemon's log (`journalctl -u zeusd`); zeusd 0.4 or later is needed"
+        return [Check("zeusd", FAIL, str(exc), fix)]
+    auth = "a token is required" if found.auth_required else "no token is required"
+    message = (
+        f"{daemon.address}: {found.describe_schema()}, {len(found.gpus)} GPU(s), API groups "
+        f"{', '.join(found.api_groups) or 'none'}; {auth}"
+    )
+    if CONTROL_SCOPE in found.api_groups:
+        daemon_check = Check("zeusd", OK, message)
+    else:
+        daemon_check = Check(
+            "zeusd",
+            FAIL,
+            f"{message}: it may not change GPU settings, jobs will run observe-only",
+            f"start zeusd with `--enable {CONTROL_SCOPE}` (or without --enable: all groups)",
+        )
+    return [daemon_check, _token_check(daemon, found)]
+
+
+def _token_check(daemon: ZeusdClient, found: Discovery) -> Check:
+    """Whose the token is and whether it may change GPU settings (never the token)."""
+    from lightning_energy.device.zeusd_client import CONTROL_SCOPE, SCOPE_FIX, TOKEN_ENV, TOKEN_FIX
+
+    name = "zeusd token"
+    if not found.auth_required:
+        return Check(name, OK, "the daemon requires no token")
+    if not daemon.has_token:
+        return Check(
+            name, FAIL, f"the daemon requires a token and {TOKEN_ENV} is not set", TOKEN_FIX
+        )
+    try:
+        who = daemon.whoami()
+    except NoPermissionError as exc:
+        return Check(name, FAIL, str(exc), exc.fix)
+    except DeviceError as exc:
+        return Check(name, FAIL, str(exc), "check the daemon's log (`journalctl -u zeusd`)")
+    expires = (
+        "never expires"
+        if who.exp is None
+        else f"expires {datetime.fromtimestamp(who.exp, timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
+    message = f"the token of {who.sub}: scopes {', '.join(who.scopes) or 'none'}; {expires}"
+    if CONTROL_SCOPE in who.scopes:
+        return Check(name, OK, message)
+    return Check(
+        name,
+        FAIL,
+        f"{message}; it lacks the scope {CONTROL_SCOPE}: jobs will run observe-only",
+        SCOPE_FIX,
+    )
 
 
 # --------------------------------------------------------------------------- carbon

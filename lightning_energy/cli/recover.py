@@ -4,7 +4,9 @@ A job killed with SIGKILL (or by the OOM killer, or a node crash) cannot put its
 power limits and clocks back; its lease files keep the pre-job settings. This command
 restores every GPU whose lease belongs to a process that is gone, skips GPUs still used by
 a live job, and says what it did. Run it from a Slurm epilog, a Kubernetes init container
-or by hand (see docs/permissions.md).
+or by hand (see docs/permissions.md). Root restores through NVML; an ordinary user restores
+through zeusd (the daemon their own lease records, else ``ZEUSD_SOCK_PATH`` or
+``ZEUSD_HOST_PORT``, with ``ZEUSD_TOKEN``).
 
 It usually runs as root over a directory every user may write to: anything it cannot
 trust (a symbolic link, a FIFO, another user's malformed lease, a lease of another user

@@ -1,11 +1,12 @@
-"""GPU access behind one small protocol, with an NVML and a simulated backend.
+"""GPU access behind one small protocol, with an NVML, a zeusd and a simulated backend.
 
-:func:`open_devices` picks the backend: NVML for real NVIDIA GPUs, the simulated GPU
-otherwise (or when asked). Precedence of the choice: the ``backend`` argument when given,
-else the ``LIGHTNING_ENERGY_DEVICE`` environment variable (``auto``, ``nvml`` or
-``simulated``), else ``auto``. Under ``auto`` a framework computing on the CPU (its
-device is not a CUDA device) gets the simulated backend even where NVML sees GPUs: the
-GPU its local rank would name may be another job's.
+:func:`open_devices` picks the backend: NVML for real NVIDIA GPUs, zeusd for the same GPUs
+when this process may not change their settings itself but Zeus' daemon may, the simulated
+GPU otherwise (or when asked). Precedence of the choice: the ``backend`` argument when
+given, else the ``LIGHTNING_ENERGY_DEVICE`` environment variable (``auto``, ``nvml``,
+``zeusd`` or ``simulated``), else ``auto``. Under ``auto`` a framework computing on the
+CPU (its device is not a CUDA device) gets the simulated backend even where NVML sees GPUs:
+the GPU its local rank would name may be another job's.
 
 Example:
     >>> devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", count=2))
@@ -43,6 +44,8 @@ from lightning_energy.device.simulated import (
     simulated_gpus,
 )
 from lightning_energy.device.traces import PowerTrace, TraceModel, WorkloadTrace
+from lightning_energy.device.zeusd import ZeusdGPU, daemon_for_backend, gpu_factory
+from lightning_energy.device.zeusd_client import ZeusdClient
 from lightning_energy.errors import ConfigError, DriverError
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ __all__ = [
     "TraceModel",
     "VirtualClock",
     "WorkloadTrace",
+    "ZeusdGPU",
     "current_torch_device",
     "gpu_info",
     "live_simulated_gpus",
@@ -79,7 +83,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEVICE_ENV_VAR = "LIGHTNING_ENERGY_DEVICE"
-BACKENDS = ("auto", "nvml", "simulated")
+BACKENDS = ("auto", "nvml", "zeusd", "simulated")
 
 
 def current_torch_device() -> torch.device:
@@ -131,13 +135,17 @@ def _nvml_set(
     local_rank: int | None,
     device: torch.device | None,
     cuda: CudaRuntime | None,
+    daemon: ZeusdClient | None = None,
 ) -> DeviceSet:
+    """The NVML GPUs asked for; changed through ``daemon`` (the zeusd backend) if given."""
+    factory = gpu_factory(daemon)
     if device is not None and device.type == "cuda":
-        gpus = [nvml_gpu_for_device(device, cuda)]
+        gpus = [nvml_gpu_for_device(device, cuda, factory=factory)]
     else:
         # nvml_gpus numbers the visible GPUs as CUDA does (or refuses when it cannot).
-        gpus = nvml_gpus([local_rank] if local_rank is not None else indices)
-    return DeviceSet(gpus=gpus, clock=time.perf_counter, backend="nvml")
+        gpus = nvml_gpus([local_rank] if local_rank is not None else indices, factory=factory)
+    backend = "nvml" if daemon is None else "zeusd"
+    return DeviceSet(gpus=gpus, clock=time.perf_counter, backend=backend)
 
 
 def open_devices(
@@ -153,8 +161,11 @@ def open_devices(
 
     Args:
         backend: ``"auto"`` (NVML when ``device`` is a CUDA device or None and NVML
-            initialises and sees a GPU; else simulated, with one INFO log line saying
-            why), ``"nvml"`` or ``"simulated"``. None: the ``LIGHTNING_ENERGY_DEVICE``
+            initialises and sees a GPU, changed through zeusd when ``ZEUSD_SOCK_PATH`` or
+            ``ZEUSD_HOST_PORT`` is set and this process lacks ``CAP_SYS_ADMIN``; else
+            simulated, with one INFO log line saying why), ``"nvml"``, ``"zeusd"`` (NVML's
+            GPUs changed through the zeusd those variables name, else through zeusd's
+            default socket) or ``"simulated"``. None: the ``LIGHTNING_ENERGY_DEVICE``
             environment variable, else ``"auto"``.
         indices: process-local GPU indices (after ``CUDA_VISIBLE_DEVICES``); None: all.
         simulated: what to simulate (default :class:`SimulatedSpec` ``()``: one A40 running
@@ -165,21 +176,22 @@ def open_devices(
         device: the framework's root device. A CUDA device selects this process's one GPU
             by UUID (see :mod:`~lightning_energy.device.mapping`; simulated: its index
             stands for ``local_rank``). Another device (the CPU): simulated under
-            ``"auto"``, ``local_rank`` decides under ``"nvml"``. None (unknown):
+            ``"auto"``, ``local_rank`` decides under ``"nvml"`` and ``"zeusd"``. None (unknown):
             ``local_rank`` decides.
         cuda: the CUDA side of the mapping (default: ``torch.cuda``).
 
     Returns:
-        The GPUs with their clock (``time.perf_counter`` for NVML, the virtual clock for
-        simulated GPUs) and, for simulated GPUs, ``run_step`` running one step on all of
-        them. Call :meth:`DeviceSet.close` when done.
+        The GPUs with their clock (``time.perf_counter`` for NVML and zeusd, the virtual
+        clock for simulated GPUs) and, for simulated GPUs, ``run_step`` running one step
+        on all of them. Call :meth:`DeviceSet.close` when done.
 
     Raises:
         ConfigError: unknown backend, ``indices`` given with ``local_rank`` or a CUDA
-            ``device``, or an index to match while CUDA orders mixed GPU models fastest
-            first.
-        DriverError: ``"nvml"`` requested but NVML is missing or fails to initialise, or
-            a CUDA ``device`` without CUDA.
+            ``device``, an index to match while CUDA orders mixed GPU models fastest
+            first, or zeusd variables that cannot be used.
+        DriverError: ``"nvml"`` or ``"zeusd"`` requested but NVML is missing or fails to
+            initialise, or a CUDA ``device`` without CUDA. (A zeusd that does not answer
+            is found at the first change: the job then observes.)
         GPUNotFoundError: a requested index does not exist, or no NVML GPU has the CUDA
             device's UUID.
     """
@@ -208,8 +220,8 @@ def open_devices(
         simulated_rank = local_rank
     if backend == "simulated":
         return _simulated_set(spec, indices, simulated_rank)
-    if backend == "nvml":
-        return _nvml_set(indices, local_rank, device, cuda)
+    if backend in ("nvml", "zeusd"):
+        return _nvml_set(indices, local_rank, device, cuda, daemon_for_backend(backend))
     if device is not None and not on_cuda:
         logger.info(
             "The framework computes on %r, not on a GPU: using the simulated backend (%s), "
@@ -225,7 +237,7 @@ def open_devices(
         reason = str(exc)
     else:
         if count > 0:
-            return _nvml_set(indices, local_rank, device, cuda)
+            return _nvml_set(indices, local_rank, device, cuda, daemon_for_backend(backend))
         reason = "NVML sees no GPU"
     logger.info(
         "No NVIDIA GPU available (%s): using the simulated backend (%s).", reason, spec.label

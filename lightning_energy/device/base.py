@@ -1,10 +1,11 @@
 """The one small interface every GPU backend implements.
 
 Everything above the device layer (measurement, the guard, optimizers' runtime, Perseus)
-talks to a :class:`GPU`; the NVML backend (:mod:`.nvml`) drives real NVIDIA GPUs, the
-simulated backend (:mod:`.simulated`) replays measured profiles or a physics model on a
-virtual clock. Units are SI at this interface: watts, joules, seconds, MHz. Vendor units
-(mW, mJ) never leave the backend that speaks them.
+talks to a :class:`GPU`; the NVML backend (:mod:`.nvml`) drives real NVIDIA GPUs, the zeusd
+backend (:mod:`.zeusd`) the same GPUs through Zeus' privileged daemon, the simulated
+backend (:mod:`.simulated`) replays measured profiles or a physics model on a virtual clock.
+Units are SI at this interface: watts, joules, seconds, MHz. Vendor units (mW, mJ) never
+leave the backend that speaks them.
 """
 
 from __future__ import annotations
@@ -38,18 +39,21 @@ class LeaseSource:
     put back the settings its lease records.
 
     Args:
-        backend: ``"nvml"`` or ``"simulated"``.
+        backend: ``"nvml"``, ``"zeusd"`` or ``"simulated"``.
         persistent: whether the GPU's settings outlive this process; only such a GPU
             needs a lease file (an in-memory simulated GPU does not).
         simulated_gpu: simulated GPUs: the shipped model (``"a40"``, ``"a100"``...) to
             rebuild, or None for a model that cannot be rebuilt.
         state_path: simulated GPUs: the absolute path of the file holding the settings.
+        zeusd_address: zeusd GPUs: the daemon that changed them (``unix:<path>`` or
+            ``tcp:<host>:<port>``; never a token).
     """
 
     backend: str
     persistent: bool = True
     simulated_gpu: str | None = None
     state_path: str | None = None
+    zeusd_address: str | None = None
 
 
 @runtime_checkable
@@ -187,7 +191,7 @@ class DeviceSet:
         gpus: the local GPUs (one per rank in DDP, or several in one process).
         clock: monotonic seconds in the GPUs' time base: ``time.perf_counter`` for real
             GPUs, the virtual clock for simulated ones.
-        backend: ``"nvml"`` or ``"simulated"``.
+        backend: ``"nvml"``, ``"zeusd"`` or ``"simulated"``.
         run_step: for simulated GPUs, executes one training step of simulated work on every
             GPU (advancing the virtual clock); ``None`` for real GPUs, whose work is the
             training step itself.

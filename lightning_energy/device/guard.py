@@ -10,7 +10,8 @@ from it first.
 
 It never raises a power limit above the pre-job limit (the operator's cap) or outside the
 driver's range: requests are clamped, with a log line. Without permission to change
-settings (not root, no ``CAP_SYS_ADMIN``, a container), on a MIG instance, or on a GPU
+settings (not root, no ``CAP_SYS_ADMIN``, a container; through zeusd, a token without the
+``gpu-control`` scope or a daemon that does not answer), on a MIG instance, or on a GPU
 leased by another live job, it runs *observe-only*: nothing is changed, energy is still
 measured, one warning says why. ``strict=True`` raises instead.
 
@@ -51,6 +52,7 @@ from lightning_energy.device.lease import (
 from lightning_energy.device.recovery import RecoveryResult, recover
 from lightning_energy.errors import (
     ConfigError,
+    DaemonUnreachableError,
     DeviceError,
     LeaseConflictError,
     NoPermissionError,
@@ -69,7 +71,8 @@ PERMISSION_HELP = (
     "the job as root (or grant CAP_SYS_ADMIN); in Docker add `--cap-add SYS_ADMIN` (with the "
     "NVIDIA Container Toolkit, `--gpus all`); in Kubernetes add SYS_ADMIN to the container's "
     "securityContext.capabilities.add; and enable persistence mode once per boot with "
-    "`sudo nvidia-smi -pm 1` so the driver keeps settings between processes. See "
+    "`sudo nvidia-smi -pm 1` so the driver keeps settings between processes; or, without "
+    "root, let the Zeus daemon zeusd change them (set ZEUSD_SOCK_PATH and ZEUSD_TOKEN). See "
     "docs/permissions.md"
 )
 
@@ -78,6 +81,12 @@ _SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 def _describe(gpu: GPU) -> str:
     return f"GPU {gpu.index} ({gpu.uuid})"
+
+
+def _maybe_applied(exc: DeviceError) -> bool:
+    """Whether a change that failed may have been applied all the same (a daemon that
+    did not answer in time): it is then restored as if it had been."""
+    return isinstance(exc, DaemonUnreachableError) and exc.maybe_applied
 
 
 def _live_handler(handler: _SignalHandler, signum: int) -> _SignalHandler:
@@ -417,6 +426,7 @@ class GPUGuard:
                 backend=source.backend,
                 simulated_gpu=source.simulated_gpu,
                 state_path=source.state_path,
+                zeusd_address=source.zeusd_address,
             )
             self._leases[i] = lease
             if not source.persistent:
@@ -449,7 +459,7 @@ class GPUGuard:
             return
         self._observe_reason = reason
         advice = (
-            f" To change settings, {PERMISSION_HELP}."
+            f" To change settings, {error.fix or PERMISSION_HELP}."
             if isinstance(error, NoPermissionError)
             else ""
         )
@@ -564,6 +574,7 @@ class GPUGuard:
                     self._gpus[i].set_power_limit_w(value)
                     self._power_applied[i] = True
             except DeviceError as exc:
+                self._power_applied[i] = self._power_applied[i] or _maybe_applied(exc)
                 self._change_failed(i, exc)
                 return self._current_power_limit_w(targets)
             return min(values)
@@ -632,6 +643,7 @@ class GPUGuard:
                     self._gpus[i].set_locked_clocks_mhz(*applied)
                     self._clocks_applied[i] = True
             except DeviceError as exc:
+                self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
                 self._change_failed(i, exc, clocks=True)
                 return None
             return applied

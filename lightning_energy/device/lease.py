@@ -76,6 +76,7 @@ from lightning_energy.device.shared_dir import (
     open_lock_file,
     read_at_most,
 )
+from lightning_energy.device.zeusd_client import ZeusdAddress
 from lightning_energy.errors import ConfigError, DeviceError, UntrustedLeaseError
 
 if sys.platform != "win32":
@@ -117,7 +118,7 @@ _BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _MODEL = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
-_BACKENDS = ("nvml", "simulated")
+_BACKENDS = ("nvml", "zeusd", "simulated")
 _MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
 
 
@@ -280,9 +281,11 @@ class Lease:
         locked_clocks_mhz: the pre-job SM clock lock (None: not locked).
         power_limit_changed: the job has (or is about to have) changed the power limit.
         clocks_changed: the job has (or is about to have) changed the clock lock.
-        backend: how to re-open the GPU: ``"nvml"`` or ``"simulated"``.
+        backend: how to re-open the GPU: ``"nvml"``, ``"zeusd"`` or ``"simulated"``.
         simulated_gpu: simulated GPUs: the model name (``"a40"``, ``"a100"``, ...).
         state_path: simulated GPUs: the file holding the GPU's settings.
+        zeusd_address: zeusd GPUs: the daemon that changed them (``unix:<path>`` or
+            ``tcp:<host>:<port>``; a token is never recorded).
         created_at: when the lease was first written (ISO 8601, UTC).
         file_uid: the owner of the file it was read from (None: not read from a file, or
             no uids on this platform); not part of the file.
@@ -299,6 +302,7 @@ class Lease:
     backend: str = "nvml"
     simulated_gpu: str | None = None
     state_path: str | None = None
+    zeusd_address: str | None = None
     created_at: str = dataclasses.field(
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds")
     )
@@ -356,6 +360,22 @@ class Lease:
         state_path = read_optional_text(data, "state_path", max_len=4096)
         if state_path is not None and not os.path.isabs(state_path):
             raise ValueError(f"state_path: {show(state_path)} is not an absolute path")
+        # Absent from the leases of versions without the zeusd backend.
+        zeusd_address = (
+            read_optional_text(data, "zeusd_address", max_len=4096)
+            if "zeusd_address" in data
+            else None
+        )
+        if zeusd_address is not None:
+            try:
+                ZeusdAddress.parse(zeusd_address)
+            except ValueError as exc:
+                raise ValueError(f"zeusd_address: {exc}") from None
+        if (backend == "zeusd") != (zeusd_address is not None):
+            raise ValueError(
+                f"zeusd_address: {show(zeusd_address)} with backend {backend}: a daemon's "
+                "address goes with backend zeusd, and only there"
+            )
         return cls(
             gpu_uuid=uuid,
             gpu_index=read_int(data, "gpu_index", 0, 1 << 16),
@@ -374,6 +394,7 @@ class Lease:
             backend=backend,
             simulated_gpu=model,
             state_path=state_path,
+            zeusd_address=zeusd_address,
             created_at=read_text(data, "created_at"),
         )
 

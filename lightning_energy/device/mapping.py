@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lightning_energy.device.cuda import (
@@ -70,6 +71,7 @@ def nvml_gpu_for_device(
     cuda: CudaRuntime | None = None,
     *,
     power_sample_interval_s: float = 0.05,
+    factory: Callable[..., NVMLGPU] = NVMLGPU,
 ) -> NVMLGPU:
     """Open the NVML GPU (or MIG instance) the framework's CUDA ``device`` is.
 
@@ -81,6 +83,8 @@ def nvml_gpu_for_device(
             without an index is the current device.
         cuda: the CUDA side (default :class:`TorchCuda`).
         power_sample_interval_s: see :func:`~lightning_energy.device.nvml.nvml_gpus`.
+        factory: builds the GPU from its NVML handle and index (see
+            :func:`~lightning_energy.device.nvml.nvml_gpus`).
 
     Returns:
         The GPU, whose ``index`` is the device's process-local CUDA index. Close it when done.
@@ -114,7 +118,7 @@ def nvml_gpu_for_device(
         nvml = _pynvml()
         handle = _handle_for_cuda_uuid(nvml, wanted, index)
         if handle is not None:
-            return NVMLGPU(handle, index, power_sample_interval_s=power_sample_interval_s)
+            return factory(handle, index, power_sample_interval_s=power_sample_interval_s)
         answering, lost = _answering(nvml, index)
     if lost:
         raise GPULostError(

@@ -399,6 +399,17 @@ class NVMLGPU:
         """The UUID of the physical GPU: a MIG instance's parent, else :attr:`uuid`."""
         return self._physical_uuid
 
+    def nvml_index(self) -> int:
+        """The physical GPU's index in NVML's numbering of every GPU of the node (PCI bus
+        order, whatever ``CUDA_VISIBLE_DEVICES`` says)."""
+        return int(self._get("get_index", self._nvml.nvmlDeviceGetIndex, self._physical))
+
+    def pci_address(self) -> str:
+        """The physical GPU's PCI address as ``lspci -D`` prints it
+        (``domain:bus:device.function``, lower-case hexadecimal)."""
+        pci = self._get("get_pci_info", self._nvml.nvmlDeviceGetPciInfo, self._physical)
+        return f"{int(pci.domain):04x}:{int(pci.bus):02x}:{int(pci.device):02x}.0"
+
     def _check_settable(self, operation: str) -> None:
         if self._is_mig:
             raise NotSupportedError(
@@ -453,11 +464,15 @@ class NVMLGPU:
                 gpu_index=self._index,
                 operation="set_power_limit",
             )
+        self._write_power_limit_mw(round(power_limit_w * 1000.0))
+
+    def _write_power_limit_mw(self, power_limit_mw: int) -> None:
+        """Apply a checked power limit (the one place a limit is written)."""
         self._get(
             "set_power_limit",
             self._nvml.nvmlDeviceSetPowerManagementLimit,
             self._handle,
-            round(power_limit_w * 1000.0),
+            power_limit_mw,
         )
 
     def supported_sm_clocks_mhz(self) -> list[int]:
@@ -484,14 +499,18 @@ class NVMLGPU:
             NoPermissionError: the process lacks root / CAP_SYS_ADMIN.
         """
         self._check_settable("set_locked_clocks")
+        self._write_locked_clocks_mhz(int(min_mhz), int(max_mhz))
+        self._locked = (int(min_mhz), int(max_mhz))
+
+    def _write_locked_clocks_mhz(self, min_mhz: int, max_mhz: int) -> None:
+        """Apply an SM clock lock (the one place a lock is written)."""
         self._get(
             "set_locked_clocks",
             self._nvml.nvmlDeviceSetGpuLockedClocks,
             self._handle,
-            int(min_mhz),
-            int(max_mhz),
+            min_mhz,
+            max_mhz,
         )
-        self._locked = (int(min_mhz), int(max_mhz))
 
     def reset_locked_clocks(self) -> None:
         """Release any SM clock lock.
@@ -501,8 +520,12 @@ class NVMLGPU:
             NoPermissionError: the process lacks root / CAP_SYS_ADMIN.
         """
         self._check_settable("reset_locked_clocks")
-        self._get("reset_locked_clocks", self._nvml.nvmlDeviceResetGpuLockedClocks, self._handle)
+        self._write_reset_locked_clocks()
         self._locked = None
+
+    def _write_reset_locked_clocks(self) -> None:
+        """Release the SM clock lock (the one place a lock is released)."""
+        self._get("reset_locked_clocks", self._nvml.nvmlDeviceResetGpuLockedClocks, self._handle)
 
     def locked_clocks_mhz(self) -> tuple[int, int] | None:
         """The clock lock this process set, or None (NVML cannot read a lock back)."""
@@ -997,6 +1020,7 @@ def nvml_gpus(
     power_sample_interval_s: float = 0.05,
     cuda: CudaRuntime | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
+    factory: Callable[..., NVMLGPU] = NVMLGPU,
 ) -> list[NVMLGPU]:
     """Open GPUs through NVML.
 
@@ -1008,9 +1032,12 @@ def nvml_gpus(
         sync_timeout_s: how long each GPU's ``synchronize`` waits for its queued work.
         cuda: the CUDA side, asked when CUDA may number the GPUs differently from NVML
             (default :class:`~lightning_energy.device.cuda.TorchCuda`).
+        factory: builds each GPU from its NVML handle and process-local index, with
+            the keyword arguments above (a subclass of :class:`NVMLGPU` that writes
+            settings another way: :class:`~lightning_energy.device.zeusd.ZeusdGPU`).
 
     Returns:
-        One :class:`NVMLGPU` per index; close each when done.
+        One GPU per index; close each when done.
 
     Raises:
         ConfigError: CUDA may number the GPUs differently from NVML and is not available
@@ -1032,7 +1059,7 @@ def nvml_gpus(
         try:
             for i in wanted:
                 gpus.append(
-                    NVMLGPU(
+                    factory(
                         handles[i],
                         i,
                         power_sample_interval_s=power_sample_interval_s,

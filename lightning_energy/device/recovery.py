@@ -3,7 +3,8 @@
 A job killed with SIGKILL (or by the OOM killer, or a node crash) cannot restore its GPUs;
 its leases (:mod:`.lease`) keep the pre-job settings. :func:`recover` restores every GPU
 whose lease belongs to a process that is gone, skips leases of live processes, and keeps
-(with a message) a lease whose GPU cannot be opened or restored. It is what
+(with a message) a lease whose GPU cannot be opened or restored. A process that may not
+change GPU settings itself restores through zeusd (see :func:`_daemon_for_lease`). It is what
 ``lightning-energy recover`` runs; :class:`~lightning_energy.device.guard.GPUGuard` does
 the same for its own GPUs when it acquires them.
 
@@ -36,6 +37,7 @@ from lightning_energy.device.lease import (
     restore_stale_lease,
 )
 from lightning_energy.device.simulated import SimulatedGPU, SimulatedSpec
+from lightning_energy.device.zeusd_client import ZeusdAddress, ZeusdClient
 from lightning_energy.errors import (
     DeviceError,
     EnergyError,
@@ -82,11 +84,12 @@ class RecoveryResult:
         return {**dataclasses.asdict(self), "lease_path": str(self.lease_path)}
 
 
-def _open_nvml_gpu(gpu_uuid: str, index: int) -> GPU:
+def _open_nvml_gpu(gpu_uuid: str, index: int, daemon: ZeusdClient | None = None) -> GPU:
     """Open a GPU by UUID through NVML, whatever ``CUDA_VISIBLE_DEVICES`` says (past a lost
-    GPU elsewhere on the node, which NVML's own by-UUID lookup stops at); ``index`` only
-    labels its errors."""
-    from lightning_energy.device.nvml import NVMLGPU, NVMLSession, _handle_for_cuda_uuid, _pynvml
+    GPU elsewhere on the node, which NVML's own by-UUID lookup stops at), changed through
+    ``daemon`` when one is given; ``index`` only labels its errors."""
+    from lightning_energy.device.nvml import NVMLSession, _handle_for_cuda_uuid, _pynvml
+    from lightning_energy.device.zeusd import gpu_factory
 
     with NVMLSession():
         handle = _handle_for_cuda_uuid(_pynvml(), gpu_uuid, index)
@@ -96,19 +99,43 @@ def _open_nvml_gpu(gpu_uuid: str, index: int) -> GPU:
                 gpu_index=index,
                 operation="get_handle",
             )
-        return NVMLGPU(handle, index)
+        return gpu_factory(daemon)(handle, index)
+
+
+def _daemon_for_lease(store: LeaseStore, lease: Lease) -> ZeusdClient | None:
+    """The zeusd to restore a real GPU's lease through, or None for NVML itself.
+
+    A process that may change settings itself (root, ``CAP_SYS_ADMIN``) uses NVML: no
+    daemon, no token sent anywhere. Otherwise a trusted lease (the caller's own, or
+    root's) is restored through the daemon that changed the GPU, as it records; any other
+    lease through the caller's own zeusd (``ZEUSD_SOCK_PATH``/``ZEUSD_HOST_PORT``), never
+    through an address another user wrote, which could collect the caller's token.
+
+    Raises:
+        ConfigError: the caller's zeusd variables are unusable.
+    """
+    from lightning_energy.device.zeusd import may_change_settings_itself
+
+    if may_change_settings_itself():
+        return None
+    if lease.zeusd_address is not None and store.trusts(lease):
+        return ZeusdClient.for_address(ZeusdAddress.parse(lease.zeusd_address))
+    return ZeusdClient.from_env()
 
 
 def _open_for_lease(store: LeaseStore, lease: Lease) -> GPU:
-    """Re-open the GPU a lease names: by UUID through NVML, or a simulated GPU through
-    its state file, which only the lease's own user may have re-opened.
+    """Re-open the GPU a lease names: by UUID through NVML (changed through zeusd where
+    :func:`_daemon_for_lease` says), or a simulated GPU through its state file, which only
+    the lease's own user may have re-opened.
 
     Raises:
         UntrustedLeaseError: a simulated GPU's lease or state file is not the caller's.
         GPUNotFoundError: the GPU is not there.
+        ConfigError: the caller's zeusd variables are unusable.
     """
     if lease.backend != "simulated":
-        return _open_nvml_gpu(lease.gpu_uuid, lease.gpu_index)
+        daemon = _daemon_for_lease(store, lease)
+        return _open_nvml_gpu(lease.gpu_uuid, lease.gpu_index, daemon)
     if lease.state_path is None or lease.simulated_gpu is None:
         raise GPUNotFoundError(
             "the lease does not record how to rebuild this simulated GPU (its model is not a "
@@ -154,6 +181,12 @@ def _state_file_problem(store: LeaseStore, lease: Lease, path: Path) -> str | No
     return directory_problem(path.parent, uid)
 
 
+def _through(gpu: GPU) -> str:
+    """`` through zeusd at <address>`` for a GPU changed through zeusd, else nothing."""
+    address = gpu.lease_source().zeusd_address
+    return "" if address is None else f" through zeusd at {address}"
+
+
 def _close(gpu: GPU) -> None:
     close = getattr(gpu, "close", None)
     if callable(close):
@@ -176,8 +209,11 @@ def recover(
     Args:
         lease_dir: the lease directory (default: ``$LIGHTNING_ENERGY_LEASE_DIR``, else
             :data:`~.lease.DEFAULT_LEASE_DIR`; see :func:`~.lease.resolve_lease_dir`).
-        open_gpu: opens a GPU by UUID; default: NVML by UUID, or for a simulated GPU, a
-            rebuild from the state file the lease records (the caller's own leases only).
+        open_gpu: opens a GPU by UUID; default: NVML by UUID (changed through zeusd when
+            the caller may not change settings itself: the daemon the caller's own lease
+            records, else the caller's ``ZEUSD_SOCK_PATH``/``ZEUSD_HOST_PORT``), or for a
+            simulated GPU, a rebuild from the state file the lease records (the caller's own
+            leases only).
         dry_run: only report what would be done.
         trusted_uids: owners whose leases are believed as they are (default: root and
             the caller); the leases of other users may only undo a lowering.
@@ -283,7 +319,7 @@ def _recover_locked(
                 return _result(path, "skipped", message, lease)
             return _result(path, "failed", f"cannot open the GPU: {exc}; lease kept", lease)
         try:
-            done = restore_stale_lease(gpu, lease, trusted=trusted)
+            done = restore_stale_lease(gpu, lease, trusted=trusted) + _through(gpu)
         except UntrustedLeaseError as exc:
             return _refused(path, exc, lease)
         except DeviceError as exc:

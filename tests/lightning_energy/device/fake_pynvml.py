@@ -20,17 +20,23 @@ GPU answers every call with ``GPU_IS_LOST`` (its handle is still listed by index
 ``nvmlDeviceGetHandleByUUID``, which initialises the GPUs it searches, fails the same way
 when it meets a lost GPU before the one asked for. ``call_counts`` counts every call, and a
 device's ``hooks`` run inside the calls they name (threads can be made to meet there).
+
+With ``require_root`` set, the module answers the setters with ``NO_PERMISSION``, as NVML
+answers a process without root or ``CAP_SYS_ADMIN``, except inside :meth:`FakeNVML.as_root`
+on the calling thread (a privileged daemon sharing the driver, such as the fake zeusd).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import math
 import random
+import threading
 import types
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +76,17 @@ VALUE_TYPES = {
     "NVML_VALUE_TYPE_SIGNED_INT": 5,
     "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
 }
+#: The functions that need root (or CAP_SYS_ADMIN).
+SETTERS = frozenset(
+    {
+        "nvmlDeviceSetPowerManagementLimit",
+        "nvmlDeviceSetGpuLockedClocks",
+        "nvmlDeviceResetGpuLockedClocks",
+        "nvmlDeviceSetMemoryLockedClocks",
+        "nvmlDeviceResetMemoryLockedClocks",
+        "nvmlDeviceSetPersistenceMode",
+    }
+)
 CLOCK_EVENT_GPU_IDLE = 0x1
 CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING = 0x2
 
@@ -109,6 +126,16 @@ class Process:
     usedGpuMemory: int = 0
 
 
+@dataclass(frozen=True)
+class PciInfo:
+    """``pynvml.nvmlPciInfo_t``: the fields read here (``busId`` as NVML formats it)."""
+
+    domain: int
+    bus: int
+    device: int
+    busId: bytes  # pynvml's name
+
+
 @dataclass
 class FakeDevice:
     """One GPU (or MIG instance) as the fake driver holds it (vendor units)."""
@@ -141,6 +168,8 @@ class FakeDevice:
     sm_clock_mhz: int = 1410  # the SM clock now when no lock holds it
     temperature_c: int = 45
     persistence_mode: int = 1
+    mem_locked: tuple[int, int] | None = None
+    pci_bus: int | None = None  # None: 0x10 plus the GPU's NVML index
     applications_clock_mhz: int = 1410
     default_applications_clock_mhz: int = 1410
     # "supported", "unsupported" (the field answers NOT_SUPPORTED), "unknown_field" (a
@@ -198,6 +227,7 @@ class FakeNVML(types.ModuleType):
         init_error: an NVML code ``nvmlInit`` fails with (None: it succeeds).
         now_s: the module's clock, moved by :meth:`advance` (and ``sleep``).
         call_counts: how many times each NVML function was called.
+        require_root: the setters answer ``NO_PERMISSION`` outside :meth:`as_root`.
     """
 
     NVMLError = NVMLError
@@ -216,6 +246,22 @@ class FakeNVML(types.ModuleType):
         self.init_error: int | None = None
         self.now_s = 0.0
         self.call_counts: Counter[str] = Counter()
+        self.require_root = False
+        self._root = threading.local()
+
+    @contextlib.contextmanager
+    def as_root(self) -> Iterator[None]:
+        """Call the setters with root's privileges on this thread (a privileged daemon)."""
+        self._root.depth = getattr(self._root, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._root.depth -= 1
+
+    @property
+    def caller_is_root(self) -> bool:
+        """Whether a setter called now on this thread is allowed."""
+        return not self.require_root or getattr(self._root, "depth", 0) > 0
 
     def clock(self) -> float:
         """The module's clock in seconds."""
@@ -264,6 +310,8 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
             raise NVMLError(ERROR_CODES["NVML_ERROR_GPU_IS_LOST"])
         if device is not None and fn in device.errors:
             raise NVMLError(device.errors[fn])
+        if fn in SETTERS and not mod.caller_is_root:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_NO_PERMISSION"])
 
     def nvmlInit() -> None:
         mod.init_calls += 1
@@ -353,6 +401,36 @@ def make_module(devices: list[FakeDevice]) -> FakeNVML:
         check("nvmlDeviceResetGpuLockedClocks", handle)
         mod.calls.append(("reset_locked_clocks", handle.uuid))
         handle.locked = None
+
+    def nvmlDeviceSetMemoryLockedClocks(handle: FakeDevice, min_mhz: int, max_mhz: int) -> None:
+        check("nvmlDeviceSetMemoryLockedClocks", handle)
+        mod.calls.append(("set_mem_locked_clocks", handle.uuid, min_mhz, max_mhz))
+        handle.mem_locked = (min_mhz, max_mhz)
+
+    def nvmlDeviceResetMemoryLockedClocks(handle: FakeDevice) -> None:
+        check("nvmlDeviceResetMemoryLockedClocks", handle)
+        mod.calls.append(("reset_mem_locked_clocks", handle.uuid))
+        handle.mem_locked = None
+
+    def nvmlDeviceSetPersistenceMode(handle: FakeDevice, mode: int) -> None:
+        check("nvmlDeviceSetPersistenceMode", handle)
+        mod.calls.append(("set_persistence_mode", handle.uuid, mode))
+        handle.persistence_mode = int(mode)
+
+    def index_of(handle: FakeDevice) -> int:
+        return next(i for i, d in enumerate(devices) if d is handle)
+
+    def nvmlDeviceGetIndex(handle: FakeDevice) -> int:
+        check("nvmlDeviceGetIndex", handle)
+        if handle.parent is not None:
+            raise NVMLError(ERROR_CODES["NVML_ERROR_INVALID_ARGUMENT"])
+        return index_of(handle)
+
+    def nvmlDeviceGetPciInfo(handle: FakeDevice) -> PciInfo:
+        check("nvmlDeviceGetPciInfo", handle)
+        physical = handle.parent or handle
+        bus = physical.pci_bus if physical.pci_bus is not None else 0x10 + index_of(physical)
+        return PciInfo(domain=0, bus=bus, device=0, busId=f"00000000:{bus:02X}:00.0".encode())
 
     def nvmlDeviceGetTotalEnergyConsumption(handle: FakeDevice) -> int:
         check("nvmlDeviceGetTotalEnergyConsumption", handle)
