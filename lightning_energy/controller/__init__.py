@@ -14,41 +14,44 @@ Adapters translate their framework's hooks into typed events and read the answer
     summary = controller.handle(End()).summary          # restores every GPU first
     controller.setup()                                  # another run (a second fit)
 
-Inside, three parts with one concern each:
+Inside, one concern per module:
 
-* :mod:`.session` (:class:`ProfilingSession`): the profiling-window state machine. The
-  power-limit optimizer hands out windows (a power limit, steps to settle, steps and
-  seconds to measure); the session counts their steps and reports the job-wide numbers.
-* :mod:`.ledger` (:class:`RunLedger`, :class:`RunSummary`): logging intervals, energy and
-  carbon accounting, decisions, baselines, the summary and the job's totals.
-* :mod:`.coordinator` (:class:`EnergyController`): the lifecycle. It opens the GPUs, takes
-  the lease, agrees with the other ranks, applies settings through the guard, runs the
-  carbon pause loop, saves and resumes checkpoints and restores first at teardown.
+* :mod:`.events`: what adapters tell the controller; :mod:`.records`: what they read back
+  (:class:`Decision`, :class:`StepResult`, :class:`RunSummary`).
+* :mod:`.coordinator` (:class:`EnergyController`): sequences a run. It opens the GPUs,
+  takes the lease, hands each event to the knobs, paces, saves and resumes checkpoints and
+  restores first at teardown.
+* :mod:`.knobs` (:class:`Knob`): what the controller coordinates: every setting it
+  changes, behind one protocol. :mod:`.power_limits` (:class:`PowerLimitKnob`) is the
+  built-in one; Perseus' clocks and the straggler equaliser's register theirs.
+* :mod:`.session` (:class:`ProfilingSession`): the power limit's profiling windows.
+* :mod:`.agreement`: who drives what across ranks, and whether the job optimises.
+* :mod:`.carbon_pace` (:class:`CarbonPacing`): the grid's pace, applied to the paced
+  knob, and pauses.
+* :mod:`.ledger` (:class:`RunLedger`) and :mod:`.readings`: every number of a run.
 
-With a ``carbon:`` section, rank 0 polls the grid in the background and the pacing policy
-turns intensity into a target time per step; the decision is broadcast at fixed step
-boundaries and the optimizer re-selects the least-energy limit meeting it, without
-profiling again. docs/adapters.md describes the contract adapters follow.
+docs/adapters.md describes the contract adapters follow; docs/knobs.md how to add a knob.
 """
 
+from lightning_energy.controller.carbon_pace import CarbonPacing
 from lightning_energy.controller.coordinator import EnergyController
 from lightning_energy.controller.events import (
     CheckpointLoad,
     CheckpointSave,
-    Decision,
     End,
     Event,
     Interruption,
-    PaceTarget,
-    Pause,
     StepEnd,
-    StepResult,
     StepStart,
 )
-from lightning_energy.controller.ledger import RunLedger, RunSummary
+from lightning_energy.controller.knobs import Knob, KnobDecision
+from lightning_energy.controller.ledger import RunLedger
+from lightning_energy.controller.power_limits import PowerLimitKnob
+from lightning_energy.controller.records import Decision, Profile, RunSummary, StepResult
 from lightning_energy.controller.session import ProfilingSession
 
 __all__ = [
+    "CarbonPacing",
     "CheckpointLoad",
     "CheckpointSave",
     "Decision",
@@ -56,8 +59,10 @@ __all__ = [
     "EnergyController",
     "Event",
     "Interruption",
-    "PaceTarget",
-    "Pause",
+    "Knob",
+    "KnobDecision",
+    "PowerLimitKnob",
+    "Profile",
     "ProfilingSession",
     "RunLedger",
     "RunSummary",

@@ -28,7 +28,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_energy.controller.ledger import Profile
+    from lightning_energy.controller.records import Profile
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer, Window
     from lightning_energy.optimize.selectors import Selector
 

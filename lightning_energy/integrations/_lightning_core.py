@@ -251,7 +251,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
 
     @override
     def on_validation_start(self, trainer: _Trainer, pl_module: _Module) -> None:
-        """Pause profiling during validation (the window in progress is retried)."""
+        """Leave validation out of the profiling window in progress."""
         if self.running and self.controller is not None and trainer.training:
             self.controller.handle(Interruption("validation"))
 

@@ -24,13 +24,19 @@ from typing import TYPE_CHECKING, Any
 from lightning_energy.config import DeviceConfig, EnergyConfig, load_config
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._common import EnergyAdapter, build_config
-from lightning_energy.perseus.data_parallel import StragglerRun
-from lightning_energy.perseus.pipeline_run import PipelineModule, PipelineRun, pipeline_schedule
+from lightning_energy.perseus.data_parallel import StragglerClocks, StragglerRun
+from lightning_energy.perseus.pipeline_run import (
+    PipelineModule,
+    PipelinePace,
+    PipelineRun,
+    pipeline_schedule,
+)
 from lightning_energy.perseus.rank_gpu import RankGPU, open_rank_gpu
 
 if TYPE_CHECKING:
     import torch
 
+    from lightning_energy.controller import EnergyController
     from lightning_energy.device.base import DeviceSet
     from lightning_energy.device.guard import GPUGuard
 
@@ -91,14 +97,21 @@ def strategy_config(
     return EnergyConfig.from_mapping(data, source=f"{owner} arguments over {base.source}")
 
 
+def energy_controller(trainer: Any) -> EnergyController | None:
+    """The controller of the energy callback of ``trainer`` during its run, if any."""
+    for callback in trainer.callbacks:
+        controller = callback.controller if isinstance(callback, EnergyAdapter) else None
+        if controller is not None and controller.guard is not None:
+            return controller
+    return None
+
+
 def shared_gpus(trainer: Any) -> tuple[DeviceSet, GPUGuard] | None:
     """The GPUs and guard of the energy callback of ``trainer`` during its run, if any."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, EnergyAdapter) and callback.controller is not None:
-            guard = callback.controller.guard
-            if guard is not None:
-                return callback.controller.devices, guard
-    return None
+    controller = energy_controller(trainer)
+    if controller is None or controller.guard is None:
+        return None
+    return controller.devices, controller.guard
 
 
 def _open(config: EnergyConfig, trainer: Any, local_rank: int, device: torch.device) -> RankGPU:
@@ -159,6 +172,8 @@ class PerseusPipelineCore(PerseusStrategyCore):
     """
 
     strategy_name = "perseus_pipeline"
+    _pace: PipelinePace | None = None
+    _step_start_s: float | None = None
 
     def __init__(
         self,
@@ -251,6 +266,13 @@ class PerseusPipelineCore(PerseusStrategyCore):
         except BaseException:
             rank.close()
             raise
+        controller = energy_controller(trainer)
+        if controller is not None:
+            # Perseus' clocks are a knob of the energy callback's job: no power limits are
+            # profiled beside them, and the carbon pace moves Perseus' target time.
+            self._pace = PipelinePace(self._run.pipeline)
+            controller.add_knob(self._pace)
+            self._step_start_s = None
 
     def set_target_time(self, target_s: float | None) -> None:
         """Re-plan for ``target_s`` at the next iteration (rank 0's value counts)."""
@@ -260,6 +282,11 @@ class PerseusPipelineCore(PerseusStrategyCore):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step at the planned clocks; logs and returns the mean loss."""
         assert isinstance(self._run, PipelineRun)
+        if self._pace is not None:  # the whole step, optimizer included, for the pace
+            now_s = self._run.pipeline.rank.clock()
+            if self._step_start_s is not None:
+                self._pace.observe_step(now_s - self._step_start_s)
+            self._step_start_s = now_s
         inputs, target = args[0]
         loss = self._run.step(inputs, target)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
@@ -334,6 +361,9 @@ class PerseusDDPCore(PerseusStrategyCore):
         except BaseException:
             rank.close()
             raise
+        controller = energy_controller(trainer)
+        if controller is not None:
+            controller.add_knob(StragglerClocks())
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Mark the step start, then the usual training step."""
@@ -404,6 +434,9 @@ class PerseusCallbackCore:
         except BaseException:
             rank.close()
             raise
+        controller = energy_controller(trainer)
+        if controller is not None:
+            controller.add_knob(StragglerClocks())
         if rank.owned:
             # Lightning installed its SIGTERM handler before this hook: restore first.
             rank.guard.handle_signals()

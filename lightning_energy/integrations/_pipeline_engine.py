@@ -35,7 +35,7 @@ from lightning_energy.controller import (
 from lightning_energy.device import DeviceSet, open_devices
 from lightning_energy.errors import EnergyError
 from lightning_energy.integrations._common import EnergyAdapter
-from lightning_energy.perseus.pipeline_run import RankPipeline
+from lightning_energy.perseus.pipeline_run import PipelinePace, RankPipeline
 from lightning_energy.perseus.rank_gpu import open_rank_gpu
 
 if TYPE_CHECKING:
@@ -43,74 +43,11 @@ if TYPE_CHECKING:
 
     from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
 
-__all__ = ["PerseusPace", "PipelineEngineAdapter"]
+__all__ = ["PipelineEngineAdapter"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Weight of the newest step in the running mean of the time a step spends outside the
-#: pipeline schedule (optimizer, data loading).
-_OVERHEAD_WEIGHT = 0.2
-
-#: Iteration times the pace's frontier is sampled at, from no slowdown to the energy optimum.
-_PACE_POINTS = 12
-
-
-class PerseusPace:
-    """The carbon pace's handle on Perseus: the planner's time-energy frontier and its target.
-
-    A step is one iteration of the pipeline plus the time it spends outside the schedule
-    (optimizer step, data loading), measured while the plan runs; the frontier's times
-    include it, so the pace's deadline arithmetic counts whole steps.
-
-    Args:
-        pipeline: this rank's pipeline (its online planner lives on rank 0).
-    """
-
-    def __init__(self, pipeline: RankPipeline) -> None:
-        self.pipeline = pipeline
-        self.overhead_s = 0.0
-        self._frontier: list[tuple[float, float, str]] = []
-        self._planner: Any = None
-
-    def observe_step(self, duration_s: float) -> None:
-        """A step of ``duration_s`` seconds (device clock) ran under the plan in force."""
-        plan = self.pipeline.runtime.plan
-        if plan is None or not plan.metadata or "iteration_time_s" not in plan.metadata:
-            return
-        extra = max(duration_s - plan.metadata["iteration_time_s"], 0.0)
-        self.overhead_s += _OVERHEAD_WEIGHT * (extra - self.overhead_s)
-
-    def pace_frontier(self) -> list[tuple[float, float, str]]:
-        """Rank 0, once planned: ``(step s, step J, label)`` from no slowdown to the
-        energy optimum (computed once per planner)."""
-        online = self.pipeline.online
-        planner = None if online is None or not self.pipeline.active else online.planner
-        if planner is None:
-            return []
-        if planner is not self._planner:
-            self._planner = planner
-            t_min, t_opt = planner.min_iteration_time_s, planner.energy_optimal_time_s()
-            step = max((t_opt - t_min) / _PACE_POINTS, t_min * 1e-3)
-            frontier = planner.frontier(time_step_s=step)
-            self._frontier = [
-                (p.iteration_time_s, p.energy_j, f"plan {p.iteration_time_s * 1e3:.1f} ms")
-                for p in frontier
-            ]
-        return [(t + self.overhead_s, e, label) for t, e, label in self._frontier]
-
-    def apply_pace(self, scale: float) -> float | None:
-        """Plan for ``scale`` times the fastest step (rank 0's target counts); the target
-        step time on rank 0, None elsewhere."""
-        online = self.pipeline.online
-        if online is None or online.planner is None:
-            if online is not None:
-                online.set_target_time(None)  # only rank 0's value is broadcast
-            return None
-        target_step_s = scale * (online.planner.min_iteration_time_s + self.overhead_s)
-        online.set_target_time(max(target_step_s - self.overhead_s, 0.0))
-        return target_step_s
 
 
 class PipelineEngineAdapter(EnergyAdapter):
@@ -152,14 +89,8 @@ class PipelineEngineAdapter(EnergyAdapter):
         super().__init__(config, device=device, carbon=carbon, strict=strict, report=report)
         if perseus:
             self.config = self.config.merged({"perseus": perseus})
-        if self.config.perseus.enabled and self.config.power_limit.enabled:
-            # Perseus plans the clocks; power-limit windows would confound its profile.
-            self.config = dataclasses.replace(
-                self.config,
-                power_limit=dataclasses.replace(self.config.power_limit, enabled=False),
-            )
         self._pipeline: RankPipeline | None = None
-        self._pace: PerseusPace | None = None
+        self._pace: PipelinePace | None = None
         self._devices: DeviceSet | None = None
         self._step_start_s: float | None = None
 
@@ -239,8 +170,10 @@ class PipelineEngineAdapter(EnergyAdapter):
                 plan_clocks=perseus.enabled,
             )
             if perseus.enabled:
-                self._pace = PerseusPace(self._pipeline)
-                controller.pace_with(self._pace)
+                # A knob that holds the clocks: the controller profiles no power limits
+                # (they would confound Perseus' profile) and paces Perseus' target time.
+                self._pace = PipelinePace(self._pipeline)
+                controller.add_knob(self._pace)
         except BaseException as exc:
             self._abort(type(exc).__name__)
             raise

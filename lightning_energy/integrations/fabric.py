@@ -145,7 +145,7 @@ class EnergyFabricCallback(EnergyAdapter):
         self._fresh = self._hook("on_train_batch_end", StepEnd()).metrics is not None
 
     def on_validation_start(self, *args: Any, **kwargs: Any) -> None:
-        """Pause profiling while validating (the window in progress is retried)."""
+        """Leave validation out of the profiling window in progress."""
         self._hook("on_validation_start", Interruption("validation"))
 
     def on_train_epoch_end(self, *args: Any, **kwargs: Any) -> None:

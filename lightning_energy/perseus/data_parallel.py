@@ -34,9 +34,27 @@ if TYPE_CHECKING:
     from lightning_energy.device.base import GPU
     from lightning_energy.perseus.rank_gpu import RankGPU
 
-__all__ = ["StragglerRun"]
+__all__ = ["StragglerClocks", "StragglerRun"]
 
 log = logging.getLogger(__name__)
+
+
+class StragglerClocks:
+    """The straggler equaliser's clocks as a knob of the job (registered with the job's
+    energy controller when there is one): it holds the clocks, so the job profiles no power
+    limits (they would confound the equaliser's measurements), and it cannot be paced (it
+    follows the straggler)."""
+
+    name = "straggler_clocks"
+    holds_clocks = True
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """None to pace: the straggler sets the step time."""
+        return []
+
+    def apply_pace(self, scale: float) -> None:
+        """Nothing: the straggler sets the step time."""
+        return None
 
 
 class StragglerRun:

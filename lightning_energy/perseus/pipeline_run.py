@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from lightning_energy.controller.knobs import KnobDecision
 from lightning_energy.device.simulated import as_simulated
 from lightning_energy.errors import ConfigError, DeviceError
 from lightning_energy.perseus.online import OnlinePerseus
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineModule",
+    "PipelinePace",
     "PipelineRun",
     "RankPipeline",
     "checked_stages",
@@ -492,3 +494,71 @@ class PipelineRun:
     def close(self) -> None:
         """Reset the clocks, then release the GPU when this run opened it."""
         self.pipeline.close()
+
+
+#: Weight of the newest step in the running mean of the time a step spends outside the
+#: pipeline schedule (optimizer, data loading).
+_OVERHEAD_WEIGHT = 0.2
+
+#: Iteration times the pace's frontier is sampled at, from no slowdown to the energy optimum.
+_PACE_POINTS = 12
+
+
+class PipelinePace:
+    """Perseus' per-instruction clocks as a knob of the job: the planner's time-energy
+    frontier, and its target iteration time for the carbon pace.
+
+    A step is one iteration of the pipeline plus the time it spends outside the schedule
+    (optimizer step, data loading), measured while the plan runs; the frontier's times
+    include it, so the pace's deadline arithmetic counts whole steps.
+
+    Args:
+        pipeline: this rank's pipeline (its online planner lives on rank 0).
+    """
+
+    name = "perseus_clocks"
+    holds_clocks = True
+
+    def __init__(self, pipeline: RankPipeline) -> None:
+        self.pipeline = pipeline
+        self.overhead_s = 0.0
+        self._frontier: list[tuple[float, float, str]] = []
+        self._planner: Any = None
+
+    def observe_step(self, duration_s: float) -> None:
+        """A step of ``duration_s`` seconds (device clock) ran under the plan in force."""
+        plan = self.pipeline.runtime.plan
+        if plan is None or not plan.metadata or "iteration_time_s" not in plan.metadata:
+            return
+        extra = max(duration_s - plan.metadata["iteration_time_s"], 0.0)
+        self.overhead_s += _OVERHEAD_WEIGHT * (extra - self.overhead_s)
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """Rank 0, once planned: ``(step s, step J, label)`` from no slowdown to the
+        energy optimum (computed once per planner)."""
+        online = self.pipeline.online
+        planner = None if online is None or not self.pipeline.active else online.planner
+        if planner is None:
+            return []
+        if planner is not self._planner:
+            self._planner = planner
+            t_min, t_opt = planner.min_iteration_time_s, planner.energy_optimal_time_s()
+            step = max((t_opt - t_min) / _PACE_POINTS, t_min * 1e-3)
+            frontier = planner.frontier(time_step_s=step)
+            self._frontier = [
+                (p.iteration_time_s, p.energy_j, f"plan {p.iteration_time_s * 1e3:.1f} ms")
+                for p in frontier
+            ]
+        return [(t + self.overhead_s, e, label) for t, e, label in self._frontier]
+
+    def apply_pace(self, scale: float) -> KnobDecision:
+        """Plan for ``scale`` times the fastest step (rank 0's target counts); the target
+        step time (known on rank 0 only: None elsewhere)."""
+        online = self.pipeline.online
+        if online is None or online.planner is None:
+            if online is not None:
+                online.set_target_time(None)  # only rank 0's value is broadcast
+            return KnobDecision("target_time_s", None, "pace")
+        target_step_s = scale * (online.planner.min_iteration_time_s + self.overhead_s)
+        online.set_target_time(max(target_step_s - self.overhead_s, 0.0))
+        return KnobDecision("target_time_s", target_step_s, "pace")

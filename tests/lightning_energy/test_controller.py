@@ -399,7 +399,7 @@ def test_a_pause_is_reweighed_at_the_idle_power_it_measures(
     # decision (still inside the pause) must use the measurement.
     controller = EnergyController(_a40_pausing_config(tmp_path), install_signal_handlers=False)
     _setup_reading_cold_idle(controller, monkeypatch)
-    pacer = controller._pacer
+    pacer = controller.pacer
     assert pacer is not None
     calls: list[tuple[float, bool]] = []
     update = pacer.update
@@ -431,7 +431,7 @@ def test_a_pause_on_an_unmeasured_idle_power_commits_to_a_short_probe_only(
     poll_s = config.carbon.poll_interval_s
     controller = EnergyController(config, install_signal_handlers=False)
     _setup_reading_cold_idle(controller, monkeypatch)
-    pacer = controller._pacer
+    pacer = controller.pacer
     assert pacer is not None
     calls: list[tuple[float, float, bool]] = []
     update = pacer.update

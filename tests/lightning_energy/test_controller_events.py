@@ -97,17 +97,17 @@ def test_an_interruption_pauses_the_window_and_leaves_out_what_runs_meanwhile(
     gpu = devices.gpus[0]
     controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
     try:
-        while not controller._session.measuring:  # warm-up, settling, then measuring
+        while not controller.power_limit.session.measuring:  # warm-up, settling, then measuring
             _step(controller)
         _step(controller)
-        window = controller._session.window
+        window = controller.power_limit.session.window
         before = controller._ledger.readings.peek(WINDOW)
         result = controller.handle(Interruption("validation"))
         assert result.metrics is None and result.decisions == ()
         gpu.idle(30.0)  # validation: half a minute the window must not count
         start = controller.handle(StepStart())
         assert start.decisions == ()  # the same window goes on: nothing retried or re-applied
-        assert controller._session.window == window
+        assert controller.power_limit.session.window == window
         resumed = controller._ledger.readings.peek(WINDOW)
         assert before is not None and resumed is not None
         assert resumed.duration_s == pytest.approx(before.duration_s)

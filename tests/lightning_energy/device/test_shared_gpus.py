@@ -154,7 +154,7 @@ def test_a_pause_weighs_each_physical_gpu_idle_once(
     with monkeypatch.context() as patch:  # boards read their cold idle (17 W) at setup,
         patch.setattr(SimulatedGPU, "power_w", lambda self: 17.0)  # which makes it pause
         controller.setup()
-    pacer = controller._pacer
+    pacer = controller.pacer
     assert pacer is not None
     weighed: list[tuple[float, bool]] = []
     update = pacer.update

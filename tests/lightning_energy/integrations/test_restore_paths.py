@@ -189,7 +189,6 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     lowest_w = gpu.power_limit_constraints_w()[0]
     pausing = PaceUpdate(400.0, None, True, "dirty grid")
     updates = [pausing, pausing, pausing]  # the policy would pause for three more polls
-    controller._pace_update = lambda paused=False: updates.pop() if updates else None  # type: ignore[method-assign]
 
     def terminate_once_paused() -> None:
         while gpu.power_limit_w() != lowest_w:
@@ -199,8 +198,11 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     killer = threading.Thread(target=terminate_once_paused, name="test-sigterm")
     try:
         controller.setup()
+        pacing = controller._pacing
+        assert pacing is not None
+        pacing._update = lambda paused=False: updates.pop() if updates else None  # type: ignore[method-assign]
         killer.start()
-        controller._pause(pausing)
+        pacing._pause(pausing)
         killer.join()
         assert received == [signal.SIGTERM]  # handed on to the handler found
         assert gpu.settings() == (PRE_JOB_W, None)

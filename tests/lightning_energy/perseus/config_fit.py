@@ -49,6 +49,10 @@ class Report(pl.Callback):
             "same_gpu": run.rank.gpu is controller.devices.gpus[0],
             "same_guard": run.rank.guard is controller.guard,
             "owned": run.rank.owned,
+            "power_limit_decisions": [
+                d["purpose"] for d in controller.decisions if d["kind"] == "power_limit"
+            ],
+            "profiling_off": controller.power_limit.profiling_off,
         }
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

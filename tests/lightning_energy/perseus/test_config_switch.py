@@ -28,8 +28,6 @@ def _config(tmp_path: Path, **perseus: Any) -> dict[str, Any]:
             "slowdowns": [1.0, 1.3],
             "lease_dir": str(tmp_path / "leases"),
         },
-        # Perseus alone changes the GPUs here; the energy callback measures.
-        "power_limit": {"enabled": False},
         "perseus": {"enabled": True, **perseus},
     }
 
@@ -64,6 +62,10 @@ def test_a_config_file_alone_equalises_ddp_ranks_over_the_energy_callbacks_gpus(
         # One opening, one guard, one lease: Perseus drives the energy callback's GPU.
         assert result["same_gpu"] and result["same_guard"] and not result["owned"]
         assert result["straggler"] == 1
+        # Its clocks are a knob of the energy callback's job: power limits are on in the
+        # file, but no limit is profiled beside the clocks.
+        assert result["profiling_off"] == "straggler_clocks holds the clocks"
+        assert result["power_limit_decisions"] == []
     assert ranks[0]["clocks"][-1][1] < 1410  # the fast rank waits at a lower clock
     assert ranks[1]["clocks"][-1][1] == 1410  # the straggler keeps the maximum
     # After the job: both GPUs unlocked again, and no lease left behind.

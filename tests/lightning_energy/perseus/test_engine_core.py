@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_energy.config import EnergyConfig
-from lightning_energy.controller import EnergyController
+from lightning_energy.controller import EnergyController, KnobDecision
 from lightning_energy.device import DeviceSet, simulated_gpus
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
@@ -201,8 +201,10 @@ def _gpu(engine: _Engine) -> Any:
 
 def test_an_engine_job_profiles_plans_and_restores_at_the_end(tmp_path: Path) -> None:
     engine = _Engine(_config(tmp_path))
-    assert engine.config.power_limit.enabled is False  # Perseus plans the clocks
+    assert engine.config.power_limit.enabled  # but not profiled: Perseus holds the clocks
     engine.begin()
+    assert engine.controller is not None
+    assert engine.controller.power_limit.profiling_off == "perseus_clocks holds the clocks"
     gpu = _gpu(engine)
     pre_limit_w = gpu.power_limit_w()
     with engine:
@@ -224,7 +226,7 @@ def test_an_engine_job_profiles_plans_and_restores_at_the_end(tmp_path: Path) ->
         assert times == sorted(times) and energies == sorted(energies, reverse=True)
         fastest = pipeline.runtime.plan
         assert fastest is not None and fastest.metadata is not None
-        target_s, overhead_s = pace.apply_pace(1.15), pace.overhead_s
+        target_s, overhead_s = pace.apply_pace(1.15).value, pace.overhead_s
         assert target_s == pytest.approx(1.15 * times[0])
         engine.train(engine.config.perseus.replan_every_iterations)
         slower = pipeline.runtime.plan
@@ -298,7 +300,11 @@ def test_without_perseus_the_engine_job_only_measures(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ the carbon pace target
 class _Target:
-    """A pace target with two settings: fast, or 10 % slower at 15 % less energy."""
+    """A knob holding the clocks with two settings: fast, or 10 % slower at 15 % less
+    energy."""
+
+    name = "two_clocks"
+    holds_clocks = True
 
     def __init__(self, step_s: float, step_j: float) -> None:
         self.frontier = [(step_s, step_j, "fast"), (1.1 * step_s, 0.85 * step_j, "slow")]
@@ -307,19 +313,18 @@ class _Target:
     def pace_frontier(self) -> list[tuple[float, float, str]]:
         return list(self.frontier)
 
-    def apply_pace(self, scale: float) -> float:
+    def apply_pace(self, scale: float) -> KnobDecision:
         self.scales.append(scale)
-        return scale * self.frontier[0][0]
+        return KnobDecision("target_time_s", scale * self.frontier[0][0], "pace")
 
 
-def test_the_carbon_pace_moves_a_registered_target_instead_of_the_power_limit(
+def test_the_carbon_pace_moves_a_registered_knob_and_power_limits_are_not_profiled(
     tmp_path: Path,
 ) -> None:
     example = Path(__file__).parents[3] / "examples" / "carbon_pacing.yaml"
     config = EnergyConfig.from_yaml(example).merged(
         {
             "device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")},
-            "power_limit": {"enabled": False},
             "carbon": {"max_slowdown": 1.05},
             "report": None,
         }
@@ -331,7 +336,7 @@ def test_the_carbon_pace_moves_a_registered_target_instead_of_the_power_limit(
     t0_s, e0_j = gpu.now_s(), gpu.energy_j()
     gpu.run_step()
     target = _Target(gpu.now_s() - t0_s, gpu.energy_j() - e0_j)
-    controller.pace_with(target)
+    controller.add_knob(target)  # it holds the clocks: no power limit is profiled
     controller.set_total_steps(1200)
     for _ in range(1200):
         controller.on_step_start()

@@ -230,3 +230,52 @@ def test_arguments_override_the_perseus_section_which_overrides_defaults(
     # No configuration at all: the defaults, on a simulated GPU that models clocks.
     bare = module.PerseusDDPStrategy()
     assert bare.config.perseus.window_steps == 10 and bare.config.device.gpu == "a100"
+
+
+def test_the_pipeline_strategy_is_a_knob_of_the_energy_callbacks_job(tmp_path: Path) -> None:
+    """With the energy callback beside it, the pipeline strategy's clocks are a knob of the
+    callback's job: no power limit is profiled beside them (power limits stay on in the
+    configuration), and the carbon pace moves Perseus' target time (the knob paced)."""
+    import os
+    from unittest import mock
+
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_energy.integrations.lightning import EnergyCallback
+    from lightning_energy.integrations.perseus_lightning import PerseusPipelineStrategy
+    from lightning_energy.perseus.pipeline_run import PipelinePace
+
+    from .lightning_fit import PipelineMLP, RandomData
+
+    config = {"device": {"backend": "simulated", "gpu": "a100", "lease_dir": str(tmp_path)}}
+    energy = EnergyCallback(config)
+    strategy = PerseusPipelineStrategy(
+        energy=config,
+        schedule="1f1b",
+        microbatches=2,
+        process_group_backend="gloo",
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=6,
+        callbacks=[energy],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with mock.patch.dict(os.environ):  # the DDP-based strategy sets its variables
+        try:
+            trainer.fit(PipelineMLP(num_stages=1), datamodule=RandomData())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    controller = energy.controller
+    assert controller is not None
+    assert isinstance(controller.paced_knob(), PipelinePace)
+    assert controller.power_limit.profiling_off == "perseus_clocks holds the clocks"
+    assert not [d for d in controller.decisions if d["kind"] == "power_limit"]
+    assert controller.config.power_limit.enabled
