@@ -68,7 +68,7 @@ from scipy.stats import spearmanr
 
 from lightning_energy.device.physics import PhysicsModel, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.kareus.files import write_atomically
+from lightning_energy.files import write_atomically
 from lightning_energy.kareus.measured import PartitionMeasurements
 from lightning_energy.kareus.partition import SEQUENTIAL, ComputeOp, Partition
 
