@@ -161,7 +161,7 @@ class Method:
         start = time.perf_counter()
         options = instruction_options(points, rest, LAYERS_PER_STAGE, nanobatches=nanobatches)
         self.planner = KareusPlanner(
-            options, one_f_one_b(len(LAYERS_PER_STAGE), 8), blocked_power_w=rest.blocked_power_w
+            options, one_f_one_b(len(LAYERS_PER_STAGE), 8), blocked_power_w=rest.min_blocked_power_w
         )
         self.frontier = self.planner.frontier()
         self.planning_s = time.perf_counter() - start

@@ -308,7 +308,11 @@ def pacing_wait_ms(decisions: int) -> dict[str, float]:
     decided_s: list[float] = []
     for inline in (True, False):
         clock = {"now": start}
-        pacer = CarbonPacer(config, now=lambda clock=clock: clock["now"], virtual_clock=inline)
+
+        def now(clock: dict[str, datetime] = clock) -> datetime:
+            return clock["now"]
+
+        pacer = CarbonPacer(config, now=now, virtual_clock=inline)
         decide = pacer.policy.decide
 
         def timed(*args: Any, decide: Any = decide, **kwargs: Any) -> Any:
@@ -432,7 +436,7 @@ def _pipeline_rank(rank: int, port: int, steps: int, device: str, out_dir: str) 
             ("after", inner),
         ):
             setattr(pipeline, name, _timed(samples, getattr(pipeline, name)))
-        run._pipe.step = _timed(schedule_s, run._pipe.step)  # type: ignore[method-assign]
+        run._pipe.step = _timed(schedule_s, run._pipe.step)
         generator = torch.Generator().manual_seed(rank)
         batch = PIPELINE_MICROBATCHES * 4
         x = torch.randn(batch, PIPELINE_WIDTH, generator=generator).to(root)

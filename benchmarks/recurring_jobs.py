@@ -131,8 +131,11 @@ class Table:
 
 def read_train_trace(path: Path | None) -> list[dict[str, str]]:
     if path is None:
-        resource = importlib.resources.files("lightning_energy").joinpath(
-            "data", "gpu_profiles", "zeus_summary_train.csv"
+        resource = (
+            importlib.resources.files("lightning_energy")
+            / "data"
+            / "gpu_profiles"
+            / "zeus_summary_train.csv"
         )
         return list(csv.DictReader(resource.read_text(encoding="utf-8").splitlines()))
     return list(csv.DictReader(path.read_text(encoding="utf-8").splitlines()))

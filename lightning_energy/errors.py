@@ -24,7 +24,7 @@ with the GPU and the operation attached, so callers catch one family::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "CheckpointMismatchError",
@@ -43,7 +43,25 @@ __all__ = [
     "ProfileError",
     "StoreError",
     "UntrustedLeaseError",
+    "raise_profile_problems",
 ]
+
+#: How many problems a :class:`ProfileError` lists before it counts the rest.
+_MAX_LISTED = 20
+
+
+def _bulleted(problems: Sequence[str], limit: int | None = None) -> str:
+    """One indented line per problem; past ``limit`` of them, one line counting the rest.
+
+    ``carbon.errors.CarbonConfigError`` lists its problems alike but keeps its own lines:
+    ``carbon`` imports nothing from this package, and importing ``carbon`` here would load
+    its providers (``requests``) with every ``lightning_energy`` import.
+    """
+    shown = problems if limit is None else problems[:limit]
+    lines = "\n".join(f"  - {p}" for p in shown)
+    if len(problems) > len(shown):
+        lines += f"\n  - ... and {len(problems) - len(shown)} more"
+    return lines
 
 
 class EnergyError(Exception):
@@ -66,13 +84,29 @@ class ConfigError(EnergyError, ValueError):
         if len(self.problems) == 1:
             message = f"invalid configuration{where}: {self.problems[0]}"
         else:
-            lines = "\n".join(f"  - {p}" for p in self.problems)
+            lines = _bulleted(self.problems)
             message = f"{len(self.problems)} problems in the configuration{where}:\n{lines}"
         super().__init__(message)
 
 
 class ProfileError(EnergyError, ValueError):
     """A profile, trace or plan file is malformed (missing rows, non-positive values...)."""
+
+
+def raise_profile_problems(problems: Sequence[str], what: str) -> None:
+    """Raise one :class:`ProfileError` listing every problem of ``what`` (the first 20,
+    then how many more); return when there is none.
+
+    Args:
+        problems: one message per problem.
+        what: what they were found in (``"the pipeline profile run.csv"``).
+
+    Raises:
+        ProfileError: when there is any problem.
+    """
+    if problems:
+        lines = _bulleted(problems, _MAX_LISTED)
+        raise ProfileError(f"{len(problems)} problem(s) in {what}:\n{lines}")
 
 
 class CheckpointMismatchError(EnergyError, ValueError):

@@ -20,8 +20,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timedelta, timezone
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -43,8 +43,10 @@ __all__ = [
     "CarbonProvider",
     "HttpProvider",
     "Secret",
+    "fetch_in_windows",
     "parse_intensity",
     "parse_time",
+    "points_between",
     "redact_url",
     "scrub_excerpt",
 ]
@@ -224,6 +226,40 @@ def parse_time(text: str) -> datetime:
         return as_utc(datetime.fromisoformat(text))
     except OverflowError:
         raise ValueError("the time is out of the range of UTC datetimes") from None
+
+
+def points_between(
+    points: Iterable[IntensityPoint], start: datetime, end: datetime
+) -> list[IntensityPoint]:
+    """The points of ``[start, end)``, one per time (the last one given wins), in time order."""
+    in_range = {p.time: p for p in points if start <= p.time < end}
+    return sorted(in_range.values(), key=lambda p: p.time)
+
+
+def fetch_in_windows(
+    start: datetime,
+    end: datetime,
+    window: timedelta,
+    fetch: Callable[[datetime, datetime], Iterable[IntensityPoint]],
+) -> list[IntensityPoint]:
+    """The points of ``[start, end)`` from an API that answers at most ``window`` at a time.
+
+    Args:
+        start: the first time wanted (UTC).
+        end: the first time not wanted (UTC).
+        window: the longest range one request may ask for.
+        fetch: one request: the points of ``[window_start, window_end)``.
+
+    Returns:
+        As :func:`points_between` of every answer: one point per time, in time order.
+    """
+    points: list[IntensityPoint] = []
+    window_start = start
+    while window_start < end:
+        window_end = min(window_start + window, end)
+        points.extend(fetch(window_start, window_end))
+        window_start = window_end
+    return points_between(points, start, end)
 
 
 class HttpProvider:

@@ -30,7 +30,14 @@ from typing import Any, Literal
 import requests
 
 from carbon.errors import AuthError, CarbonConfigError, ProviderError, RegionNotInPlanError
-from carbon.providers.base import HttpProvider, Secret, parse_intensity, parse_time
+from carbon.providers.base import (
+    HttpProvider,
+    Secret,
+    fetch_in_windows,
+    parse_intensity,
+    parse_time,
+    points_between,
+)
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = [
@@ -222,23 +229,20 @@ class ElectricityMapsProvider(HttpProvider):
             return []
         if start >= self._clock() - _HISTORY_SPAN:
             body = self._get("/carbon-intensity/history", "history")
-            points = self._points(body, "history", "history", PointKind.MEASURED)
-        else:
-            points = []
-            window_start = start
-            while window_start < end:
-                window_end = min(window_start + _PAST_RANGE_MAX, end)
-                body = self._get(
-                    "/carbon-intensity/past-range",
-                    "past-range",
-                    start=_iso(window_start),
-                    end=_iso(window_end),
-                )
-                points.extend(self._points(body, "data", "past-range", PointKind.MEASURED))
-                window_start = window_end
-        return sorted(
-            {p.time: p for p in points if start <= p.time < end}.values(), key=lambda p: p.time
-        )
+            return points_between(
+                self._points(body, "history", "history", PointKind.MEASURED), start, end
+            )
+
+        def fetch(window_start: datetime, window_end: datetime) -> list[IntensityPoint]:
+            body = self._get(
+                "/carbon-intensity/past-range",
+                "past-range",
+                start=_iso(window_start),
+                end=_iso(window_end),
+            )
+            return self._points(body, "data", "past-range", PointKind.MEASURED)
+
+        return fetch_in_windows(start, end, _PAST_RANGE_MAX, fetch)
 
     def forecast(self, horizon_s: float | None = None) -> list[IntensityPoint]:
         """Forecast values (``carbon-intensity/forecast``) from the current hour.

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from carbon.errors import CarbonConfigError
-from carbon.providers.base import HttpProvider, parse_intensity, parse_time
+from carbon.providers.base import HttpProvider, fetch_in_windows, parse_intensity, parse_time
 from carbon.types import IntensityPoint, PointKind, as_utc
 
 __all__ = ["UK_REGIONS", "UKCarbonIntensityProvider", "validate_region"]
@@ -146,22 +146,17 @@ class UKCarbonIntensityProvider(HttpProvider):
         Raises:
             ProviderError: a subclass on any failure.
         """
-        start, end = as_utc(start), as_utc(end)
-        points: list[IntensityPoint] = []
-        window_start = start
-        while window_start < end:
-            window_end = min(window_start + _HISTORY_MAX, end)
+
+        def fetch(window_start: datetime, window_end: datetime) -> list[IntensityPoint]:
             span = f"{_iso(window_start)}/{_iso(window_end)}"
             if self._region == "national":
                 path = f"/intensity/{span}"
             else:
                 path = f"/regional/intensity/{span}/{self._regional_suffix()}"
             body = self._request_json(path, operation="history")
-            points.extend(self._parse(body, "history", PointKind.MEASURED))
-            window_start = window_end
-        return sorted(
-            {p.time: p for p in points if start <= p.time < end}.values(), key=lambda p: p.time
-        )
+            return self._parse(body, "history", PointKind.MEASURED)
+
+        return fetch_in_windows(as_utc(start), as_utc(end), _HISTORY_MAX, fetch)
 
     def _regional_suffix(self) -> str:
         kind = "regionid" if self._region.isdigit() else "postcode"

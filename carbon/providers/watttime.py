@@ -31,7 +31,13 @@ from carbon.errors import (
     ProviderError,
     RegionNotInPlanError,
 )
-from carbon.providers.base import HttpProvider, Secret, parse_intensity, parse_time
+from carbon.providers.base import (
+    HttpProvider,
+    Secret,
+    fetch_in_windows,
+    parse_intensity,
+    parse_time,
+)
 from carbon.providers.electricitymaps import parse_lat_lon
 from carbon.types import IntensityPoint, PointKind, as_utc
 
@@ -178,11 +184,8 @@ class WattTimeProvider(HttpProvider):
         Raises:
             ProviderError: a subclass on any failure.
         """
-        start, end = as_utc(start), as_utc(end)
-        points: list[IntensityPoint] = []
-        window_start = start
-        while window_start < end:
-            window_end = min(window_start + _HISTORY_MAX, end)
+
+        def fetch(window_start: datetime, window_end: datetime) -> list[IntensityPoint]:
             body = self._authed(
                 "/v3/historical",
                 "historical",
@@ -191,11 +194,9 @@ class WattTimeProvider(HttpProvider):
                 start=_iso(window_start),
                 end=_iso(window_end),
             )
-            points.extend(self._parse(body, "historical", PointKind.MEASURED))
-            window_start = window_end
-        return sorted(
-            {p.time: p for p in points if start <= p.time < end}.values(), key=lambda p: p.time
-        )
+            return self._parse(body, "historical", PointKind.MEASURED)
+
+        return fetch_in_windows(as_utc(start), as_utc(end), _HISTORY_MAX, fetch)
 
     def signal_index(self) -> tuple[datetime, float]:
         """The relative signal index (0 = cleanest, 100 = dirtiest of recent history),

@@ -57,14 +57,14 @@ def cuda_calls_on_cpu() -> Iterator[None]:
     def cpu_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self
 
-    torch.zeros = cpu_zeros  # type: ignore[assignment]
+    torch.zeros = cpu_zeros
     torch.Tensor.cuda = cpu_tensor  # type: ignore[method-assign,assignment]
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None
     try:
         yield
     finally:
-        (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize) = saved  # type: ignore[assignment]
+        (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize) = saved  # type: ignore[method-assign]
 
 
 def _is_cuda(device: Any) -> bool:

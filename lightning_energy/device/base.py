@@ -200,7 +200,7 @@ class DeviceSet:
     gpus: Sequence[GPU]
     clock: Callable[[], float]
     backend: str
-    run_step: Callable[[], None] | None = None
+    run_step: Callable[[], object] | None = None
 
     def synchronize(self) -> None:
         """Synchronise every GPU of the set."""

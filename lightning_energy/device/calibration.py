@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_energy.device.clocked_model import ClockedModel
 from lightning_energy.errors import ConfigError
 
 __all__ = ["CALIBRATION_FORMAT", "CalibratedModel", "Calibration", "load_calibration"]
@@ -51,7 +52,7 @@ _SWEEPS = ("power_limit_sweep", "clock_sweep")
 
 
 @dataclass(frozen=True)
-class CalibratedModel:
+class CalibratedModel(ClockedModel):
     """Time and power of work on a calibrated GPU (a :class:`~.simulated.GPUModel`).
 
     Attributes:
@@ -78,21 +79,9 @@ class CalibratedModel:
     step_compute_bound_share: float
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.step_time_s > 0:
-            problems.append(f"step_time_s: {self.step_time_s!r} is not allowed; use > 0")
-        if not 0 <= self.step_compute_bound_share <= 1:
-            problems.append(
-                f"compute_bound_share: {self.step_compute_bound_share!r} is not allowed; "
-                "use a share in [0, 1]"
-            )
+        problems = self.step_problems()
         if problems:
             raise ConfigError(problems, source=f"calibrated model {self.name!r}")
-
-    @property
-    def max_clock_mhz(self) -> int:
-        """The highest supported SM clock."""
-        return self.sm_clocks_mhz[0]
 
     def power_w(self, freq_mhz: float) -> float:
         """Power of the calibrated step at ``freq_mhz`` (interpolated, never below idle)."""
@@ -104,36 +93,10 @@ class CalibratedModel:
         power_w = p0 + (p1 - p0) * (freq_mhz - f0) / (f1 - f0)
         return max(self.idle_power_w, power_w)
 
-    def work_time_s(self, t0_s: float, compute_bound_share: float, freq_mhz: float) -> float:
-        """Duration of work taking ``t0_s`` at the maximum clock when run at ``freq_mhz``."""
-        beta = compute_bound_share
-        return beta * t0_s * self.max_clock_mhz / freq_mhz + (1.0 - beta) * t0_s
-
-    def clock_for(
-        self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
-    ) -> int:
-        """The highest supported clock, at most ``max_clock_mhz``, whose power fits under
-        ``power_limit_w``; the lowest supported clock when none does."""
-        ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
-        for freq in self.sm_clocks_mhz:
-            if freq <= ceiling and self.power_w(freq) <= power_limit_w:
-                return freq
-        return self.sm_clocks_mhz[-1]
-
-    def run(
-        self,
-        t0_s: float,
-        compute_bound_share: float,
-        power_limit_w: float,
-        max_clock_mhz: int | None,
-    ) -> tuple[float, float]:
-        """``(duration_s, power_w)`` of a piece of work under the given settings."""
-        freq = self.clock_for(compute_bound_share, power_limit_w, max_clock_mhz)
-        return self.work_time_s(t0_s, compute_bound_share, freq), self.power_w(freq)
-
-    def step_work(self) -> tuple[float, float]:
-        """``(t0_s, compute_bound_share)`` of one calibrated step."""
-        return self.step_time_s, self.step_compute_bound_share
+    def work_power_w(self, compute_bound_share: float, freq_mhz: float) -> float:
+        """The calibrated step's power at ``freq_mhz``, whatever the work's compute-bound
+        share (see the module's docstring)."""
+        return self.power_w(freq_mhz)
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,9 @@ those boards; their constants are illustrative, not measurements.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from lightning_energy.device.clocked_model import ClockedModel
 from lightning_energy.errors import ConfigError
 
 __all__ = ["PHYSICS_PRESETS", "PhysicsModel", "physics_preset"]
@@ -59,7 +59,7 @@ def _clock_table(max_mhz: int, min_mhz: int, step_mhz: int = 15) -> tuple[int, .
 
 
 @dataclass(frozen=True)
-class PhysicsModel:
+class PhysicsModel(ClockedModel):
     """Frequency-dependent time and power of a GPU class, plus its simulated training step.
 
     Attributes:
@@ -129,20 +129,9 @@ class PhysicsModel:
                 f"f_v_low_mhz: {self.f_v_low_mhz!r} is not allowed; "
                 f"use a number in [{clocks[-1]}, {clocks[0]})"
             )
-        if self.step_time_s <= 0:
-            problems.append(f"step_time_s: {self.step_time_s!r} is not allowed; use > 0")
-        if not 0 <= self.step_compute_bound_share <= 1:
-            problems.append(
-                f"step_compute_bound_share: {self.step_compute_bound_share!r} is not allowed; "
-                "use a number in [0, 1]"
-            )
+        problems += self.step_problems()
         if problems:
             raise ConfigError(problems, source=f"physics model {self.name!r}")
-
-    @property
-    def max_clock_mhz(self) -> int:
-        """``f_max``, the highest supported SM clock."""
-        return self.sm_clocks_mhz[0]
 
     def voltage(self, freq_mhz: float) -> float:
         """Relative core voltage at ``freq_mhz`` (linear above ``f_v_low_mhz``, flat below)."""
@@ -154,11 +143,6 @@ class PhysicsModel:
     def switching_scale(self, freq_mhz: float) -> float:
         """``s(f) = (f / f_max) * V(f)**2``: switching power relative to ``f_max``."""
         return freq_mhz / self.max_clock_mhz * (self.voltage(freq_mhz) / self.v_high) ** 2
-
-    def work_time_s(self, t0_s: float, compute_bound_share: float, freq_mhz: float) -> float:
-        """Duration of work taking ``t0_s`` at ``f_max`` when run at ``freq_mhz``."""
-        beta = compute_bound_share
-        return beta * t0_s * self.max_clock_mhz / freq_mhz + (1.0 - beta) * t0_s
 
     def work_power_w(self, compute_bound_share: float, freq_mhz: float) -> float:
         """Average power of work with compute-bound share ``beta`` run at ``freq_mhz``.
@@ -179,68 +163,11 @@ class PhysicsModel:
         ``idle_power_w + spin_power_w * s(f)``."""
         return self.idle_power_w + self.spin_power_w * self.switching_scale(freq_mhz)
 
-    def clock_for(
-        self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
-    ) -> int:
-        """The SM clock work runs at under a power limit and an optional clock ceiling.
-
-        Args:
-            compute_bound_share: the work's ``beta``.
-            power_limit_w: the power limit in force.
-            max_clock_mhz: the upper bound of a clock lock, if any.
-
-        Returns:
-            The highest supported clock not above ``max_clock_mhz`` whose average power fits
-            under ``power_limit_w``; the lowest supported clock when none fits.
-        """
-        return self._highest_clock(
-            lambda f: self.work_power_w(compute_bound_share, f), power_limit_w, max_clock_mhz
-        )
-
     def blocked_clock_mhz(self, power_limit_w: float, max_clock_mhz: int | None = None) -> int:
         """The SM clock of a GPU blocked in a collective, as :meth:`clock_for` (its power
         is :meth:`blocked_power_w`; without a lock the GPU runs NCCL's kernels at the
         maximum clock)."""
-        return self._highest_clock(self.blocked_power_w, power_limit_w, max_clock_mhz)
-
-    def _highest_clock(
-        self, power_w: Callable[[int], float], power_limit_w: float, max_clock_mhz: int | None
-    ) -> int:
-        ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
-        for freq in self.sm_clocks_mhz:
-            if freq > ceiling:
-                continue
-            if power_w(freq) <= power_limit_w:
-                return freq
-        return self.sm_clocks_mhz[-1]
-
-    def run(
-        self,
-        t0_s: float,
-        compute_bound_share: float,
-        power_limit_w: float,
-        max_clock_mhz: int | None,
-    ) -> tuple[float, float]:
-        """Duration and average power of a piece of work under the given settings.
-
-        Args:
-            t0_s: the work's duration at ``f_max``.
-            compute_bound_share: its compute-bound share ``beta``.
-            power_limit_w: the power limit in force.
-            max_clock_mhz: the upper bound of a clock lock, if any.
-
-        Returns:
-            ``(duration_s, power_w)``.
-        """
-        freq = self.clock_for(compute_bound_share, power_limit_w, max_clock_mhz)
-        return (
-            self.work_time_s(t0_s, compute_bound_share, freq),
-            self.work_power_w(compute_bound_share, freq),
-        )
-
-    def step_work(self) -> tuple[float, float]:
-        """``(t0_s, compute_bound_share)`` of one simulated training step."""
-        return self.step_time_s, self.step_compute_bound_share
+        return self.highest_clock(self.blocked_power_w, power_limit_w, max_clock_mhz)
 
 
 PHYSICS_PRESETS: dict[str, PhysicsModel] = {

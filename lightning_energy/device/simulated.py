@@ -40,9 +40,7 @@ import bisect
 import contextlib
 import json
 import math
-import os
 import random
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -61,6 +59,7 @@ from lightning_energy.errors import (
     NoPermissionError,
     NotSupportedError,
 )
+from lightning_energy.files import write_atomically
 
 __all__ = [
     "BOARDS",
@@ -915,18 +914,7 @@ class SimulatedGPU:
             "power_limit_w": self._power_limit_w,
             "locked_clocks_mhz": list(self._locked) if self._locked is not None else None,
         }
-        directory = self.state_path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.state_path.name}.", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(self.state_path, json.dumps(state))
 
 
 def run_in_parallel(gpus: Sequence[SimulatedGPU], steps: int = 1) -> float:

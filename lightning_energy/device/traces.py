@@ -175,8 +175,8 @@ class PowerTrace:
         key = str(path_or_name)
         if key in TRACE_GPUS:
             file_name, gpu_name, idle_power_w = TRACE_GPUS[key]
-            resource = importlib.resources.files("lightning_energy").joinpath(
-                "data", "gpu_profiles", file_name
+            resource = (
+                importlib.resources.files("lightning_energy") / "data" / "gpu_profiles" / file_name
             )
             return cls._parse(resource.read_text(encoding="utf-8"), key, gpu_name, idle_power_w)
         path = Path(path_or_name)

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.kareus.files import write_atomically
+from lightning_energy.files import write_atomically
 from lightning_energy.kareus.partition import PARTITION_KEYS, PartitionSetting
 from lightning_energy.kareus.search import MeasuredPoint, pareto_front, read_measurements
 from lightning_energy.perseus.plan import Plan, PlanEvaluation, evaluate

@@ -38,8 +38,7 @@ from typing import TextIO
 import numpy as np
 from numpy.typing import NDArray
 
-from lightning_energy.errors import ProfileError
-from lightning_energy.kareus.files import raise_problems
+from lightning_energy.errors import ProfileError, raise_profile_problems
 
 __all__ = ["PartitionMeasurements", "parse_partition_csv", "read_partition_csv"]
 
@@ -167,7 +166,7 @@ def parse_partition_csv(f: TextIO, *, source: str) -> PartitionMeasurements:
         energies.append(e)
     if not settings and not problems:
         problems.append("no measurements")
-    raise_problems(problems, f"the partition measurements {source}")
+    raise_profile_problems(problems, f"the partition measurements {source}")
     grid = np.asarray(settings, dtype=np.int64)
     return PartitionMeasurements(
         source=source,

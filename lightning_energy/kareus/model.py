@@ -68,7 +68,7 @@ from scipy.stats import spearmanr
 
 from lightning_energy.device.physics import PhysicsModel, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.kareus.files import write_atomically
+from lightning_energy.files import write_atomically
 from lightning_energy.kareus.measured import PartitionMeasurements
 from lightning_energy.kareus.partition import SEQUENTIAL, ComputeOp, Partition
 
@@ -734,5 +734,5 @@ def shipped_physics() -> OverlapPhysics:
     """The constants calibrated on the measured A100 forward-attention partition (package
     data ``kareus/a100_fwd_attn_tp2.json``, written by ``benchmarks/kareus.py
     --calibrate``)."""
-    text = resources.files("lightning_energy").joinpath("data", "kareus", _SHIPPED).read_text()
+    text = (resources.files("lightning_energy") / "data" / "kareus" / _SHIPPED).read_text()
     return _parse_calibration(json.loads(text), _SHIPPED)[0]

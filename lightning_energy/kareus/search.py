@@ -45,8 +45,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.kareus.files import raise_problems, write_atomically
+from lightning_energy.errors import ConfigError, ProfileError, raise_profile_problems
+from lightning_energy.files import write_atomically
 from lightning_energy.kareus.partition import SEQUENTIAL, PartitionSetting
 
 __all__ = [
@@ -276,7 +276,7 @@ def read_measurements(path: str | os.PathLike[str], key: str | None = None) -> l
             problems.append(f"line {number}: time_s and energy_j must be finite and > 0")
             continue
         points.append(MeasuredPoint(setting, time_s, energy_j))
-    raise_problems(problems, str(path))
+    raise_profile_problems(problems, str(path))
     return points
 
 

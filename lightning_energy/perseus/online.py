@@ -69,9 +69,13 @@ __all__ = [
     "Sample",
     "default_profile_clocks",
     "fit_profile",
+    "profile_clocks",
 ]
 
 log = logging.getLogger(__name__)
+
+#: How many clocks :func:`default_profile_clocks` picks unless told.
+_DEFAULT_PROFILE_CLOCKS = 4
 
 #: One measurement: ``(freq_mhz, time_s, energy_j)``.
 Sample = tuple[int, float, float]
@@ -223,7 +227,9 @@ def _warn_unusable(clocks_mhz: Sequence[int]) -> None:
     )
 
 
-def default_profile_clocks(supported_mhz: Sequence[int], count: int = 4) -> list[int]:
+def default_profile_clocks(
+    supported_mhz: Sequence[int], count: int = _DEFAULT_PROFILE_CLOCKS
+) -> list[int]:
     """``count`` clocks from the maximum down to 60 % of it, evenly spaced, snapped to
     supported clocks (lower clocks are rarely worth it: slower and often costlier).
 
@@ -242,6 +248,32 @@ def default_profile_clocks(supported_mhz: Sequence[int], count: int = 4) -> list
         if best not in picks:
             picks.append(best)
     return picks
+
+
+def profile_clocks(
+    supported_mhz: Sequence[int],
+    given_mhz: Sequence[int] | None,
+    problems: list[str],
+    count: int = _DEFAULT_PROFILE_CLOCKS,
+) -> list[int]:
+    """The clocks to profile: ``given_mhz``, else ``count`` of :func:`default_profile_clocks`;
+    none when no clock is supported (the rank then votes against clock control).
+
+    Args:
+        supported_mhz: the GPU's supported clocks (empty when it cannot list them).
+        given_mhz: the clocks the configuration names (None or empty: the default ones).
+        problems: where fewer than two distinct clocks is reported.
+        count: how many default clocks.
+
+    Returns:
+        The clocks, in the order given.
+    """
+    if not supported_mhz:
+        return []
+    clocks = list(given_mhz or default_profile_clocks(supported_mhz, count))
+    if len(set(clocks)) < 2:
+        problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+    return clocks
 
 
 def fit_profile(
@@ -343,11 +375,7 @@ class OnlinePerseus:
             problems.append(
                 f"replan_every_iterations: {replan_every_iterations} is not allowed; use >= 1"
             )
-        clocks: list[int] = []
-        if supported_clocks_mhz:
-            clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz))
-            if len(set(clocks)) < 2:
-                problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        clocks = profile_clocks(supported_clocks_mhz, profile_clocks_mhz, problems)
         if problems:
             raise ConfigError(problems, source="OnlinePerseus")
         self.runtime = runtime

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from lightning_energy.errors import ProfileError
+from lightning_energy.files import write_atomically
 from lightning_energy.perseus.profile import PipelineProfile
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
 from lightning_energy.perseus.solver import DeviceWaits
@@ -152,16 +152,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON, atomically (temporary file + rename)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, self.to_json())
 
     @classmethod
     def from_dict(

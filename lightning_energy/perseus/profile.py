@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_energy.errors import ProfileError
+from lightning_energy.errors import ProfileError, raise_profile_problems
 
 __all__ = [
     "BACKWARD",
@@ -60,18 +60,9 @@ ProfileRow = tuple[int, str, int, float, float]
 #: Power while blocked, in W: one value for every clock, or ``{frequency_mhz: power_w}``.
 BlockedPower = float | Mapping[int, float]
 
-_MAX_LISTED = 20
-
 
 def _raise_problems(problems: list[str], source: str) -> None:
-    if not problems:
-        return
-    shown = problems[:_MAX_LISTED]
-    more = len(problems) - len(shown)
-    lines = "\n".join(f"  - {p}" for p in shown)
-    if more:
-        lines += f"\n  - ... and {more} more"
-    raise ProfileError(f"{len(problems)} problem(s) in the pipeline profile {source}:\n{lines}")
+    raise_profile_problems(problems, f"the pipeline profile {source}")
 
 
 @dataclass(frozen=True)

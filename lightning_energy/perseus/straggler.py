@@ -54,7 +54,7 @@ from lightning_energy.perseus.online import (
     ClockModel,
     PowerCurve,
     Sample,
-    default_profile_clocks,
+    profile_clocks,
 )
 from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
@@ -121,11 +121,7 @@ class StragglerEqualizer:
             problems.append(f"margin: {margin} is not allowed; use a value in [0, 0.5)")
         if vote_after_steps < 1:
             problems.append(f"vote_after_steps: {vote_after_steps} is not allowed; use >= 1")
-        clocks: list[int] = []
-        if supported_clocks_mhz:  # none: this rank votes against clock control
-            clocks = list(profile_clocks_mhz or default_profile_clocks(supported_clocks_mhz, 3))
-            if len(set(clocks)) < 2:
-                problems.append(f"profile_clocks_mhz={clocks}: need two distinct clocks or more")
+        clocks = profile_clocks(supported_clocks_mhz, profile_clocks_mhz, problems, count=3)
         if problems:
             raise ConfigError(problems, source="StragglerEqualizer")
         self.guard = guard

@@ -108,8 +108,9 @@ def _phases(module: types.ModuleType, *names: str) -> tuple[Any, ...]:
 
 
 @contextmanager
-def _only(module: types.ModuleType, *names: str) -> Iterator[None]:
-    """Run only the phases ``names`` (the others are left out, not skipped)."""
+def _only(module: types.ModuleType, *names: str) -> Iterator[pytest.MonkeyPatch]:
+    """Run only the phases ``names`` (the others are left out, not skipped); the patch
+    yielded undoes what else it is given at the same time."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
             module,
@@ -119,7 +120,7 @@ def _only(module: types.ModuleType, *names: str) -> Iterator[None]:
         patch.setattr(
             module, "SETTINGS_PHASES", _phases(module, *[n for n in names if n in SETTINGS_PHASES])
         )
-        yield
+        yield patch
 
 
 def _state(directory: Path) -> dict[str, Any]:
@@ -381,12 +382,16 @@ def test_a_setting_change_in_a_read_only_run_is_refused_and_reported(
         pynvml.nvmlDeviceSetPowerManagementLimit(handle, 300_000)
 
     out = tmp_path / "calibration.json"
-    with _only(calibrate, "identity", "processes"):
+    with _only(calibrate, "identity", "processes") as patch:
         phases = calibrate.READ_ONLY_PHASES
-        calibrate.READ_ONLY_PHASES = (
-            *phases,
-            dataclasses.replace(phases[0], name="meddle", run=meddle),
-            dataclasses.replace(phases[0], name="meddle_with_nvml", run=meddle_with_nvml),
+        patch.setattr(
+            calibrate,
+            "READ_ONLY_PHASES",
+            (
+                *phases,
+                dataclasses.replace(phases[0], name="meddle", run=meddle),
+                dataclasses.replace(phases[0], name="meddle_with_nvml", run=meddle_with_nvml),
+            ),
         )
         assert calibrate.main(["--out", str(out)]) == calibrate.EXIT_FAILED
     result = json.loads(out.read_text())
@@ -479,8 +484,9 @@ def test_clock_event_reasons_decode_every_bit_nvml_defines(calibrate: types.Modu
     }
     assert {0x200, 0x400} <= bits  # board limit and reliability: the newest bits
     for bit in bits:
-        (name,) = reason_names(bit)
-        assert not name.startswith("0x"), hex(bit)
+        names = reason_names(bit)
+        assert names is not None and len(names) == 1, hex(bit)
+        assert not names[0].startswith("0x"), hex(bit)
     assert reason_names(0x4 | 0x200 | 0x800) == ["sw_power_cap", "board_limit", "0x800"]
 
 
@@ -802,10 +808,10 @@ def test_a_signal_writes_the_partial_json_and_exits_130(
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     out = tmp_path / "calibration.json"
     argv = ["--simulated", "h200", "--out", str(out), "--state-dir", str(tmp_path / "state")]
-    with _only(calibrate, "identity", "processes", "counter", "clock_behaviour"):
+    with _only(calibrate, "identity", "processes", "counter", "clock_behaviour") as patch:
         phases = list(calibrate.READ_ONLY_PHASES)
         phases.insert(2, dataclasses.replace(phases[0], name="signalled", run=signalled))
-        calibrate.READ_ONLY_PHASES = tuple(phases)
+        patch.setattr(calibrate, "READ_ONLY_PHASES", tuple(phases))
         status = calibrate.main(argv)
     assert status == calibrate.EXIT_INTERRUPTED == 130
     result = json.loads(out.read_text())
@@ -873,10 +879,14 @@ def test_a_failing_phase_and_a_short_budget(
     argv = ["--simulated", "a100", "--change-settings", "--out", str(out)]
     argv += ["--state-dir", str(state_dir), "--budget-s", "30"]
     phases = ("identity", "counter", "power_readings", "workload_step", *SETTINGS_PHASES)
-    with _only(calibrate, *phases):
-        calibrate.READ_ONLY_PHASES = tuple(
-            dataclasses.replace(p, run=lost) if p.name == "counter" else p
-            for p in calibrate.READ_ONLY_PHASES
+    with _only(calibrate, *phases) as patch:
+        patch.setattr(
+            calibrate,
+            "READ_ONLY_PHASES",
+            tuple(
+                dataclasses.replace(p, run=lost) if p.name == "counter" else p
+                for p in calibrate.READ_ONLY_PHASES
+            ),
         )
         status = calibrate.main(argv)
     result = json.loads(out.read_text())

@@ -14,8 +14,11 @@ def test_json_reports_the_gap_to_the_least_energy_fixed_choice(
     load_benchmark: Callable[[str], ModuleType], capsys: pytest.CaptureFixture[str]
 ) -> None:
     bench = load_benchmark("recurring_jobs")
-    a40 = importlib.resources.files("lightning_energy").joinpath(
-        "data", "gpu_profiles", "zeus_summary_power_a40.csv"
+    a40 = (
+        importlib.resources.files("lightning_energy")
+        / "data"
+        / "gpu_profiles"
+        / "zeus_summary_power_a40.csv"
     )
     argv = ["--power-trace", str(a40), "--recurrences", "3", "--repeats", "1", "--json"]
     assert bench.main(argv) == 0

@@ -29,7 +29,7 @@ class HangingProvider:
             datetime(2023, 6, 1, tzinfo=timezone.utc), 100.0, PointKind.MEASURED, "hanging:test"
         )
 
-    def forecast(self, horizon_s: float) -> list[IntensityPoint]:
+    def forecast(self, horizon_s: float | None = None) -> list[IntensityPoint]:
         return []
 
     def history(self, start: datetime, end: datetime) -> list[IntensityPoint]:

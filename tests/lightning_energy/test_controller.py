@@ -12,7 +12,7 @@ import pytest
 
 from carbon.providers.trace import TraceProvider, load_trace
 from lightning_energy.config import EnergyConfig
-from lightning_energy.controller import EnergyController
+from lightning_energy.controller import Decision, EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.device.traces import TRACE_GPUS
@@ -38,7 +38,7 @@ def _devices(**spec: Any) -> DeviceSet:
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: [g.run_step() for g in gpus] and None,
+        run_step=lambda: [g.run_step() for g in gpus],
     )
 
 
@@ -48,7 +48,7 @@ def _run(controller: EnergyController, steps: int) -> None:
         controller.on_step_end()
 
 
-def _windows(controller: EnergyController) -> list[dict[str, Any]]:
+def _windows(controller: EnergyController) -> list[Decision]:
     return [d for d in controller.decisions if "window" in d["reason"]]
 
 
@@ -201,7 +201,7 @@ def test_carbon_problem_at_setup_is_a_config_error_and_leaves_nothing_changed(
 
 @pytest.mark.parametrize("candidates", [[300, 250, 200, 150], [300, 250, 200]])
 def test_the_choice_is_recorded_even_when_it_is_the_limit_already_set(
-    tmp_path: Path, candidates: list[int]
+    tmp_path: Path, candidates: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     devices = _devices()
     controller = EnergyController(
@@ -211,13 +211,15 @@ def test_the_choice_is_recorded_even_when_it_is_the_limit_already_set(
     )
     controller.setup()
     sets: list[float] = []
-    guard_set = controller._guard.set_power_limit_w
+    guard = controller.guard
+    assert guard is not None
+    guard_set = guard.set_power_limit_w
 
     def counting_set(power_limit_w: float) -> float:
         sets.append(power_limit_w)
         return float(guard_set(power_limit_w))
 
-    controller._guard.set_power_limit_w = counting_set
+    monkeypatch.setattr(guard, "set_power_limit_w", counting_set)
     _run(controller, 150)
     assert controller.profile_done
     profiled_last = [d["value"] for d in controller.decisions if d["purpose"] == "profile"][-1]
@@ -326,7 +328,11 @@ def test_grams_are_counted_at_the_intensity_in_force_after_the_hour_turns(
     for entry in charged:
         began = start + timedelta(seconds=entry["time_s"] - entry["duration_s"])
         hours.add(began.hour)
-        in_force = TraceProvider(trace, now=lambda t=began: t).latest().intensity_g_per_kwh
+
+        def at_start(began: datetime = began) -> datetime:
+            return began
+
+        in_force = TraceProvider(trace, now=at_start).latest().intensity_g_per_kwh
         assert entry["intensity_g_per_kwh"] == pytest.approx(in_force), began
     assert len(hours) >= 6
 
@@ -459,7 +465,7 @@ def test_a_pause_on_an_unmeasured_idle_power_commits_to_a_short_probe_only(
     assert resume["time_s"] - pause["time_s"] < poll_s
 
 
-def _emissions(config: EnergyConfig, steps: int) -> tuple[float, list[dict[str, Any]]]:
+def _emissions(config: EnergyConfig, steps: int) -> tuple[float, list[Decision]]:
     controller = EnergyController(config, install_signal_handlers=False)
     controller.setup()
     controller.set_total_steps(steps)

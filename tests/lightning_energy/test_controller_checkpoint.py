@@ -36,7 +36,7 @@ def _controller(tmp_path: Path, log_every_n_steps: int) -> EnergyController:
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: [g.run_step() for g in gpus] and None,
+        run_step=lambda: [g.run_step() for g in gpus],
     )
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
     controller.setup()

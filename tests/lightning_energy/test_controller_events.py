@@ -44,7 +44,7 @@ def _devices() -> DeviceSet:
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: [g.run_step() for g in gpus] and None,
+        run_step=lambda: [g.run_step() for g in gpus],
     )
 
 

@@ -273,7 +273,8 @@ def test_a_report_with_a_job_section_shows_the_job_total_and_refuses_bad_ones(
     path.write_text(json.dumps(report))
     table = format_report(load_report(path))
     assert "energy (rank 0)" in table and "whole job: 2 ranks on 2 node(s)" in table
-    for bad in ([], {"ranks": None, "energy_j": 1.0}, {"ranks": 2, "energy_j": "x"}):
+    bad_jobs: list[object] = [[], {"ranks": None, "energy_j": 1.0}, {"ranks": 2, "energy_j": "x"}]
+    for bad in bad_jobs:
         path.write_text(json.dumps({**report, "job": bad}))
         with pytest.raises(ReportError, match="'job"):
             load_report(path)

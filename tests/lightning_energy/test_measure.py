@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.device import DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.measure import EnergyMeter, WindowError
 
 
-def _devices(count: int = 2) -> DeviceSet:
+def _devices(count: int = 2) -> tuple[DeviceSet, list[SimulatedGPU]]:
     gpus = simulated_gpus(SimulatedSpec(gpu="a40", count=count))
-    return DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated")
+    return DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated"), gpus
 
 
 def test_window_measures_the_gpu_work_on_the_device_clock() -> None:
-    devices = _devices()
+    devices, gpus = _devices()
     meter = EnergyMeter(devices)
     meter.begin("step")
-    durations = [gpu.run_step() for gpu in devices.gpus]
+    durations = [gpu.run_step() for gpu in gpus]
     m = meter.end("step")
     # The GPUs share one virtual clock and ran one after the other.
     assert m.duration_s == pytest.approx(sum(durations))
@@ -28,25 +28,29 @@ def test_window_measures_the_gpu_work_on_the_device_clock() -> None:
 
 
 def test_windows_nest_and_add_up() -> None:
-    devices = _devices(1)
-    gpu = devices.gpus[0]
+    devices, (gpu,) = _devices(1)
     meter = EnergyMeter(devices)
     meter.begin("epoch")
     steps = []
     for _ in range(3):
         meter.begin("step")
-        gpu.run_step()  # type: ignore[attr-defined]
+        gpu.run_step()
         steps.append(meter.end("step"))
     epoch = meter.end("epoch")
     assert epoch.duration_s == pytest.approx(sum(s.duration_s for s in steps))
     assert epoch.energy_j == pytest.approx(sum(s.energy_j for s in steps))
 
 
-def test_readings_synchronise_the_devices_first() -> None:
-    devices = _devices(1)
+def test_readings_synchronise_the_devices_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices, (gpu,) = _devices(1)
     calls = []
-    real = devices.gpus[0].synchronize
-    devices.gpus[0].synchronize = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    real = gpu.synchronize
+
+    def counted() -> None:
+        calls.append(1)
+        real()
+
+    monkeypatch.setattr(gpu, "synchronize", counted)
     meter = EnergyMeter(devices)
     meter.begin("w")
     meter.end("w")
@@ -58,7 +62,7 @@ def test_readings_synchronise_the_devices_first() -> None:
 
 
 def test_misuse_is_reported() -> None:
-    meter = EnergyMeter(_devices(1))
+    meter = EnergyMeter(_devices(1)[0])
     with pytest.raises(WindowError, match="never opened"):
         meter.end("nope")
     meter.begin("a")

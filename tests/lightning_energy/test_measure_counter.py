@@ -52,7 +52,7 @@ def _a100(step_time_s: float) -> DeviceSet:
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: gpus[0].run_step() and None,
+        run_step=gpus[0].run_step,
     )
 
 
@@ -73,7 +73,7 @@ def test_short_steps_on_a_slow_counter_profile_accurately(
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: gpus[0].run_step() and None,
+        run_step=gpus[0].run_step,
     )
     config = EnergyConfig.from_mapping(_section(tmp_path, step_time_s))
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
@@ -124,7 +124,7 @@ def test_a_window_that_reads_no_energy_goes_on_with_one_warning(
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: gpus[0].run_step() and None,
+        run_step=gpus[0].run_step,
     )
     config = EnergyConfig.from_mapping(_section(tmp_path, 0.02))
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
@@ -149,7 +149,7 @@ def test_a_window_waits_until_its_limit_has_landed(settle_s: float, tmp_path: Pa
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: gpus[0].run_step() and None,
+        run_step=gpus[0].run_step,
     )
     section = _section(tmp_path, 0.02)
     section["power_limit"]["settle_s"] = settle_s

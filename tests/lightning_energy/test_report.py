@@ -6,6 +6,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +270,7 @@ def test_plots_into_an_unwritable_place_fail_clearly(
         render_plots(build_report(plain), blocker / "plots")
 
 
-def _paused_report(scales: list[float | None]) -> dict[str, Any]:
+def _paused_report(scales: Sequence[float | None]) -> dict[str, Any]:
     """A paced run: 3 intervals of steps, one paused hour between them."""
     timeline = [
         {
@@ -358,9 +359,12 @@ def test_power_plot_says_so_when_the_pace_never_moved(
 
     notes: list[str] = []
     draw = plots._note
-    monkeypatch.setattr(
-        plots, "_note", lambda ax, message: notes.append(message) or draw(ax, message)
-    )
+
+    def noted(ax: Any, message: str) -> None:
+        notes.append(message)
+        draw(ax, message)
+
+    monkeypatch.setattr(plots, "_note", noted)
     report = _paused_report(scales)
     for entry in report["timeline"]:
         entry["intensity_g_per_kwh"] = 300.0

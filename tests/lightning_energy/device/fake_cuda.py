@@ -358,9 +358,9 @@ class FakeCuda:
             self._threads.device = previous
 
     # --------------------------------------------------------------- GPU time
-    def launch(self, seconds: float, stream: FakeStream | None = None) -> None:
+    def launch(self, seconds: float, stream: FakeStream | torch.cuda.Stream | None = None) -> None:
         """Queue ``seconds`` of kernels on ``stream`` (default: the current stream)."""
-        stream = stream if stream is not None else self.current_stream()
+        stream = self._own(stream)
         self._context(stream.device_index)
         self._check(stream.device_index)
         stream.ready_s = max(stream.ready_s, self.now_s) + seconds
@@ -371,11 +371,23 @@ class FakeCuda:
             self.now_s += seconds
             self._cond.notify_all()
 
-    def stall(self, stream: FakeStream | None = None) -> None:
+    def stall(self, stream: FakeStream | torch.cuda.Stream | None = None) -> None:
         """``stream`` (default: the current one) stops at a collective whose peer is gone:
         nothing queued after now ever runs, until :meth:`release`."""
-        stream = stream if stream is not None else self.current_stream()
-        stream.ready_s = math.inf
+        self._own(stream).ready_s = math.inf
+
+    def _own(self, stream: FakeStream | torch.cuda.Stream | None) -> FakeStream:
+        """``stream`` as this fake's own (``torch.cuda`` hands out :class:`FakeStream` s while
+        the fake is installed); None: the calling thread's current stream.
+
+        Raises:
+            TypeError: a stream of another runtime.
+        """
+        if stream is None:
+            return self.current_stream()
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"{stream!r} is not a stream of this fake CUDA runtime")
+        return stream
 
     def release(self) -> None:
         """End every stall (the test is over): stalled streams and waiters go on."""

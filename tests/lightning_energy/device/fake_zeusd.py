@@ -214,7 +214,7 @@ class FakeZeusd:
         else:
             server = ThreadingHTTPServer(("127.0.0.1", self.port or 0), handler)
             server.daemon_threads = True
-            self.port = server.server_address[1]  # type: ignore[misc]
+            self.port = server.server_address[1]
         self._server = server
         self._serving = threading.Thread(
             target=server.serve_forever,

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_pynvml import VALUE_TYPES, FakeNVML, NvmlFieldValue, NvmlValue, a100, make_module
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
@@ -29,6 +28,14 @@ from lightning_energy.device.simulated import (
 )
 from lightning_energy.errors import ConfigError, DriverError, NotSupportedError
 from lightning_energy.measure import EnergyMeter
+from tests.lightning_energy.device.fake_pynvml import (
+    VALUE_TYPES,
+    FakeNVML,
+    NvmlFieldValue,
+    NvmlValue,
+    a100,
+    make_module,
+)
 
 
 def _gpu(gpu: str = "a100", **spec: object) -> SimulatedGPU:
@@ -140,7 +147,7 @@ def _controller(tmp_path: Path, gpu: SimulatedGPU, limits: list[float]) -> Energ
         gpus=[gpu],
         clock=gpu.clock.now,
         backend="simulated",
-        run_step=lambda: gpu.run_step() and None,
+        run_step=gpu.run_step,
     )
     return EnergyController(config, devices=devices, install_signal_handlers=False)
 

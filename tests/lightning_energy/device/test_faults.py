@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.errors import GPULostError, NoPermissionError, NotSupportedError
+from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 
 def _config(tmp_path: Path, *, backend: str = "simulated", strict: bool = False) -> EnergyConfig:
@@ -37,7 +37,7 @@ def _devices(**spec: Any) -> DeviceSet:
         gpus=gpus,
         clock=gpus[0].clock.now,
         backend="simulated",
-        run_step=lambda: [g.run_step() for g in gpus] and None,
+        run_step=lambda: [g.run_step() for g in gpus],
     )
 
 

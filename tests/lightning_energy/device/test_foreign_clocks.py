@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_pynvml import FakeNVML, a100, make_module
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
@@ -18,6 +17,7 @@ from lightning_energy.device.simulated import (
     CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING,
     CLOCK_EVENT_GPU_IDLE,
 )
+from tests.lightning_energy.device.fake_pynvml import FakeNVML, a100, make_module
 
 ADMIN_LOCK = (1005, 1005)
 
@@ -99,7 +99,7 @@ def test_the_first_steps_find_a_lock_that_an_idle_gpu_hid(
         gpus=[gpu],
         clock=gpu.clock.now,
         backend="simulated",
-        run_step=lambda: gpu.run_step() and None,
+        run_step=gpu.run_step,
     )
     controller = EnergyController(
         _config(tmp_path, "simulated"), devices=devices, install_signal_handlers=False

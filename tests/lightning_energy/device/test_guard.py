@@ -569,7 +569,7 @@ def _nvml_lease(uuid: str, owner: ProcessIdentity, power_limit_w: float) -> Leas
 def test_recover_reopens_real_gpus_by_uuid_through_nvml(
     lease_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fake_pynvml import ERROR_CODES, NVMLError, a100, make_module
+    from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, NVMLError, a100, make_module
 
     device = a100(0, limit_mw=200_000, locked=(210, 1005))  # what the killed job left
     fake = make_module([device])
@@ -604,7 +604,7 @@ def test_recover_restores_a_gpu_past_a_lost_one_elsewhere_on_the_node(
 ) -> None:
     """NVML's by-UUID lookup initialises every GPU it meets and answers GPU_IS_LOST at a
     lost one before the GPU asked for: recover still finds and restores that GPU."""
-    from fake_pynvml import a100, make_module
+    from tests.lightning_energy.device.fake_pynvml import a100, make_module
 
     lost = a100(0, lost=True)
     device = a100(1, limit_mw=200_000)

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_cuda import FakeCuda
-from fake_pynvml import FakeDevice, FakeNVML, a100, make_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +17,8 @@ from lightning_energy.device import DEVICE_ENV_VAR, NVMLGPU, SimulatedSpec, mapp
 from lightning_energy.device.mapping import normalise_uuid, nvml_gpu_for_device
 from lightning_energy.device.nvml import nvml_gpus, visible_gpu_count
 from lightning_energy.errors import ConfigError, DriverError, GPULostError, GPUNotFoundError
+from tests.lightning_energy.device.fake_cuda import FakeCuda
+from tests.lightning_energy.device.fake_pynvml import FakeDevice, FakeNVML, a100, make_module
 
 _ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", DEVICE_ENV_VAR)
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fake_pynvml import ERROR_CODES, FakeDevice, FakeNVML, a100, make_module
 
 from lightning_energy.device import GPU
 from lightning_energy.device import nvml as backend
@@ -21,6 +20,13 @@ from lightning_energy.errors import (
     GPUNotFoundError,
     NoPermissionError,
     NotSupportedError,
+)
+from tests.lightning_energy.device.fake_pynvml import (
+    ERROR_CODES,
+    FakeDevice,
+    FakeNVML,
+    a100,
+    make_module,
 )
 
 
@@ -385,7 +391,7 @@ def test_a_gpu_whose_stream_never_advances_is_not_waited_for_forever(
     """A collective whose peer is gone stalls the stream: a reading's synchronisation
     gives up after the GPU's timeout with a DriverError (measurements go on without it),
     instead of blocking the process, at teardown too."""
-    from fake_cuda import FakeCuda
+    from tests.lightning_energy.device.fake_cuda import FakeCuda
 
     cuda = FakeCuda(fake.devices).install(monkeypatch)
     (gpu,) = nvml_gpus([0], sync_timeout_s=0.2)
@@ -403,7 +409,7 @@ def test_a_gpu_whose_stream_never_advances_is_not_waited_for_forever(
 def test_a_sticky_cuda_error_in_a_synchronisation_is_a_driver_error(
     fake: FakeNVML, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fake_cuda import FakeCuda
+    from tests.lightning_energy.device.fake_cuda import FakeCuda
 
     cuda = FakeCuda(fake.devices).install(monkeypatch)
     (gpu,) = nvml_gpus([0])

@@ -12,7 +12,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from fake_pynvml import ERROR_CODES, FakeDevice, FakeNVML, a100, make_module
+
+from tests.lightning_energy.device.fake_pynvml import (
+    ERROR_CODES,
+    FakeDevice,
+    FakeNVML,
+    a100,
+    make_module,
+)
 
 SCRIPT = Path(__file__).parents[3] / "benchmarks" / "gpu" / "check_nvml.py"
 

@@ -8,8 +8,6 @@ import time
 
 import pytest
 import torch
-from fake_cuda import FakeCuda
-from fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 from lightning_energy.device import (
     DEVICE_ENV_VAR,
@@ -19,6 +17,8 @@ from lightning_energy.device import (
     open_devices,
 )
 from lightning_energy.errors import ConfigError, DriverError, GPUNotFoundError
+from tests.lightning_energy.device.fake_cuda import FakeCuda
+from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.nvml import NVMLGPU, nvml_gpus
@@ -16,6 +15,7 @@ from lightning_energy.device.simulated import (
     CLOCK_EVENT_SW_POWER_CAP,
 )
 from lightning_energy.errors import GPULostError, NoPermissionError, NotSupportedError
+from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeNVML, a100, make_module
 
 
 @pytest.fixture

@@ -28,9 +28,7 @@ from lightning_energy.errors import (
     NoPermissionError,
     NotSupportedError,
 )
-
-# Exact readings and immediate settings: these tests check the model itself.
-IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+from tests.lightning_energy.device.ideal_board import IDEAL
 
 
 def test_virtual_clock_moves_only_when_told_and_is_thread_safe() -> None:

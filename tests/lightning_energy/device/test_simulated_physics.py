@@ -11,9 +11,7 @@ import pytest
 
 from lightning_energy.device import PHYSICS_PRESETS, SimulatedSpec, physics_preset, simulated_gpus
 from lightning_energy.errors import ConfigError, DriverError
-
-# Exact readings and immediate settings: these tests check the model itself.
-IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+from tests.lightning_energy.device.ideal_board import IDEAL
 
 
 @pytest.mark.parametrize("name", ["a100", "h100"])

@@ -10,18 +10,15 @@ import pytest
 
 from lightning_energy.device import PowerTrace, SimulatedSpec, TraceModel, simulated_gpus
 from lightning_energy.errors import ConfigError, NotSupportedError, ProfileError
-
-# Exact readings and immediate settings: these tests check the model itself.
-IDEAL = {"energy_counter_period_s": 0.0, "power_average_s": 0.0, "setting_latency_s": 0.0}
+from tests.lightning_energy.device.ideal_board import IDEAL
 
 HEADER = "dataset,network,batch_size,optimizer,power_limit,time_per_epoch,average_power\n"
 
 
 def _rows(name: str) -> list[dict[str, str]]:
-    resource = importlib.resources.files("lightning_energy").joinpath(
-        "data", "gpu_profiles", f"zeus_summary_power_{name}.csv"
-    )
-    return list(csv.DictReader(resource.read_text().splitlines()))
+    profiles = importlib.resources.files("lightning_energy") / "data" / "gpu_profiles"
+    text = (profiles / f"zeus_summary_power_{name}.csv").read_text()
+    return list(csv.DictReader(text.splitlines()))
 
 
 @pytest.mark.parametrize("name", ["a40", "v100"])

@@ -29,7 +29,7 @@ from lightning_energy.errors import (
     GPUNotFoundError,
     NoPermissionError,
 )
-from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, a100, make_module
+from tests.lightning_energy.device.fake_pynvml import ERROR_CODES, FakeDevice, a100, make_module
 from tests.lightning_energy.device.fake_zeusd import (
     SIGNING_KEY,
     FakeZeusd,
@@ -155,7 +155,7 @@ def test_the_gpu_and_its_client_never_show_the_token(node: Node) -> None:
 # ------------------------------------------------------------------ which of zeusd's GPUs
 def _container_node(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schema: str
-) -> tuple[list[object], FakeZeusd]:
+) -> tuple[list[FakeDevice], FakeZeusd]:
     """Four GPUs on the node; the job's container sees the last two (NVML numbers them
     0 and 1 here, the daemon on the host 2 and 3)."""
     devices = [a100(i, pci_bus=0x40 + i) for i in range(4)]

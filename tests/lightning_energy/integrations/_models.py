@@ -24,7 +24,7 @@ def module_class(namespace: Any) -> type:
     """A small MLP classifier as a LightningModule of the given namespace (one class per
     namespace, found again by name in this module: it pickles, as ``ddp_spawn`` needs)."""
 
-    class TinyClassifier(namespace.LightningModule):  # type: ignore[misc, name-defined]
+    class TinyClassifier(namespace.LightningModule):
         def __init__(self, fail_at_step: int | None = None) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(

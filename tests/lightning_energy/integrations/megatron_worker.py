@@ -137,7 +137,7 @@ def init(virtual: int) -> tuple[list[Any], Any]:
         pipeline_model_parallel_size=WORLD,
         virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
     )
-    return mc.build_chunks(WORLD, virtual)  # type: ignore[no-any-return]
+    return mc.build_chunks(WORLD, virtual)
 
 
 def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def _energy_config(tmp_path: Path) -> dict[str, Any]:
 def _classes(ns: Any) -> tuple[type, type]:
     """A datamodule keeping ``batch_size`` and a module whose score depends on it."""
 
-    class Data(ns.LightningDataModule):  # type: ignore[misc, name-defined]
+    class Data(ns.LightningDataModule):
         def __init__(self) -> None:
             super().__init__()
             self.batch_size = 999  # replaced by the callback before dataloaders are built
@@ -54,7 +54,7 @@ def _classes(ns: Any) -> tuple[type, type]:
         def val_dataloader(self) -> Any:
             return make_loader(n=16, batch_size=16)
 
-    class Scored(module_class(ns)):  # type: ignore[misc, valid-type]
+    class Scored(module_class(ns)):  # type: ignore[misc]
         """Logs ``val_score`` = epochs done / epochs needed at the loader's batch size."""
 
         loader_batch_size: int | None = None
@@ -170,21 +170,16 @@ def test_misconfiguration_fails_before_training(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"target_metric: 2\.0 differs from 1\.0"):
         _fit(ns, tmp_path, url, target=2.0)
     data_cls, model_cls = _classes(ns)
+    batch_cb = batch_size_callback_class()(
+        "j", monitor="val_score", target=1.0, batch_sizes=[16], default_batch_size=16, store=url
+    )
+    assert isinstance(batch_cb, ns.Callback)
     lonely = ns.Trainer(
         max_epochs=1,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
-        callbacks=[
-            batch_size_callback_class()(
-                "j",
-                monitor="val_score",
-                target=1.0,
-                batch_sizes=[16],
-                default_batch_size=16,
-                store=url,
-            )
-        ],
+        callbacks=[batch_cb],
     )
     with pytest.raises(ConfigError, match="needs an EnergyCallback"):
         lonely.fit(model_cls(), datamodule=data_cls())

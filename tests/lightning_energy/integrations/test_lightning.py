@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lightning_energy.device import SimulatedSpec
+from lightning_energy.device import SimulatedSpec, TraceModel
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
 from tests.lightning_energy.integrations._models import make_loader, module_class
 
@@ -47,6 +47,7 @@ def _brute_force(selector: str) -> float:
     from lightning_energy.optimize.selectors import Measurement, make_selector
 
     model = SimulatedSpec(gpu="a40", steps_per_epoch=100).model()
+    assert isinstance(model, TraceModel)
     steps = model.steps_per_epoch
     profile = [
         Measurement(
@@ -231,7 +232,7 @@ def test_strategy_by_name_attaches_the_callback(
     # The entry point added one callback from the env var; the strategy adds none more.
     assert isinstance(trainer.strategy, integ.EnergySingleDeviceStrategy)
     trainer.fit(model, make_loader())
-    callbacks = [c for c in trainer.callbacks if isinstance(c, integ.EnergyCallback)]
+    callbacks = [c for c in trainer.callbacks if isinstance(c, integ.EnergyCallback)]  # type: ignore[attr-defined]
     assert len(callbacks) == 1
     assert callbacks[0].summary is not None
 
@@ -246,12 +247,12 @@ def test_entry_point_adds_callback_only_when_env_var_set(
 
     monkeypatch.delenv("LIGHTNING_ENERGY_CONFIG", raising=False)
     trainer = ns.Trainer(logger=False, enable_checkpointing=False)
-    assert not any(isinstance(c, EnergyCallback) for c in trainer.callbacks)
+    assert not any(isinstance(c, EnergyCallback) for c in trainer.callbacks)  # type: ignore[attr-defined]
     path = tmp_path / "energy.yaml"
     path.write_text(yaml.safe_dump(_energy_config(tmp_path, "cost")))
     monkeypatch.setenv("LIGHTNING_ENERGY_CONFIG", str(path))
     trainer = ns.Trainer(logger=False, enable_checkpointing=False)
-    assert sum(isinstance(c, EnergyCallback) for c in trainer.callbacks) == 1
+    assert sum(isinstance(c, EnergyCallback) for c in trainer.callbacks) == 1  # type: ignore[attr-defined]
 
 
 def test_entry_point_with_a_missing_file_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:

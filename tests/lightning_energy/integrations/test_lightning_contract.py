@@ -45,7 +45,7 @@ def config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _user_callback(ns: Any) -> Any:
-    class UserCallback(ns.Callback):  # type: ignore[misc, name-defined]
+    class UserCallback(ns.Callback):
         """A callback of the user's own."""
 
     return UserCallback()
@@ -64,10 +64,18 @@ def test_one_config_builds_many_trainers_each_with_one_energy_callback(
     namespace: tuple[Any, Any], config_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns, integ = namespace
-    plain = {"callbacks": [_user_callback(ns)], "logger": False, "enable_model_summary": False}
+    plain: dict[str, Any] = {
+        "callbacks": [_user_callback(ns)],
+        "logger": False,
+        "enable_model_summary": False,
+    }
     ns.Trainer(**plain)  # what Lightning alone leaves in the user's list
     monkeypatch.setenv(CONFIG_ENV_VAR, str(config_file))
-    config = {"callbacks": [_user_callback(ns)], "logger": False, "enable_model_summary": False}
+    config: dict[str, Any] = {
+        "callbacks": [_user_callback(ns)],
+        "logger": False,
+        "enable_model_summary": False,
+    }
     trainers = [ns.Trainer(**config) for _ in range(3)]
     energy = [_energy_callbacks(t, integ) for t in trainers]
     assert [len(found) for found in energy] == [1, 1, 1]
@@ -120,7 +128,7 @@ def test_the_energy_strategy_leaves_the_users_list_and_checkpoints_last(
 
 # ---------------------------------------------------------------------- logged values
 def _recording_logger(ns: Any) -> Any:
-    class Recording(ns.loggers.Logger):  # type: ignore[misc, name-defined]
+    class Recording(ns.loggers.Logger):
         """Keeps every logged value."""
 
         def __init__(self) -> None:
@@ -150,7 +158,7 @@ def test_a_training_step_taking_the_dataloader_iterator_gets_energy_values_logge
     ns, integ = namespace
 
     class IteratorModule(module_class(ns)):  # type: ignore[misc]
-        def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:
             (x, y), _, _ = next(dataloader_iter)
             return torch.nn.functional.cross_entropy(self.net(x), y)
 
@@ -220,7 +228,7 @@ def test_an_exception_in_training_reaches_the_caller_as_it_was_raised(
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if self.global_step == 7:
                 raise error
-            return super().training_step(batch, batch_idx)  # type: ignore[no-any-return]
+            return super().training_step(batch, batch_idx)
 
     callback = integ.EnergyCallback(energy_config(tmp_path))
     with pytest.raises(KeyError) as raised:
@@ -233,11 +241,12 @@ def test_an_exception_in_training_reaches_the_caller_as_it_was_raised(
 def test_the_callback_pickles_before_during_and_after_a_fit(
     namespace: tuple[Any, Any], tmp_path: Path
 ) -> None:
+    ns: Any
     ns, integ = namespace
     callback = integ.EnergyCallback(energy_config(tmp_path))
     copies = [pickle.loads(pickle.dumps(callback))]
 
-    class Pickling(ns.Callback):  # type: ignore[misc, name-defined]
+    class Pickling(ns.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
             copies.append(pickle.loads(pickle.dumps(callback)))
 

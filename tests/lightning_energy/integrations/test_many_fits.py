@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from lightning_energy.controller import EnergyController
+from lightning_energy.device import GPU
+from lightning_energy.integrations._common import EnergyAdapter
 from tests.lightning_energy.integrations._models import (
     energy_config,
     make_loader,
@@ -21,9 +24,13 @@ from tests.lightning_energy.integrations._models import (
 )
 
 
-def _gpu(callback: Any) -> Any:
+def _controller(callback: EnergyAdapter) -> EnergyController:
     assert callback.controller is not None
-    return callback.controller.devices.gpus[0]
+    return callback.controller
+
+
+def _gpu(callback: EnergyAdapter) -> GPU:
+    return _controller(callback).devices.gpus[0]
 
 
 def _windows(controller: Any) -> list[dict[str, Any]]:
@@ -125,10 +132,10 @@ def test_other_stages_around_fits_change_nothing(stage: str, tmp_path: Path) -> 
     trainer.fit(model, make_loader())
     fitted = callback.summary
     assert fitted is not None and fitted.steps == 60
-    decisions = len(callback.controller.decisions)
+    decisions = len(_controller(callback).decisions)
     getattr(trainer, stage)(model, make_loader(n=32))
     assert callback.summary is fitted
-    assert len(callback.controller.decisions) == decisions
+    assert len(_controller(callback).decisions) == decisions
     assert _gpu(callback).power_limit_w() == 300.0
 
     trainer.fit_loop.epoch_loop.max_steps = 90  # and a fit after it is a run of its own

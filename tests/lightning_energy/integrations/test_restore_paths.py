@@ -17,7 +17,7 @@ import pytest
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
-from lightning_energy.device import SimulatedSpec, open_devices
+from lightning_energy.device import SimulatedGPU, SimulatedSpec, open_devices
 from lightning_energy.errors import DriverError, GPULostError
 from tests.lightning_energy.integrations._models import (
     energy_config,
@@ -28,14 +28,22 @@ from tests.lightning_energy.integrations._models import (
 PRE_JOB_W = 300.0  # the simulated A40's default limit
 
 
-def _controller(tmp_path: Path) -> tuple[EnergyController, Any]:
+def _simulated_gpu(controller: EnergyController | None) -> SimulatedGPU:
+    """The first GPU of a run of these tests (a simulated A40)."""
+    assert controller is not None
+    gpu = controller.devices.gpus[0]
+    assert isinstance(gpu, SimulatedGPU)
+    return gpu
+
+
+def _controller(tmp_path: Path) -> tuple[EnergyController, SimulatedGPU]:
     devices = open_devices("simulated", simulated=SimulatedSpec(gpu="a40", steps_per_epoch=100))
     controller = EnergyController(
         EnergyConfig.from_mapping(energy_config(tmp_path)),
         devices=devices,
         install_signal_handlers=False,
     )
-    return controller, devices.gpus[0]
+    return controller, _simulated_gpu(controller)
 
 
 def _steps(controller: EnergyController, n: int) -> None:
@@ -108,7 +116,7 @@ def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
 
     class FailReads(ns.Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
-            gpu = energy.controller.devices.gpus[0]
+            gpu = _simulated_gpu(energy.controller)
             if trainer.global_step == 12:
                 seen["before"] = gpu.power_limit_w()
                 gpu.inject_fault("power", GPULostError)  # no energy counter: power fails too
@@ -130,7 +138,7 @@ def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
     assert trainer.global_step == 80
     assert seen["before"] < PRE_JOB_W and seen["after"] == PRE_JOB_W
     assert energy.summary is not None and energy.summary.read_error is not None
-    assert energy.controller.devices.gpus[0].settings() == (PRE_JOB_W, None)
+    assert _simulated_gpu(energy.controller).settings() == (PRE_JOB_W, None)
 
 
 def test_sigterm_under_lightning_restores_while_the_step_runs(tmp_path: Path) -> None:
@@ -145,7 +153,7 @@ def test_sigterm_under_lightning_restores_while_the_step_runs(tmp_path: Path) ->
     class Terminated(module_class(ns)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             if self.global_step == 12:
-                gpu = energy.controller.devices.gpus[0]
+                gpu = _simulated_gpu(energy.controller)
                 seen["before"] = gpu.power_limit_w()
                 os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode
                 seen["during_step"] = gpu.power_limit_w()
@@ -169,7 +177,9 @@ def test_sigterm_under_lightning_restores_while_the_step_runs(tmp_path: Path) ->
     assert energy.summary is not None
 
 
-def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Path) -> None:
+def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
     import time
 
@@ -186,9 +196,13 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
     received: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     gpu = gpus[0]
+    assert isinstance(gpu, SimulatedGPU)
     lowest_w = gpu.power_limit_constraints_w()[0]
     pausing = PaceUpdate(400.0, None, True, "dirty grid")
     updates = [pausing, pausing, pausing]  # the policy would pause for three more polls
+
+    def next_update(*, paused: bool = False) -> PaceUpdate | None:
+        return updates.pop() if updates else None
 
     def terminate_once_paused() -> None:
         while gpu.power_limit_w() != lowest_w:
@@ -200,7 +214,7 @@ def test_sigterm_during_a_carbon_pause_restores_and_ends_the_pause(tmp_path: Pat
         controller.setup()
         pacing = controller._pacing
         assert pacing is not None
-        pacing._update = lambda paused=False: updates.pop() if updates else None  # type: ignore[method-assign]
+        monkeypatch.setattr(pacing, "_update", next_update)
         killer.start()
         pacing._pause(pausing)
         killer.join()

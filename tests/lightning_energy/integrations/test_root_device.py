@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DEVICE_ENV_VAR
@@ -184,7 +185,7 @@ def _run_lightning(name: str) -> Callable[[dict[str, Any], Path], EnergyAdapter]
             logger=False,
         )
         trainer.fit(module_class(ns)(), make_loader(n=64))
-        return callback  # type: ignore[no-any-return]
+        return callback
 
     return run
 
@@ -254,6 +255,8 @@ def _run_transformers(config: dict[str, Any], tmp_path: Path) -> EnergyAdapter:
             return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
 
     dataset = make_loader(n=32).dataset
+    assert isinstance(dataset, TensorDataset)
+    features, labels = dataset.tensors
     callback = EnergyTrainerCallback(config)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -267,7 +270,7 @@ def _run_transformers(config: dict[str, Any], tmp_path: Path) -> EnergyAdapter:
     trainer = Trainer(
         model=Classifier(),
         args=args,
-        train_dataset=[{"x": x, "labels": y} for x, y in dataset],  # type: ignore[arg-type]
+        train_dataset=[{"x": x, "labels": y} for x, y in zip(features, labels, strict=True)],
         callbacks=[callback],
     )
     try:

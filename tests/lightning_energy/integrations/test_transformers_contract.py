@@ -32,7 +32,7 @@ from tests.lightning_energy.integrations._hf import PRE_JOB_W, hf_config, hf_tra
 pytestmark = pytest.mark.usefixtures("hf_isolated")
 
 
-class _LogRecorder(TrainerCallback):  # type: ignore[misc]
+class _LogRecorder(TrainerCallback):
     """What a callback placed after the energy callback receives in ``on_log``."""
 
     def __init__(self) -> None:
@@ -42,7 +42,7 @@ class _LogRecorder(TrainerCallback):  # type: ignore[misc]
         self.logs.append(dict(logs or {}))
 
 
-class _Pickling(TrainerCallback):  # type: ignore[misc]
+class _Pickling(TrainerCallback):
     """Pickles the energy callback at the end of every step (while its run is open)."""
 
     def __init__(self, energy: EnergyTrainerCallback) -> None:

@@ -102,9 +102,11 @@ class Report(pl.Callback):
         energy = next((c for c in trainer.callbacks if isinstance(c, EnergyCallbackCore)), None)
         if energy is not None:
             # One opening, one guard: the strategy drives the energy callback's GPU.
+            controller = energy.controller
+            assert controller is not None
             out["shared"] = (
-                strategy.gpu is energy.controller.devices.gpus[0]
-                and strategy._run.rank.guard is energy.controller.guard
+                strategy.gpu is controller.devices.gpus[0]
+                and strategy._run.rank.guard is controller.guard
             )
         self.gpu = strategy.gpu
         self.out = out

@@ -149,7 +149,8 @@ def test_instruction_energy_is_unbiased_on_a_coarse_counter(
                     blocked[clock][0] += measured.power_w * measured.seconds
                     blocked[clock][1] += measured.seconds
                     continue
-                stage, kind, freq = key  # type: ignore[misc]
+                assert isinstance(key, tuple)
+                stage, kind, freq = key
                 true_j = truth.entry(stage, kind).at(freq)[1]
                 errors[(stage, kind, freq)] = measured.segment_energy_j / true_j - 1
                 naive_errors.append(float(np.mean(naive[key])) / true_j - 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,7 +98,8 @@ def test_the_models_communication_hook_and_gradients_stay_as_they_were(
                 model(x).pow(2).sum().backward()
             run.step_end()
             for a, b in zip(probed.parameters(), plain.parameters(), strict=True):
-                assert a.grad is not None and torch.equal(a.grad, b.grad)
+                assert a.grad is not None and b.grad is not None
+                assert torch.equal(a.grad, b.grad)
     finally:
         run.close()
     assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in probed.parameters())
@@ -128,7 +130,7 @@ def test_a_ddp_over_a_sub_group_keeps_its_gradients(tmp_path: Path) -> None:
         assert r["counted"] == r["steps"] == ranks[0]["steps"]
 
 
-def run_cuda_ranks(tmp_path: Path, world: int) -> list[dict[str, object]]:
+def run_cuda_ranks(tmp_path: Path, world: int) -> list[dict[str, Any]]:
     port = str(free_port())
     run_module_ranks(
         "tests.lightning_energy.perseus.ddp_cuda_worker",
