@@ -1,5 +1,5 @@
-"""carbon: grid carbon intensity (providers, monitor, forecaster, accounting, config) and
-the best time to start a job (window).
+"""carbon: grid carbon intensity (providers, monitor, forecaster, accounting, config),
+carbon-aware pacing (policy, planning) and the best time to start a job (window).
 
 Usable on its own; it imports nothing from ``lightning_energy``.
 

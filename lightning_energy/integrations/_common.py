@@ -1,11 +1,13 @@
 """What every framework adapter shares: configuration, the run's life and the report.
 
 The adapters (Lightning and its twin namespace, Fabric, Accelerate, the Transformers
-``Trainer``) only translate their framework's hooks into controller events; the contract
-they follow (docs/adapters.md) lives here, once: resolving the configuration, loading a
-checkpoint's state before or after setup, finishing a run (restore, totals, summary,
-report) or aborting it on an exception (restore, summary, report, no collective), the
-workload key and the ranks' collectives over the framework's own ``all_gather``.
+``Trainer``, and the DeepSpeed and Megatron-Core pipeline engines through
+:mod:`._pipeline_engine`) only translate their framework's hooks into controller events;
+the contract they follow (docs/adapters.md) lives here, once: resolving the
+configuration, loading a checkpoint's state before or after setup, finishing a run
+(restore, totals, summary, report) or aborting it on an exception (restore, summary,
+report, no collective), the workload key and the ranks' collectives over the framework's
+own ``all_gather``.
 """
 
 from __future__ import annotations

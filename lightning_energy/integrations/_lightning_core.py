@@ -86,6 +86,9 @@ class _Trainer(Protocol):
     def global_step(self) -> int: ...
 
     @property
+    def accumulate_grad_batches(self) -> int: ...
+
+    @property
     def training(self) -> bool: ...
 
     @property
@@ -137,6 +140,10 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     """
 
     applied_sections = frozenset({"perseus", "batch_size"})
+    #: ``trainer.global_step`` when the step in progress opened (None: no step open).
+    #: Under gradient accumulation a step ends at the batch whose optimizer step moves
+    #: ``global_step``: one step per optimizer step, as ``estimated_stepping_batches``.
+    _step_opened_at: int | None = None
 
     @property
     @override
@@ -178,6 +185,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             # installed at train start, on top of it (see ``on_train_start``).
             install_signal_handlers=False,
         )
+        self._step_opened_at = None
         self._begin_run(controller, main_process=trainer.is_global_zero, collective=collective)
 
     @override
@@ -204,22 +212,29 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     def on_train_batch_start(
         self, trainer: _Trainer, pl_module: _Module, batch: Any, batch_idx: int
     ) -> None:
-        """Open a step."""
-        if self.running and self.controller is not None:
+        """Open a step, unless one is open (gradient accumulation: its first micro-batch
+        opened it)."""
+        if self.running and self.controller is not None and self._step_opened_at is None:
+            self._step_opened_at = trainer.global_step
             self.controller.handle(StepStart())
 
     @override
     def on_train_batch_end(
         self, trainer: _Trainer, pl_module: _Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Close a step; log fresh metrics to the loggers and the progress bar.
+        """Close the step, unless the batch only accumulated gradients (the optimizer did
+        not step); log fresh metrics to the loggers and the progress bar.
 
         The values are logged per step, never averaged over batches: they carry a batch
         size of their own, since Lightning cannot infer one for every ``training_step``
         (``def training_step(self, dataloader_iter)`` has no batch).
         """
-        if not self.running or self.controller is None:
+        opened_at = self._step_opened_at
+        if not self.running or self.controller is None or opened_at is None:
             return
+        if trainer.accumulate_grad_batches > 1 and trainer.global_step == opened_at:
+            return
+        self._step_opened_at = None
         metrics = self.controller.handle(StepEnd()).metrics
         if metrics is None:
             return
