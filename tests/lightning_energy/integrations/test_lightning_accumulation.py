@@ -29,7 +29,7 @@ def test_a_step_is_one_optimizer_step_under_gradient_accumulation(
     callback = integ.EnergyCallback(energy_config(tmp_path))
     declared: list[int | None] = []
 
-    class RecordTotal(ns.Callback):  # type: ignore[misc, name-defined]
+    class RecordTotal(ns.Callback):  # type: ignore[name-defined]
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             declared.append(callback.controller.total_steps)
 
