@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Protocol
 
 from lightning_energy.device.base import GPU, LeaseSource
-from lightning_energy.device.calibration import CalibratedModel, load_calibration
-from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
-from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
+from lightning_energy.device.simulated.calibration import CalibratedModel, load_calibration
+from lightning_energy.device.simulated.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
+from lightning_energy.device.simulated.traces import TRACE_GPUS, PowerTrace, TraceModel
 from lightning_energy.errors import (
     ConfigError,
     DeviceError,
