@@ -24,10 +24,14 @@ measurement): NCCL runs one thread block per channel (up to 32 channels, so up t
 quarter to a third of the SMs), each polling memory without doing math, taken as 10 % of
 the switching power of compute-bound work.
 
-The power limit caps the clock: the GPU runs the work at the highest supported clock (at
-most the upper bound of a clock lock) whose average power fits under the limit, or at its
-lowest clock when none does. A power limit therefore wins over a clock lock, as it does on
-NVIDIA GPUs.
+The power limit caps the clock through the board's governor (:mod:`.governor`): every
+control period it moves the clock towards the power limit, bounded by the upper bound of
+a clock lock, so the clock follows a piece of work's phases (:class:`Phase`: stretches of
+one compute-bound share). :meth:`PhysicsModel.clock_for` is the static answer for steady
+single-phase work: the highest supported clock (at most the lock's upper bound) whose
+average power fits under the limit, or the lowest clock when none does; the governor
+dithers around it. A power limit therefore wins over a clock lock, as it does on NVIDIA
+GPUs.
 
 The ``"a100"`` preset reproduces the model behind the pipeline profiles in the project's
 reference data (``perseus_profiles/README.md``): A100 SXM4 40GB, power limit 100-400 W
@@ -46,16 +50,161 @@ those boards; their constants are illustrative, not measurements.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_energy.errors import ConfigError
 
-__all__ = ["PHYSICS_PRESETS", "PhysicsModel", "physics_preset"]
+__all__ = [
+    "PHYSICS_PRESETS",
+    "GovernorConstants",
+    "Phase",
+    "PhysicsModel",
+    "ThermalModel",
+    "mean_compute_bound_share",
+    "phase_problems",
+    "physics_preset",
+]
 
 
 def _clock_table(max_mhz: int, min_mhz: int, step_mhz: int = 15) -> tuple[int, ...]:
     return tuple(range(max_mhz, min_mhz - 1, -step_mhz))
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a piece of work: a stretch with one compute/memory intensity.
+
+    Attributes:
+        share: the phase's share of the work's duration at ``f_max`` (the shares of a
+            piece of work add up to 1).
+        compute_bound_share: the phase's ``beta`` (0: memory-bound, 1: compute-bound).
+        blocked: the GPU waits in a collective for this share of the duration instead
+            of working (a P2P receive, a pipeline bubble): it lasts as long whatever the
+            clock and draws :meth:`PhysicsModel.blocked_power_w`; ``compute_bound_share``
+            must then be 0.
+    """
+
+    share: float
+    compute_bound_share: float = 1.0
+    blocked: bool = False
+
+
+def phase_problems(phases: Sequence[Phase]) -> list[str]:
+    """What is wrong with a piece of work's phases, one line each (empty when valid)."""
+    if not phases:
+        return ["phases: () is not allowed; use one or more Phase(share, compute_bound_share)"]
+    problems = []
+    for i, phase in enumerate(phases):
+        if not 0.0 < phase.share <= 1.0:
+            problems.append(f"phases[{i}].share: {phase.share!r} is not allowed; use (0, 1]")
+        if not 0.0 <= phase.compute_bound_share <= 1.0:
+            problems.append(
+                f"phases[{i}].compute_bound_share: {phase.compute_bound_share!r} is not "
+                "allowed; use a number in [0, 1]"
+            )
+        elif phase.blocked and phase.compute_bound_share != 0.0:
+            problems.append(
+                f"phases[{i}].compute_bound_share: {phase.compute_bound_share!r} is not "
+                "allowed for a blocked phase; use 0 (a wait does not scale with the clock)"
+            )
+    total = math.fsum(phase.share for phase in phases)
+    if not problems and abs(total - 1.0) > 1e-6:
+        problems.append(f"phases: the shares add up to {total!r}; they must add up to 1")
+    return problems
+
+
+def mean_compute_bound_share(phases: Sequence[Phase]) -> float:
+    """The share of the work's duration at ``f_max`` that scales with the clock: a locked
+    clock runs the phases in ``t0 * (beta f_max / f + 1 - beta)`` with this ``beta``."""
+    return math.fsum(phase.share * phase.compute_bound_share for phase in phases)
+
+
+@dataclass(frozen=True)
+class GovernorConstants:
+    """How the board's firmware moves the SM clock under a power limit (:mod:`.governor`).
+
+    NVIDIA documents neither the loop nor its constants. What boards are seen to do: the
+    clock reacts to a power step within tens of milliseconds, the loop acts on power
+    averaged over a window (a single kernel does not move the clock), and a capped board
+    holds its average power at or a little under the limit. The defaults are chosen in
+    that range and kept for every preset, so that fits to measured data adjust the work
+    and the board, not the loop.
+
+    Attributes:
+        control_period_s: the clock is re-decided every this many seconds, from the
+            power averaged over the period (20 ms).
+        response_s: integral action: each period the clock target moves by
+            ``control_period_s / response_s`` of the step that would close the power
+            error on compute-bound work at the current clock (its power rise per MHz
+            there; 40 ms: half the error per period, a step to a far lower limit settles
+            within about ten periods).
+        cap_margin: the setpoint is ``power_limit_w * (1 - cap_margin)``: how far under
+            the limit a capped board holds its power (fitted per preset; 0 by default).
+    """
+
+    control_period_s: float = 0.02
+    response_s: float = 0.04
+    cap_margin: float = 0.0
+
+    def problems(self) -> list[str]:
+        """What is out of range, one line each (empty when valid)."""
+        problems = []
+        for key in ("control_period_s", "response_s"):
+            value = getattr(self, key)
+            if not 0.0 < value < math.inf:
+                problems.append(f"governor.{key}: {value!r} is not allowed; use a finite > 0")
+        if not 0.0 <= self.cap_margin < 0.5:
+            problems.append(
+                f"governor.cap_margin: {self.cap_margin!r} is not allowed; use [0, 0.5)"
+            )
+        return problems
+
+
+@dataclass(frozen=True)
+class ThermalModel:
+    """A first-order thermal model of the GPU and its slowdown threshold.
+
+    The temperature relaxes towards ``ambient_c + resistance_c_per_w * power`` with time
+    constant ``time_constant_s``. At or above ``slowdown_c`` the governor lowers the clock
+    ceiling by one supported clock per control period (and reports the thermal clock
+    event reason while the GPU works); below ``slowdown_c - hysteresis_c`` it raises it
+    again, one clock per period.
+
+    Attributes:
+        ambient_c: inlet temperature, degrees Celsius.
+        resistance_c_per_w: steady-state temperature rise per watt drawn.
+        time_constant_s: how fast the temperature follows the power.
+        slowdown_c: the temperature at which the clock is lowered.
+        hysteresis_c: how far under ``slowdown_c`` the clock may rise again.
+    """
+
+    ambient_c: float
+    resistance_c_per_w: float
+    time_constant_s: float
+    slowdown_c: float
+    hysteresis_c: float = 2.0
+
+    def problems(self) -> list[str]:
+        """What is out of range, one line each (empty when valid)."""
+        problems = []
+        for key in ("resistance_c_per_w", "time_constant_s"):
+            value = getattr(self, key)
+            if not 0.0 < value < math.inf:
+                problems.append(f"thermal.{key}: {value!r} is not allowed; use a finite > 0")
+        if not self.ambient_c < self.slowdown_c:
+            problems.append(
+                f"thermal (ambient_c, slowdown_c)=({self.ambient_c}, {self.slowdown_c}): "
+                "need ambient < slowdown"
+            )
+        if not self.hysteresis_c >= 0.0:
+            problems.append(f"thermal.hysteresis_c: {self.hysteresis_c!r} is not allowed; use >= 0")
+        return problems
+
+    def steady_c(self, power_w: float) -> float:
+        """The temperature the GPU settles at while drawing ``power_w``."""
+        return self.ambient_c + self.resistance_c_per_w * power_w
 
 
 @dataclass(frozen=True)
@@ -80,7 +229,13 @@ class PhysicsModel:
         v_high: relative voltage at ``f_max``.
         f_v_low_mhz: clock below which the voltage stops falling.
         step_time_s: duration of one simulated training step at ``f_max``.
-        step_compute_bound_share: compute-bound share ``beta`` of that step.
+        step_compute_bound_share: compute-bound share ``beta`` of that step (with
+            ``step_phases``, their :func:`mean_compute_bound_share`).
+        step_phases: the step's phases, in order (empty: one phase of
+            ``step_compute_bound_share``).
+        governor: the power-limit governor's constants.
+        thermal: the thermal model, or None for a GPU that never runs hot enough to slow
+            down (every shipped preset).
     """
 
     name: str
@@ -99,6 +254,9 @@ class PhysicsModel:
     spin_power_w: float = 0.0
     step_time_s: float = 0.25
     step_compute_bound_share: float = 0.85
+    step_phases: tuple[Phase, ...] = ()
+    governor: GovernorConstants = GovernorConstants()
+    thermal: ThermalModel | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -136,6 +294,18 @@ class PhysicsModel:
                 f"step_compute_bound_share: {self.step_compute_bound_share!r} is not allowed; "
                 "use a number in [0, 1]"
             )
+        if self.step_phases:
+            phase_issues = phase_problems(self.step_phases)
+            problems.extend(f"step_{issue}" for issue in phase_issues)
+            mean = mean_compute_bound_share(self.step_phases)
+            if not phase_issues and abs(mean - self.step_compute_bound_share) > 1e-6:
+                problems.append(
+                    f"step_compute_bound_share: {self.step_compute_bound_share!r} is not "
+                    f"allowed with these step_phases; use their mean, {mean!r}"
+                )
+        problems.extend(self.governor.problems())
+        if self.thermal is not None:
+            problems.extend(self.thermal.problems())
         if problems:
             raise ConfigError(problems, source=f"physics model {self.name!r}")
 
@@ -174,6 +344,13 @@ class PhysicsModel:
         )
         return self.static_power_w + dynamic_j / (compute_s + memory_s)
 
+    def phase_power_w(self, phase: Phase, freq_mhz: float) -> float:
+        """Power of ``phase`` at ``freq_mhz``: :meth:`blocked_power_w` for a blocked phase,
+        else :meth:`work_power_w` of its compute-bound share."""
+        if phase.blocked:
+            return self.blocked_power_w(freq_mhz)
+        return self.work_power_w(phase.compute_bound_share, freq_mhz)
+
     def blocked_power_w(self, freq_mhz: float) -> float:
         """Power of the GPU blocked in a collective at ``freq_mhz`` (NCCL spinning):
         ``idle_power_w + spin_power_w * s(f)``."""
@@ -182,7 +359,10 @@ class PhysicsModel:
     def clock_for(
         self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
     ) -> int:
-        """The SM clock work runs at under a power limit and an optional clock ceiling.
+        """The static answer: the clock steady single-phase work settles at under a power
+        limit and an optional clock ceiling (the governor of a simulated GPU,
+        :mod:`.governor`, dithers around it, within a supported clock of it, until the
+        limit stops binding).
 
         Args:
             compute_bound_share: the work's ``beta``.
@@ -193,24 +373,9 @@ class PhysicsModel:
             The highest supported clock not above ``max_clock_mhz`` whose average power fits
             under ``power_limit_w``; the lowest supported clock when none fits.
         """
-        return self._highest_clock(
-            lambda f: self.work_power_w(compute_bound_share, f), power_limit_w, max_clock_mhz
-        )
-
-    def blocked_clock_mhz(self, power_limit_w: float, max_clock_mhz: int | None = None) -> int:
-        """The SM clock of a GPU blocked in a collective, as :meth:`clock_for` (its power
-        is :meth:`blocked_power_w`; without a lock the GPU runs NCCL's kernels at the
-        maximum clock)."""
-        return self._highest_clock(self.blocked_power_w, power_limit_w, max_clock_mhz)
-
-    def _highest_clock(
-        self, power_w: Callable[[int], float], power_limit_w: float, max_clock_mhz: int | None
-    ) -> int:
         ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
         for freq in self.sm_clocks_mhz:
-            if freq > ceiling:
-                continue
-            if power_w(freq) <= power_limit_w:
+            if freq <= ceiling and self.work_power_w(compute_bound_share, freq) <= power_limit_w:
                 return freq
         return self.sm_clocks_mhz[-1]
 
@@ -221,7 +386,8 @@ class PhysicsModel:
         power_limit_w: float,
         max_clock_mhz: int | None,
     ) -> tuple[float, float]:
-        """Duration and average power of a piece of work under the given settings.
+        """Duration and average power of a piece of work at :meth:`clock_for` (the static
+        answer: the governor's steady state for single-phase work, without its transients).
 
         Args:
             t0_s: the work's duration at ``f_max``.
@@ -241,6 +407,10 @@ class PhysicsModel:
     def step_work(self) -> tuple[float, float]:
         """``(t0_s, compute_bound_share)`` of one simulated training step."""
         return self.step_time_s, self.step_compute_bound_share
+
+    def step_shape(self) -> tuple[Phase, ...]:
+        """The phases of one simulated training step."""
+        return self.step_phases or (Phase(1.0, self.step_compute_bound_share),)
 
 
 PHYSICS_PRESETS: dict[str, PhysicsModel] = {
@@ -303,7 +473,8 @@ def physics_preset(
     Args:
         name: ``"a100"``, ``"h100"`` or ``"h200"``.
         step_time_s: duration of one training step at ``f_max`` (default 0.25 s).
-        compute_bound_share: compute-bound share of a step (default 0.85).
+        compute_bound_share: compute-bound share of a step (default: the preset's); a
+            step of one phase of this share replaces the preset's phases.
 
     Returns:
         The preset's model.
@@ -317,10 +488,6 @@ def physics_preset(
         raise ConfigError(
             f"gpu={name!r}: not a physics preset; allowed: {sorted(PHYSICS_PRESETS)}"
         ) from None
-    return replace(
-        model,
-        step_time_s=model.step_time_s if step_time_s is None else step_time_s,
-        step_compute_bound_share=(
-            model.step_compute_bound_share if compute_bound_share is None else compute_bound_share
-        ),
-    )
+    if compute_bound_share is not None:  # one phase of that share replaces the preset's
+        model = replace(model, step_phases=(), step_compute_bound_share=compute_bound_share)
+    return replace(model, step_time_s=model.step_time_s if step_time_s is None else step_time_s)
