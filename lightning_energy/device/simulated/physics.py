@@ -45,6 +45,13 @@ ignores NCCL's spin; the preset adds 30 W x s(f) while blocked in a collective: 
 full-clock training step (85 % compute-bound, a bf16 training load) draws close to the
 700 W limit (about 665 W and 675 W) and purely compute-bound work is held back by it, as on
 those boards; their constants are illustrative, not measurements.
+
+The ``"a100_sxm"`` (A100 SXM4 80GB, 500 W), ``"a100_pcie"`` (A100 80GB PCIe, 150-300 W) and
+``"a40_physics"`` (A40, 100-300 W; ``"a40"`` is the A40 power trace) presets are fitted on
+measured runs (``lightning_energy/data/perseus_sosp24/``) by
+``benchmarks/calibrate_governor.py``: their clock response on locked-clock stage profiles
+(A100 SXM, A40), their governor's ``cap_margin`` and board powers on jobs under power caps
+(A100 PCIe, A40). ``benchmarks/README.md`` gives the fit's errors.
 """
 
 from __future__ import annotations
@@ -462,6 +469,57 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
         f_v_low_mhz=1200,
         spin_power_w=60.0,
     ),
+    # Fitted on measured runs: benchmarks/calibrate_governor.py (errors in its README).
+    "a100_sxm": PhysicsModel(
+        name="NVIDIA A100-SXM4-80GB",
+        sm_clocks_mhz=_clock_table(1410, 210),
+        min_power_limit_w=100.0,
+        max_power_limit_w=500.0,
+        default_power_limit_w=500.0,
+        static_power_w=49.851,
+        idle_power_w=70.0,
+        compute_power_w=452.812,
+        memory_power_w=106.77,
+        memory_sm_power_w=294.18,
+        v_low=0.804,
+        v_high=1.00,
+        f_v_low_mhz=1111,
+        spin_power_w=30.0,
+    ),
+    "a100_pcie": PhysicsModel(
+        name="NVIDIA A100 80GB PCIe",
+        sm_clocks_mhz=_clock_table(1410, 210),
+        min_power_limit_w=150.0,
+        max_power_limit_w=300.0,
+        default_power_limit_w=300.0,
+        static_power_w=115.262,
+        idle_power_w=60.0,
+        compute_power_w=301.107,
+        memory_power_w=70.999,
+        memory_sm_power_w=195.622,
+        v_low=0.804,
+        v_high=1.00,
+        f_v_low_mhz=1111,
+        spin_power_w=30.0,
+        governor=GovernorConstants(cap_margin=0.0408),
+    ),
+    "a40_physics": PhysicsModel(
+        name="NVIDIA A40",
+        sm_clocks_mhz=_clock_table(1740, 210),
+        min_power_limit_w=100.0,
+        max_power_limit_w=300.0,
+        default_power_limit_w=300.0,
+        static_power_w=80.068,
+        idle_power_w=30.0,
+        compute_power_w=387.01,
+        memory_power_w=67.475,
+        memory_sm_power_w=168.485,
+        v_low=0.694,
+        v_high=1.00,
+        f_v_low_mhz=1081,
+        spin_power_w=30.0,
+        governor=GovernorConstants(cap_margin=0.0401),
+    ),
 }
 
 
@@ -471,7 +529,8 @@ def physics_preset(
     """A physics preset, optionally with a different simulated training step.
 
     Args:
-        name: ``"a100"``, ``"h100"`` or ``"h200"``.
+        name: a key of :data:`PHYSICS_PRESETS` (``"a100"``, ``"h100"``, ``"h200"``,
+            ``"a100_sxm"``, ``"a100_pcie"``, ``"a40_physics"``).
         step_time_s: duration of one training step at ``f_max`` (default 0.25 s).
         compute_bound_share: compute-bound share of a step (default: the preset's); a
             step of one phase of this share replaces the preset's phases.
