@@ -38,6 +38,7 @@ Usage::
 
     python benchmarks/calibrate_governor.py          # check the shipped presets
     python benchmarks/calibrate_governor.py --fit    # refit their constants (about a minute)
+    python benchmarks/calibrate_governor.py --loop-sensitivity  # and with other loops
 """
 
 from __future__ import annotations
@@ -372,33 +373,41 @@ def _range(gaps: Sequence[float]) -> str:
     return f"median {median:+6.1f} %  range {min(gaps):+6.1f}..{max(gaps):+6.1f} % (n={len(gaps)})"
 
 
-def check(name: str, lock_model: PhysicsModel | None, report: Callable[[str], None]) -> None:
-    """Print a cap preset's errors and its lock-vs-cap comparison."""
-    model = PHYSICS_PRESETS[name]
+def check(
+    name: str,
+    lock_preset: str | None,
+    report: Callable[[str], None],
+    model: PhysicsModel | None = None,
+) -> None:
+    """Print a cap preset's errors (per job unless ``model`` replaces the preset) and the
+    lock-vs-cap comparison (the relative ones against ``lock_preset``'s locked curves)."""
+    model = PHYSICS_PRESETS[name] if model is None else model
     gpu = CAP_PRESETS[name]
-    report(f"== {name} ({model.name}): caps on {gpu}")
     time_errors, energy_errors, sim_jobs, same = [], [], {}, []
     for job in cap_jobs(gpu):
         t0_s, beta, runs = capped_runs(model, job)
         sim_jobs[job.name] = runs
         errs = [(runs[c][0] / t - 1.0, runs[c][1] / e - 1.0) for c, (t, e) in job.points.items()]
         flag = "  (not fitted: time falls with the cap)" if (gpu, job.name) in UNFITTED_JOBS else ""
-        report(
-            f"   {job.name:18s} t0 {t0_s:7.2f} s  beta {beta:4.2f}  bubble {job.bubble_share:4.2f}"
-            f"  time err max {max(abs(t) for t, _ in errs) * 100:4.1f} %"
-            f"  energy err max {max(abs(e) for _, e in errs) * 100:4.1f} %{flag}"
-        )
+        if lock_preset is not None:
+            report(
+                f"   {job.name:18s} t0 {t0_s:7.2f} s  beta {beta:4.2f}"
+                f"  bubble {job.bubble_share:4.2f}"
+                f"  time err max {max(abs(t) for t, _ in errs) * 100:4.1f} %"
+                f"  energy err max {max(abs(e) for _, e in errs) * 100:4.1f} %{flag}"
+            )
         if (gpu, job.name) not in UNFITTED_JOBS:
             time_errors += [t for t, _ in errs]
             energy_errors += [e for _, e in errs]
             same += same_work_gaps(model, t0_s, beta, job, runs)
     report(f"   caps:   time {_errors(time_errors)}   energy {_errors(energy_errors)}")
-    if lock_model is None:
+    if lock_preset is None:
+        report(f"   lock vs cap at equal speed (same work): {_range(same)}")
         return
-    curves = lock_curves(LOCK_PRESETS[lock_model_key(lock_model)])
+    curves = lock_curves(LOCK_PRESETS[lock_preset])
     measured_jobs = {j.name: j.points for j in cap_jobs(gpu) if (gpu, j.name) not in UNFITTED_JOBS}
     measured_lock = relative_lock_curve({c.name: c.points for c in curves})
-    simulated_lock = relative_lock_curve(locked_runs(lock_model, curves))
+    simulated_lock = relative_lock_curve(locked_runs(PHYSICS_PRESETS[lock_preset], curves))
     fitted = {k: v for k, v in sim_jobs.items() if k in measured_jobs}
     report("   lock vs cap at equal speed, energy of the lock vs the cap:")
     report(f"     measured (relative)  {_range(relative_gaps(measured_lock, measured_jobs))}")
@@ -406,9 +415,20 @@ def check(name: str, lock_model: PhysicsModel | None, report: Callable[[str], No
     report(f"     simulated (same work) {_range(same)}")
 
 
-def lock_model_key(model: PhysicsModel) -> str:
-    """The preset key of a lock preset."""
-    return next(k for k in LOCK_PRESETS if PHYSICS_PRESETS[k] is model)
+def loop_sensitivity(report: Callable[[str], None]) -> None:
+    """Print the cap presets' errors and same-work comparison with a governor loop twice as
+    fast and twice as slow (period and response scaled together, the same workloads)."""
+    for name in CAP_PRESETS:
+        base = PHYSICS_PRESETS[name]
+        for factor in (0.5, 2.0):
+            loop = base.governor
+            loop = replace(
+                loop,
+                control_period_s=loop.control_period_s * factor,
+                response_s=loop.response_s * factor,
+            )
+            report(f"== {name}, governor loop x{factor:g} ({loop.control_period_s * 1e3:g} ms)")
+            check(name, None, report, replace(base, governor=loop))
 
 
 def check_locks(name: str, report: Callable[[str], None]) -> None:
@@ -443,6 +463,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", action="store_true", help="refit the presets' constants")
     parser.add_argument("--preset", action="append", choices=sorted(FITTED), help="fit these")
+    parser.add_argument(
+        "--loop-sensitivity",
+        action="store_true",
+        help="also check the caps with a governor loop twice as fast and twice as slow",
+    )
     args = parser.parse_args(argv)
     if args.fit:
         for name in args.preset or sorted(FITTED):
@@ -451,8 +476,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     check_locks("a100_sxm", print)
     check_locks("a40_physics", print)
-    check("a100_pcie", PHYSICS_PRESETS["a100_sxm"], print)
-    check("a40_physics", PHYSICS_PRESETS["a40_physics"], print)
+    for name, lock_preset in (("a100_pcie", "a100_sxm"), ("a40_physics", "a40_physics")):
+        model = PHYSICS_PRESETS[name]
+        print(f"== {name} ({model.name}): caps on {CAP_PRESETS[name]}")
+        check(name, lock_preset, print)
+    if args.loop_sensitivity:
+        loop_sensitivity(print)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ class GovernorConstants:
     averaged over a window (a single kernel does not move the clock), and a capped board
     holds its average power at or a little under the limit. The defaults are chosen in
     that range and kept for every preset, so that fits to measured data adjust the work
-    and the board, not the loop.
+    and the board, not the loop (``benchmarks/calibrate_governor.py --loop-sensitivity``
+    shows how little the fitted presets' results move with a loop twice as fast or slow).
 
     Attributes:
         control_period_s: the clock is re-decided every this many seconds, from the
