@@ -189,6 +189,9 @@ BOARDS: dict[str, Board] = {
     "a100": Board(0.1, 1.0, True, 0.05),
     "h100": Board(0.1, 1.0, True, 0.05),
     "h200": Board(0.1, 1.0, True, 0.05),
+    "a100_sxm": Board(0.1, 1.0, True, 0.05),
+    "a100_pcie": Board(0.1, 1.0, True, 0.05),
+    "a40_physics": Board(0.1, 1.0, True, 0.05),
 }
 
 
