@@ -68,7 +68,7 @@ from carbon.planning import efficient_points, executed_point, fill_cheapest
 from carbon.policy import JobProgress, OperatingPoint, frontier_from_profile, make_policy
 from carbon.providers.trace import SHIPPED_TRACES, TraceSeries, load_trace
 from carbon.types import IntensityPoint, PointKind
-from lightning_energy.device.traces import TRACE_GPUS, PowerTrace
+from lightning_energy.device.simulated import TRACE_GPUS, PowerTrace
 
 FloatArray = npt.NDArray[np.float64]
 

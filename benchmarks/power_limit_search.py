@@ -55,8 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_energy.device.simulated import SimulatedSpec, simulated_gpus
-from lightning_energy.device.traces import PowerTrace, TraceModel
+from lightning_energy.device.simulated import PowerTrace, SimulatedSpec, TraceModel, simulated_gpus
 from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 from lightning_energy.optimize.selectors import Measurement, Selector, make_selector
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_energy.device.traces import PowerTrace
+from lightning_energy.device.simulated import PowerTrace
 from lightning_energy.optimize.batch_size import JobSpec, Trial
 from lightning_energy.optimize.cost import zeus_cost
 from lightning_energy.optimize.selectors import Measurement, make_selector

@@ -660,7 +660,7 @@ def _check_device(device: DeviceConfig, problems: list[str]) -> None:
         )
         problems.append(
             f"device.gpu {device.gpu!r}{chosen}: {exc}; allowed gpu: a40, v100, a100, h100, "
-            "h200 or the path of a Zeus-format power trace CSV"
+            "h200, a100_sxm, a100_pcie, a40_physics or the path of a Zeus-format power trace CSV"
         )
 
 

@@ -81,10 +81,8 @@ from gpu_calibration.benches import (  # noqa: E402
 from gpu_calibration.read_only import RefusedCalls, read_only_nvml  # noqa: E402
 from gpu_calibration.run import Interrupted, Options, Phase, Run, run_phases  # noqa: E402
 
-from lightning_energy.device.calibration import CALIBRATION_FORMAT  # noqa: E402
 from lightning_energy.device.guard import recover  # noqa: E402
-from lightning_energy.device.physics import PHYSICS_PRESETS  # noqa: E402
-from lightning_energy.device.traces import TRACE_GPUS  # noqa: E402
+from lightning_energy.device.simulated import CALIBRATION_FORMAT, PHYSICS_PRESETS, TRACE_GPUS  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 130
 PRESETS = tuple(sorted([*PHYSICS_PRESETS, *TRACE_GPUS]))

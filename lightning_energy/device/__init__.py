@@ -33,17 +33,21 @@ from lightning_energy.device.mapping import (
     nvml_gpu_for_device,
 )
 from lightning_energy.device.nvml import NVMLGPU, nvml_gpus, visible_gpu_count
-from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
 from lightning_energy.device.simulated import (
     FAULT_OPERATIONS,
+    PHYSICS_PRESETS,
+    PhysicsModel,
+    PowerTrace,
     SimulatedGPU,
     SimulatedSpec,
+    TraceModel,
     VirtualClock,
+    WorkloadTrace,
     live_simulated_gpus,
+    physics_preset,
     run_in_parallel,
     simulated_gpus,
 )
-from lightning_energy.device.traces import PowerTrace, TraceModel, WorkloadTrace
 from lightning_energy.device.zeusd import ZeusdGPU, daemon_for_backend, gpu_factory
 from lightning_energy.device.zeusd_client import ZeusdClient
 from lightning_energy.errors import ConfigError, DriverError

@@ -8,7 +8,7 @@ partition?" (:mod:`.partition`). Its form, per GPU of the tensor-parallel group:
   ``memory_gbps``; GEMMs and attention do FLOPs at ``gemm_tflops`` and
   ``attention_tflops``); at clock ``f`` the compute-bound share ``beta`` of it scales with
   ``f_ref / f`` (``t_k(f) = t_k (beta f_ref / f + 1 - beta)``, as in
-  :mod:`lightning_energy.device.physics`).
+  :mod:`lightning_energy.device.simulated.physics`).
 * **The collective alone** takes ``D = latency + V / (n r(b) g(f)) + V / link``: ``V`` bytes
   through ``n`` CTAs of ``b`` threads, each CTA moving ``r(b) = cta_gbps (b / 1024)^x`` at
   the reference clock (``g(f)`` the same clock scaling with its own compute-bound share),
@@ -66,7 +66,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.optimize import least_squares, nnls
 from scipy.stats import spearmanr
 
-from lightning_energy.device.physics import PhysicsModel, physics_preset
+from lightning_energy.device.simulated import PhysicsModel, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.files import write_atomically
 from lightning_energy.kareus.measured import PartitionMeasurements

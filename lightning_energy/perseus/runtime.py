@@ -53,8 +53,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.physics import PhysicsModel
-from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.device.simulated import PhysicsModel, SimulatedGPU
 from lightning_energy.errors import ConfigError, EnergyError
 from lightning_energy.perseus.counter import EnergyTimeline
 from lightning_energy.perseus.plan import Plan

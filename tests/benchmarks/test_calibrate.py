@@ -25,7 +25,7 @@ import pytest
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.mapping import TorchCuda
-from lightning_energy.device.simulated import BOARDS
+from lightning_energy.device.simulated import BOARDS, PHYSICS_PRESETS
 from lightning_energy.errors import ConfigError, GPULostError
 from tests.lightning_energy.device.fake_cuda import FakeCuda
 from tests.lightning_energy.device.fake_pynvml import FakeDevice, FakeNVML, a100, make_module
@@ -582,8 +582,11 @@ def test_sweeps_and_latency_from_power(
     latency_s = BOARDS[preset].setting_latency_s
     measured = result["setting_latency_s"]
     assert measured["power_before_w"] > measured["cap_w"] == model.min_power_limit_w
-    for key in ("set_power_limit_s", "set_locked_clocks_s"):
-        assert latency_s <= measured[key] <= latency_s + 0.02, key
+    # A lock lands at once; under a far lower limit the board's governor walks the clock
+    # down for a few control periods before the power settles.
+    assert latency_s <= measured["set_locked_clocks_s"] <= latency_s + 0.02
+    settle_s = 10 * PHYSICS_PRESETS[preset].governor.control_period_s
+    assert latency_s <= measured["set_power_limit_s"] <= latency_s + settle_s
 
 
 def test_power_limit_latency_ignores_clock_jitter(
@@ -617,7 +620,8 @@ def test_power_limit_latency_ignores_clock_jitter(
         assert run.guard is not None
         run.guard.restore()
     latency_s = BOARDS["a100"].setting_latency_s
-    assert latency_s <= run.result["setting_latency_s"]["set_power_limit_s"] <= latency_s + 0.02
+    settle_s = 10 * PHYSICS_PRESETS["a100"].governor.control_period_s  # the governor's walk
+    assert latency_s <= run.result["setting_latency_s"]["set_power_limit_s"] <= latency_s + settle_s
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -702,6 +706,7 @@ def test_calibration_loads_back_as_a_preset_reproducing_it(
                 else:
                     gpu.set_locked_clocks_mhz(settings[1], settings[1])
                 gpu.idle(1.0)  # past the setting latency
+                gpu.run_step(4)  # the source's governor walks its clock to the new setting
                 duration_s = gpu.run_step()
                 measured.append((duration_s, gpu.instant_power_w()))
             (t_src, p_src), (t_cal, p_cal) = measured

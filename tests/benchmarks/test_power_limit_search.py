@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from lightning_energy.device.simulated import SimulatedSpec
-from lightning_energy.device.traces import PowerTrace, TraceModel
+from lightning_energy.device.simulated import PowerTrace, SimulatedSpec, TraceModel
 
 #: A GPU whose highest limit (260 W) is off the 25 W grid.
 LIMITS_W = (100, 125, 150, 175, 200, 225, 250, 260)

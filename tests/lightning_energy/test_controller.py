@@ -14,8 +14,7 @@ from carbon.providers.trace import TraceProvider, load_trace
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import Decision, EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
-from lightning_energy.device.simulated import SimulatedGPU
-from lightning_energy.device.traces import TRACE_GPUS
+from lightning_energy.device.simulated import TRACE_GPUS, SimulatedGPU
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, NoPermissionError
 
 

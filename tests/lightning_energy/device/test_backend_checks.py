@@ -32,4 +32,4 @@ def test_no_isinstance_check_on_a_backend_outside_the_device_layer() -> None:
 
 def test_the_check_finds_one() -> None:
     # The device layer itself may ask which backend a GPU is: the check sees it there.
-    assert _backend_isinstance_calls(PACKAGE / "device" / "simulated.py")
+    assert _backend_isinstance_calls(PACKAGE / "device" / "simulated" / "gpu.py")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import SimulatedSpec, simulated_gpus
-from lightning_energy.device.calibration import CALIBRATION_FORMAT, load_calibration
+from lightning_energy.device.simulated import CALIBRATION_FORMAT, load_calibration
 from lightning_energy.errors import ConfigError
 
 VALID: dict[str, Any] = {

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from lightning_energy.device import PHYSICS_PRESETS, PhysicsModel
-from lightning_energy.device.calibration import CalibratedModel
-from lightning_energy.device.clocked_model import ClockedModel
+from lightning_energy.device.simulated.calibration import CalibratedModel
+from lightning_energy.device.simulated.clocked_model import ClockedModel
 from lightning_energy.errors import ConfigError
 
 CALIBRATED = CalibratedModel(

@@ -15,7 +15,7 @@ from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import NVMLGPU, DeviceSet, SimulatedGPU
-from lightning_energy.device.traces import TRACE_GPUS
+from lightning_energy.device.simulated import TRACE_GPUS
 from tests.lightning_energy.device.fake_pynvml import FakeDevice, a100, make_module
 
 T = TypeVar("T")

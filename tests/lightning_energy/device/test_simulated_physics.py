@@ -25,6 +25,13 @@ def test_lower_clock_is_slower_and_draws_less_power(name: str) -> None:
         assert times[0] == pytest.approx(1.0)
 
 
+def test_every_preset_has_a_name_of_its_own() -> None:
+    """A lease names its GPU's preset by the model's name: two presets of one name would
+    rebuild the wrong board (the A100 SXM fit is an 80GB board, the ``a100`` preset a 40GB)."""
+    names = [model.name for model in PHYSICS_PRESETS.values()]
+    assert len(set(names)) == len(names)
+
+
 def test_presets_match_the_documented_tables() -> None:
     a100, h100 = PHYSICS_PRESETS["a100"], PHYSICS_PRESETS["h100"]
     assert (a100.sm_clocks_mhz[0], a100.sm_clocks_mhz[-1], len(a100.sm_clocks_mhz)) == (

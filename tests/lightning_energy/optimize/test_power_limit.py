@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from lightning_energy.device.simulated import SimulatedSpec, simulated_gpus
-from lightning_energy.device.traces import PowerTrace, TraceModel
+from lightning_energy.device.simulated import PowerTrace, SimulatedSpec, TraceModel, simulated_gpus
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, ProfileError
 from lightning_energy.optimize.power_limit import PowerLimitOptimizer, Window
 from lightning_energy.optimize.selectors import Measurement, Selector, make_selector

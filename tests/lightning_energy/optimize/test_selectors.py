@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lightning_energy.device.traces import PowerTrace
+from lightning_energy.device.simulated import PowerTrace
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.optimize.selectors import (
     SELECTOR_NAMES,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_energy.device.physics import physics_preset
+from lightning_energy.device.simulated import physics_preset
 from lightning_energy.perseus import PipelineProfile
 from lightning_energy.perseus.profile import BlockedPower
 

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.physics import physics_preset
+from lightning_energy.device.simulated import physics_preset
 from lightning_energy.perseus import PerseusPlanner, build_schedule
 from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.runtime import (

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
-from lightning_energy.device.physics import physics_preset
-from lightning_energy.device.simulated import SimulatedGPU
+from lightning_energy.device.simulated import SimulatedGPU, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import PerseusPlanner, one_f_one_b
 from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.physics import physics_preset
+from lightning_energy.device.simulated import physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import one_f_one_b
 from lightning_energy.perseus.online import (

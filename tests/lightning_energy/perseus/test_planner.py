@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_energy.device.physics import physics_preset
+from lightning_energy.device.simulated import physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import (
     PerseusPlanner,

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.physics import physics_preset
+from lightning_energy.device.simulated import physics_preset
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus.runtime import StageWork
 from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer

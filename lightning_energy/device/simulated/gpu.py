@@ -49,9 +49,16 @@ from pathlib import Path
 from typing import Protocol
 
 from lightning_energy.device.base import GPU, LeaseSource
-from lightning_energy.device.calibration import CalibratedModel, load_calibration
-from lightning_energy.device.physics import PHYSICS_PRESETS, PhysicsModel, physics_preset
-from lightning_energy.device.traces import TRACE_GPUS, PowerTrace, TraceModel
+from lightning_energy.device.simulated.calibration import CalibratedModel, load_calibration
+from lightning_energy.device.simulated.governor import Governor
+from lightning_energy.device.simulated.physics import (
+    PHYSICS_PRESETS,
+    Phase,
+    PhysicsModel,
+    phase_problems,
+    physics_preset,
+)
+from lightning_energy.device.simulated.traces import TRACE_GPUS, PowerTrace, TraceModel
 from lightning_energy.errors import (
     ConfigError,
     DeviceError,
@@ -66,6 +73,7 @@ __all__ = [
     "CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING",
     "CLOCK_EVENT_GPU_IDLE",
     "CLOCK_EVENT_SW_POWER_CAP",
+    "CLOCK_EVENT_SW_THERMAL_SLOWDOWN",
     "FAULT_OPERATIONS",
     "Board",
     "GPUModel",
@@ -95,6 +103,7 @@ _PROTOCOL_OPERATIONS = frozenset(
         "instant_power",
         "clock_event_reasons",
         "clock",
+        "temperature",
         "synchronize",
     }
 )
@@ -112,6 +121,7 @@ Settings = tuple[float, tuple[int, int] | None]
 CLOCK_EVENT_GPU_IDLE = 0x1
 CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING = 0x2
 CLOCK_EVENT_SW_POWER_CAP = 0x4
+CLOCK_EVENT_SW_THERMAL_SLOWDOWN = 0x20
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,9 @@ BOARDS: dict[str, Board] = {
     "a100": Board(0.1, 1.0, True, 0.05),
     "h100": Board(0.1, 1.0, True, 0.05),
     "h200": Board(0.1, 1.0, True, 0.05),
+    "a100_sxm": Board(0.1, 1.0, True, 0.05),
+    "a100_pcie": Board(0.1, 1.0, True, 0.05),
+    "a40_physics": Board(0.1, 1.0, True, 0.05),
 }
 
 
@@ -340,7 +353,12 @@ class SimulatedGPU:
         self._foreign_lock = self.board.foreign_clock_lock_mhz
         self._power_capped = False
         self._clock_held = False  # the last work ran below its clock because of a lock
+        self._thermal_slowdown = False
         self._work_clock_mhz: int | None = None
+        # Physics models run under the board's power and thermal governor.
+        self._governor = (
+            Governor(model, self._accounted_until_s) if isinstance(model, PhysicsModel) else None
+        )
         if self.state_path is not None and self.state_path.exists():
             self._load_state(self.state_path)
         self.initial_settings: Settings = self.settings()
@@ -585,7 +603,9 @@ class SimulatedGPU:
         (or while it runs, seen from another thread):
         :data:`CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING` when a clock lock (this process's
         or an administrator's) held it below the clock it would have run at,
-        :data:`CLOCK_EVENT_SW_POWER_CAP` when the power limit did.
+        :data:`CLOCK_EVENT_SW_POWER_CAP` when the power limit did (for a physics model: the
+        governor held the clock under its ceiling at some point of that work),
+        :data:`CLOCK_EVENT_SW_THERMAL_SLOWDOWN` when the temperature did.
         Once the clock has moved on without work on this GPU (:meth:`idle`, another GPU's
         work on the shared clock), the GPU is idle and reports :data:`CLOCK_EVENT_GPU_IDLE`
         alone: a lock does not show on an idle GPU.
@@ -600,6 +620,8 @@ class SimulatedGPU:
                 reasons |= CLOCK_EVENT_APPLICATIONS_CLOCKS_SETTING
             if self._power_capped:
                 reasons |= CLOCK_EVENT_SW_POWER_CAP
+            if self._thermal_slowdown:
+                reasons |= CLOCK_EVENT_SW_THERMAL_SLOWDOWN
             return reasons
 
     def sm_clock_mhz(self) -> int | None:
@@ -609,6 +631,24 @@ class SimulatedGPU:
             self._check("clock")
             self._settle()
             return None if self._last_work_power_w is None else self._work_clock_mhz
+
+    def temperature_c(self) -> float:
+        """The GPU's temperature (``nvmlDeviceGetTemperature``) from the model's thermal
+        model, the idle stretch since the last work included.
+
+        Raises:
+            NotSupportedError: the model has no thermal model (no shipped preset has one).
+        """
+        with self._lock:
+            self._check("temperature")
+            governor = self._governor
+            if governor is None or governor.model.thermal is None:
+                raise NotSupportedError(
+                    "this simulated GPU has no thermal model",
+                    gpu_index=self._index,
+                    operation="temperature",
+                )
+            return governor.temperature_at(self.clock.now())
 
     def foreign_clock_setting(self) -> str | None:
         """Why the SM clocks are under a setting this process did not make, or None.
@@ -757,39 +797,63 @@ class SimulatedGPU:
         return value * max(0.05, 1.0 + self._rng.gauss(0.0, self.noise_std))
 
     def _plan_work(
-        self, operation: str, t0_s: float, compute_bound_share: float
+        self, operation: str, t0_s: float, phases: Sequence[Phase]
     ) -> tuple[float, float]:
-        """Settle idle time and return this work's ``(duration_s, power_w)``."""
+        """Settle idle time, run this work's phases under the settings in force and return
+        its ``(duration_s, power_w)``."""
         problems = []
         if not t0_s >= 0:
             problems.append(f"t0_s: {t0_s!r} is not allowed; use >= 0")
-        if not 0.0 <= compute_bound_share <= 1.0:
-            problems.append(
-                f"compute_bound_share: {compute_bound_share!r} is not allowed; "
-                "use a number in [0, 1]"
-            )
+        problems.extend(phase_problems(phases))
         if problems:
             raise ConfigError(problems, source=operation)
         self._check(operation)
         self._check_cuda(operation)
         self._settle()
         limit_w, locked = self._effective_settings(self.clock.now())
+        enforced_w = self._enforced(limit_w)
         max_clock = locked[1] if locked is not None else None
-        duration_s, power_w = self.model.run(
-            t0_s, compute_bound_share, self._enforced(limit_w), max_clock
-        )
-        unlimited_s, _ = self.model.run(
-            t0_s, compute_bound_share, self.model.max_power_limit_w, max_clock
-        )
-        self._power_capped = duration_s > unlimited_s
-        clock_for = getattr(self.model, "clock_for", None)
-        if clock_for is None:  # trace models have no clocks: a lock holds nothing back
-            self._work_clock_mhz, self._clock_held = None, False
-        else:
-            enforced_w = self._enforced(limit_w)
-            self._work_clock_mhz = clock_for(compute_bound_share, enforced_w, max_clock)
-            self._clock_held = self._work_clock_mhz < clock_for(compute_bound_share, enforced_w)
+        if self._governor is not None:
+            run = self._governor.run(
+                self.clock.now(), t0_s, phases, enforced_w, max_clock, self.slowdown
+            )
+            self._work_clock_mhz = run.clock_mhz
+            self._power_capped, self._clock_held = run.power_capped, run.lock_held
+            self._thermal_slowdown = run.thermal_slowdown
+            return self._noisy(run.duration_s), self._noisy(run.power_w)
+        duration_s, power_w = self._static_work(t0_s, phases, enforced_w, max_clock)
         return self._noisy(duration_s * self.slowdown), self._noisy(power_w)
+
+    def _static_work(
+        self, t0_s: float, phases: Sequence[Phase], limit_w: float, max_clock: int | None
+    ) -> tuple[float, float]:
+        """``(duration_s, power_w)`` of work on a model without a governor (traces and
+        calibrations): each phase at the model's one answer for it, a blocked phase at
+        idle power; sets the clock and the clock event reasons of the last phase."""
+        model = self.model
+        clock_for = getattr(model, "clock_for", None)
+        duration_s = energy_j = 0.0
+        capped = held = False
+        clock: int | None = None
+        for phase in phases:
+            phase_t0_s, beta = phase.share * t0_s, phase.compute_bound_share
+            if phase.blocked:
+                duration_s += phase_t0_s
+                energy_j += phase_t0_s * model.idle_power_w
+                continue
+            phase_s, phase_w = model.run(phase_t0_s, beta, limit_w, max_clock)
+            unlimited_s, _ = model.run(phase_t0_s, beta, model.max_power_limit_w, max_clock)
+            capped = capped or phase_s > unlimited_s
+            if clock_for is not None:  # trace models have no clocks: a lock holds nothing back
+                clock = clock_for(beta, limit_w, max_clock)
+                held = held or clock < clock_for(beta, limit_w)
+            duration_s += phase_s
+            energy_j += phase_s * phase_w
+        self._work_clock_mhz, self._power_capped, self._clock_held = clock, capped, held
+        self._thermal_slowdown = False
+        if duration_s > 0:
+            return duration_s, energy_j / duration_s
+        return 0.0, model.run(0.0, phases[0].compute_bound_share, limit_w, max_clock)[1]
 
     def _account_work(self, duration_s: float, power_w: float) -> None:
         self._energy_j += power_w * duration_s
@@ -800,9 +864,10 @@ class SimulatedGPU:
     def run_work(self, t0_s: float, compute_bound_share: float = 1.0) -> float:
         """Run a piece of work taking ``t0_s`` at the maximum clock (or highest limit).
 
-        It runs at the locked clock if any, else the maximum clock, capped by what the power
-        limit allows (physics model), or slowed as the traced workload was at this power
-        limit (trace model). The clock and the energy counter advance.
+        It runs at the locked clock if any, else the maximum clock, held back by the power
+        limit through the governor (physics model: :mod:`.governor`), or slowed as the
+        traced workload was at this power limit (trace model). The clock and the energy
+        counter advance.
 
         Args:
             t0_s: the work's duration at the maximum SM clock / highest power limit.
@@ -811,20 +876,50 @@ class SimulatedGPU:
         Returns:
             The work's duration in seconds.
         """
-        return self._run("run_work", t0_s, compute_bound_share)
+        return self._run("run_work", t0_s, (Phase(1.0, compute_bound_share),))
+
+    def run_phases(self, t0_s: float, phases: Sequence[Phase]) -> float:
+        """Run a piece of work made of phases of different intensity, in order (GEMMs,
+        elementwise kernels, waits in collectives...), as :meth:`run_work` runs one.
+
+        Under a power limit the governor moves the clock with the phases; under a lock
+        (and no binding limit) they take ``t0_s * (beta f_max / f + 1 - beta)`` with
+        ``beta`` their :func:`~.physics.mean_compute_bound_share`. Models without a
+        governor run each phase at their one answer for it and blocked phases at idle
+        power.
+
+        Args:
+            t0_s: the work's duration at the maximum SM clock.
+            phases: its phases, their shares adding up to 1.
+
+        Returns:
+            The work's duration in seconds.
+
+        Raises:
+            ConfigError: ``t0_s`` is negative or a phase is out of range.
+        """
+        return self._run("run_work", t0_s, tuple(phases))
+
+    def _step(self) -> tuple[float, tuple[Phase, ...]]:
+        """``(t0_s, phases)`` of one training step of the model's workload."""
+        if isinstance(self.model, PhysicsModel):
+            return self.model.step_time_s, self.model.step_shape()
+        t0_s, beta = self.model.step_work()
+        return t0_s, (Phase(1.0, beta),)
 
     def run_step(self, steps: int = 1) -> float:
-        """Run ``steps`` training steps of the model's workload under the current settings.
+        """Run ``steps`` training steps of the model's workload under the current settings
+        (a physics preset's step phases, when it has them).
 
         Returns:
             Their total duration in seconds.
         """
-        t0_s, beta = self.model.step_work()
-        return sum(self._run("run_step", t0_s, beta) for _ in range(steps))
+        t0_s, phases = self._step()
+        return sum(self._run("run_step", t0_s, phases) for _ in range(steps))
 
-    def _run(self, operation: str, t0_s: float, compute_bound_share: float) -> float:
+    def _run(self, operation: str, t0_s: float, phases: Sequence[Phase]) -> float:
         with self._lock:
-            duration_s, power_w = self._plan_work(operation, t0_s, compute_bound_share)
+            duration_s, power_w = self._plan_work(operation, t0_s, phases)
             self._account_work(duration_s, power_w)
         self.clock.advance(duration_s)
         return duration_s
@@ -840,30 +935,36 @@ class SimulatedGPU:
         """Wait ``seconds`` blocked in a collective (a P2P receive in a pipeline bubble, an
         all-reduce waiting for a slower rank).
 
-        The GPU is not idle: NCCL's kernels spin until the peer arrives, at the clock in
-        force (the lock's upper end; the maximum clock without a lock), drawing the
-        physics model's blocked power at that clock
-        (:meth:`~.physics.PhysicsModel.blocked_power_w`: more than idle, rising with the
-        clock). Models without it (traces, calibrations) wait at idle power. As for work,
-        a setting changed less than the board's latency before the wait starts does not
-        govern it yet.
+        The GPU is not idle: NCCL's kernels spin until the peer arrives, at the clock the
+        governor runs (the lock's upper end, or the maximum clock, unless the limit or the
+        temperature holds it lower), drawing the physics model's blocked power at that
+        clock (:meth:`~.physics.PhysicsModel.blocked_power_w`: more than idle, rising with
+        the clock). Models without it (traces, calibrations) wait at idle power. As for
+        work, a setting changed less than the board's latency before the wait starts does
+        not govern it yet.
 
         Raises:
             ConfigError: ``seconds`` is negative.
         """
         if not seconds >= 0:
             raise ConfigError(f"seconds={seconds!r}: a wait lasts >= 0 s", source="wait")
-        blocked_clock = getattr(self.model, "blocked_clock_mhz", None)
-        blocked_power = getattr(self.model, "blocked_power_w", None)
         with self._lock:
             self._check("idle")
-            if blocked_clock is not None and blocked_power is not None and seconds > 0:
+            governor = self._governor
+            if governor is not None and seconds > 0:
                 self._settle()
                 limit_w, locked = self._effective_settings(self.clock.now())
-                freq = blocked_clock(self._enforced(limit_w), locked[1] if locked else None)
-                self._power_capped = False
-                self._work_clock_mhz = freq
-                self._account_work(seconds, self._noisy(blocked_power(freq)))
+                run = governor.run(
+                    self.clock.now(),
+                    seconds,
+                    (Phase(1.0, 0.0, blocked=True),),
+                    self._enforced(limit_w),
+                    locked[1] if locked else None,
+                )
+                self._power_capped, self._clock_held = run.power_capped, run.lock_held
+                self._thermal_slowdown = run.thermal_slowdown
+                self._work_clock_mhz = run.clock_mhz
+                self._account_work(run.duration_s, self._noisy(run.power_w))
         self.clock.advance(seconds)
 
     def now_s(self) -> float:
@@ -873,8 +974,11 @@ class SimulatedGPU:
     def lease_source(self) -> LeaseSource:
         """Rebuilt from its shipped model and its state file; without a state file its
         settings live and die with this process."""
-        names = {gpu_name: key for key, (_file, gpu_name, _idle) in TRACE_GPUS.items()}
-        names.update({model.name: key for key, model in PHYSICS_PRESETS.items()})
+        # A physics preset and a trace may model the same board: look among the model's kind.
+        if isinstance(self.model, PhysicsModel):
+            names = {model.name: key for key, model in PHYSICS_PRESETS.items()}
+        else:
+            names = {gpu_name: key for key, (_file, gpu_name, _idle) in TRACE_GPUS.items()}
         state_path = None if self.state_path is None else str(self.state_path.absolute())
         return LeaseSource(
             "simulated",
@@ -942,9 +1046,9 @@ def run_in_parallel(gpus: Sequence[SimulatedGPU], steps: int = 1) -> float:
     for _ in range(steps):
         longest_s = 0.0
         for gpu in gpus:
-            t0_s, beta = gpu.model.step_work()
+            t0_s, phases = gpu._step()
             with gpu._lock:
-                duration_s, power_w = gpu._plan_work("run_step", t0_s, beta)
+                duration_s, power_w = gpu._plan_work("run_step", t0_s, phases)
                 gpu._account_work(duration_s, power_w)
             longest_s = max(longest_s, duration_s)
         clock.advance(longest_s)

@@ -12,7 +12,6 @@ NVIDIA GPUs. A subclass says what power work draws at a clock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 __all__ = ["ClockedModel"]
 
@@ -61,7 +60,10 @@ class ClockedModel(ABC):
     def clock_for(
         self, compute_bound_share: float, power_limit_w: float, max_clock_mhz: int | None = None
     ) -> int:
-        """The SM clock work runs at under a power limit and an optional clock ceiling.
+        """The static answer: the clock steady single-phase work settles at under a power
+        limit and an optional clock ceiling (the governor of a simulated GPU,
+        :mod:`.governor`, dithers around it, within a supported clock of it, until the
+        limit stops binding).
 
         Args:
             compute_bound_share: the work's ``beta``.
@@ -72,18 +74,9 @@ class ClockedModel(ABC):
             The highest supported clock not above ``max_clock_mhz`` whose average power fits
             under ``power_limit_w``; the lowest supported clock when none fits.
         """
-        return self.highest_clock(
-            lambda f: self.work_power_w(compute_bound_share, f), power_limit_w, max_clock_mhz
-        )
-
-    def highest_clock(
-        self, power_w: Callable[[int], float], power_limit_w: float, max_clock_mhz: int | None
-    ) -> int:
-        """The highest supported clock, at most ``max_clock_mhz`` (None: ``f_max``), at which
-        ``power_w`` fits under ``power_limit_w``; the lowest supported clock when none does."""
         ceiling = self.max_clock_mhz if max_clock_mhz is None else max_clock_mhz
         for freq in self.sm_clocks_mhz:
-            if freq <= ceiling and power_w(freq) <= power_limit_w:
+            if freq <= ceiling and self.work_power_w(compute_bound_share, freq) <= power_limit_w:
                 return freq
         return self.sm_clocks_mhz[-1]
 

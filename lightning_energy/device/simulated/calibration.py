@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_energy.device.clocked_model import ClockedModel
+from lightning_energy.device.simulated.clocked_model import ClockedModel
 from lightning_energy.errors import ConfigError
 
 __all__ = ["CALIBRATION_FORMAT", "CalibratedModel", "Calibration", "load_calibration"]
