@@ -4,8 +4,11 @@ Megatron-Core runs its pipeline schedules on CPU with gloo once a few CUDA-only 
 redirected: ``torch.zeros(..., device="cuda")`` and ``tensor.cuda()`` for the token
 counters of the schedules, ``torch.cuda.current_device()`` for the receive buffers of the
 point-to-point communication, and ``torch.cuda.synchronize()`` after batched sends and
-receives. :func:`cuda_calls_on_cpu` redirects them while a block runs. It belongs to the
-example and the tests (no GPU there); lightning-energy itself never patches Megatron.
+receives; its transformer layers (tensor parallel too) also need
+``torch.ones(..., device="cuda")`` for the causal mask and a CUDA RNG tracker, which
+dropout forks (here one that forks nothing: the CPU generator draws the masks).
+:func:`cuda_calls_on_cpu` redirects them while a block runs. It belongs to the example and
+the tests (no GPU there); lightning-energy itself never patches Megatron.
 
 The model is a stack of ``Linear + Tanh`` stages, one per pipeline stage (model chunk),
 each a ``MegatronModule`` that takes its input from the previous stage through
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel import random as rng
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,28 +47,50 @@ HIDDEN_SIZE = 8
 def cuda_calls_on_cpu() -> Iterator[None]:
     """Redirect Megatron-Core's CUDA-only calls to the CPU while the block runs.
 
-    ``torch.zeros``/``torch.empty`` with ``device="cuda"`` and ``Tensor.cuda()`` give CPU
-    tensors, ``torch.cuda.current_device()`` names the CPU and ``torch.cuda.synchronize()``
-    does nothing (gloo's sends and receives are complete once waited for). Everything is
-    put back at the end, also when the block raises.
+    ``torch.zeros``/``torch.ones`` with ``device="cuda"`` and ``Tensor.cuda()`` give CPU
+    tensors, ``torch.cuda.current_device()`` names the CPU, ``torch.cuda.synchronize()``
+    does nothing (gloo's sends and receives are complete once waited for) and Megatron's
+    CUDA RNG tracker forks nothing. Everything is put back at the end, also when the block
+    raises.
     """
-    saved = (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize)
-    zeros = torch.zeros
+    saved = (
+        torch.zeros,
+        torch.ones,
+        torch.Tensor.cuda,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+    )
+    tracker = (rng._CUDA_RNG_STATE_TRACKER, rng._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    zeros, ones = torch.zeros, torch.ones
 
     def cpu_zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return zeros(*args, device="cpu" if _is_cuda(device) else device, **kwargs)
+
+    def cpu_ones(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return ones(*args, device="cpu" if _is_cuda(device) else device, **kwargs)
 
     def cpu_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self
 
     torch.zeros = cpu_zeros  # type: ignore[assignment]
+    torch.ones = cpu_ones  # type: ignore[assignment]
     torch.Tensor.cuda = cpu_tensor  # type: ignore[method-assign,assignment]
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None
+    # Megatron's inference tracker forks nothing (its CUDA one would fork a CUDA generator).
+    rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    rng.initialize_rng_tracker(inference_rng_tracker=True)
     try:
         yield
     finally:
-        (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize) = saved  # type: ignore[assignment]
+        (
+            torch.zeros,
+            torch.ones,
+            torch.Tensor.cuda,
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+        ) = saved  # type: ignore[assignment]
+        rng._CUDA_RNG_STATE_TRACKER, rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
 
 
 def _is_cuda(device: Any) -> bool:
