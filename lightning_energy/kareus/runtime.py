@@ -300,7 +300,10 @@ class CommStream:
 
         On CUDA the communication stream first waits for an event recorded on the current
         (compute) stream here: the collective starts when the compute reaches this point.
+        The all-reduce stays out of ``tensor``'s graph (it reduces partial sums, whose
+        gradient is the sum's: the producer's backward is unchanged).
         """
+        tensor = tensor.detach()
         if not self.cuda:
             return PendingReduce(tensor, work=dist.all_reduce(tensor, group=group, async_op=True))
         compute = torch.cuda.current_stream(self.device)

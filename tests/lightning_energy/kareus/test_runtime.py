@@ -59,7 +59,8 @@ class FakeWork:
         self.done = done
 
     def wait(self) -> bool:
-        torch.cuda.current_stream().wait_event(self.done)
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
         return True
 
 
@@ -101,7 +102,10 @@ class FakeDist:
         return {"ranks": list(ranks), "backend": backend, "options": pg_options}
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-        assert async_op and self.cuda is not None
+        assert async_op
+        if self.cuda is None:  # gloo on a CPU: the sum of two equal ranks, in place
+            tensor.mul_(2)
+            return FakeWork(None)
         caller = torch.cuda.current_stream()
         nccl = self._nccl_streams.setdefault(id(group), torch.cuda.Stream(caller.device))
         nccl.wait_stream(caller)
@@ -195,6 +199,21 @@ def test_no_tensor_no_collective(cuda: FakeCuda, dist: FakeDist) -> None:
     for position in range(len(run.ops)):
         run.reach(position)
     assert run.finish() is None and dist.reduces == []
+
+
+def test_the_reduced_tensor_keeps_its_producers_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A row-parallel linear's partial sums: the all-reduce's gradient is the identity (each
+    # rank's partial sum gets the gradient of the sum), so it must not enter the graph.
+    monkeypatch.setattr(runtime, "dist", FakeDist())
+    weight = torch.full((3,), 3.0, requires_grad=True)
+    partial = weight * torch.ones(3)
+    device = torch.device("cpu")
+    run = PartitionRun("fwd_mlp", Overlap(None, 0), tp_group("gloo"), CommStream(device), partial)
+    run.reach(0)
+    reduced = run.finish()
+    assert reduced is not None and reduced.tolist() == [6.0, 6.0, 6.0]
+    torch.autograd.backward(partial, torch.ones(3))
+    assert weight.grad is not None and weight.grad.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_one_group_per_cta_count_limited_through_the_nccl_options(
