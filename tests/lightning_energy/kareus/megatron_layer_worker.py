@@ -24,18 +24,14 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.megatron import MegatronEnergy
@@ -47,11 +43,7 @@ from lightning_energy.perseus.schedule import one_f_one_b
 from tests.lightning_energy.perseus import nccl_like
 
 WORLD, TP, PP = 4, 2, 2
-LAYERS = 4
 MICROBATCHES = 4
-MICRO_BATCH_SIZE = 4
-SEQ = 8
-VOCAB = 64
 ROOT = Path(__file__).resolve().parents[3]
 CLOCKS_MHZ = (1410, 1110)
 
@@ -88,69 +80,16 @@ def plan(layers_per_stage: tuple[int, ...]) -> KareusPlan:
     return KareusPlan(schedule, tuple(choices), {}, layers_per_stage, TP)
 
 
-def config() -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=16,
-        num_attention_heads=4,
-        ffn_hidden_size=32,
-        tensor_model_parallel_size=TP,
-        pipeline_model_parallel_size=PP,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-    )
-
-
-def build(spec: Any) -> GPTModel:
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    torch.manual_seed(1)
-    return GPTModel(
-        config(),
-        spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == PP - 1,
-        position_embedding_type="rope",
-    )
-
-
-def batches(seed: int) -> Iterator[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(MICROBATCHES):
-        yield torch.randint(0, VOCAB, (MICRO_BATCH_SIZE, SEQ), generator=generator)
-
-
-def _loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    loss = output.float().mean()
-    return loss, {"loss": loss.detach()}
-
-
-def forward_step(data: Iterator[torch.Tensor], model: GPTModel) -> tuple[torch.Tensor, Any]:
-    tokens = next(data)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH_SIZE, SEQ)
-    return model(tokens, positions, None, labels=torch.roll(tokens, -1, 1)), partial(_loss)
-
-
 def iterate(forward_backward: Any, model: GPTModel, seed: int, **kwargs: Any) -> list[float]:
     for p in model.parameters():
         p.grad = None
     losses = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=batches(seed),
+        forward_step_func=mc.gpt_forward_step,
+        data_iterator=mc.gpt_batches(MICROBATCHES, seed),
         model=[model],
         num_microbatches=MICROBATCHES,
-        seq_length=SEQ,
-        micro_batch_size=MICRO_BATCH_SIZE,
+        seq_length=mc.GPT_SEQ_LENGTH,
+        micro_batch_size=mc.GPT_MICRO_BATCH_SIZE,
         **kwargs,
     )
     return [float(item["loss"]) for item in losses]
@@ -202,7 +141,7 @@ class PartitionLog:
 
 
 def run_reference(forward_backward: Any) -> tuple[GPTModel, dict[str, Any]]:
-    model = build(get_gpt_layer_local_spec())
+    model = mc.build_gpt(get_gpt_layer_local_spec())
     losses = iterate(forward_backward, model, seed=0)
     grads = gradients(model)
     evaluation = iterate(forward_backward, model, seed=1, forward_only=True)
@@ -211,7 +150,7 @@ def run_reference(forward_backward: Any) -> tuple[GPTModel, dict[str, Any]]:
 
 def run_baseline(forward_backward: Any, reference: GPTModel) -> dict[str, Any]:
     kareus = KareusMegatron()
-    model = build(kareus.layer_spec())
+    model = mc.build_gpt(kareus.layer_spec())
     model.load_state_dict(reference.state_dict())
     with PartitionLog(kareus) as log:
         losses = iterate(forward_backward, model, seed=0)
@@ -221,9 +160,9 @@ def run_baseline(forward_backward: Any, reference: GPTModel) -> dict[str, Any]:
 
 
 def run_planned(out_dir: Path, reference: GPTModel) -> dict[str, Any]:
-    planned = plan((LAYERS // PP,) * PP)
+    planned = plan((mc.GPT_LAYERS // PP,) * PP)
     kareus = KareusMegatron(planned)
-    model = build(kareus.layer_spec())
+    model = mc.build_gpt(kareus.layer_spec())
     model.load_state_dict(reference.state_dict())
     energy = MegatronEnergy(
         {
@@ -261,7 +200,7 @@ def run_planned(out_dir: Path, reference: GPTModel) -> dict[str, Any]:
 
 def run_bad_plan(out_dir: Path) -> dict[str, Any]:
     kareus = KareusMegatron(plan((3, 1)))
-    model = build(kareus.layer_spec())
+    model = mc.build_gpt(kareus.layer_spec())
     energy = MegatronEnergy(
         {"device": {"backend": "simulated", "gpu": "a100", "lease_dir": str(out_dir / "l2")}},
         kareus=kareus,

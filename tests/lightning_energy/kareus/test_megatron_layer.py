@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,36 @@ def test_the_adapter_refuses_a_second_plan_and_odd_micro_batches(dist: FakeDist)
     with pytest.raises(ConfigError, match="micro_batch_size: 3 is not allowed with Kareus"):
         wrapped(model=[], num_microbatches=4, micro_batch_size=3)
     assert energy.pipeline is None and not energy.running
+
+
+@pytest.mark.slow
+def test_the_example_trains_as_megatron_with_a_plan(tmp_path: Path) -> None:
+    plan(PartitionSetting(1110, 3, 2)).save(tmp_path / "plan.json")  # 1F1B, 2 micro-batches
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            str(ROOT / "examples" / "megatron" / "kareus_gpt.py"),
+            "--plan",
+            "plan.json",
+            "--microbatches",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = done.stdout.strip().splitlines()
+    result = json.loads(line)
+    assert result["plan"] == "plan.json" and len(result["kareus"]) == 3
+    assert result["kareus"] == pytest.approx(result["plain"], rel=1e-5)
+    assert result["max_rel_diff"] < 1e-5
