@@ -21,6 +21,7 @@ from lightning_energy.kareus.runtime import (
     PlanSettings,
     cta_groups,
 )
+from lightning_energy.kareus.workload import LLAMA_3_2_3B
 from lightning_energy.perseus.schedule import Instruction, one_f_one_b
 from tests.lightning_energy.device.fake_cuda import FakeCuda, FakeStream, cuda_devices
 
@@ -338,3 +339,10 @@ def test_the_plan_file_keeps_the_model_it_was_made_for(tmp_path: Any) -> None:
     unrecorded = plan(layers_per_stage=None, tp_size=None)
     unrecorded.save(path)
     assert (KareusPlan.load(path).layers_per_stage, KareusPlan.load(path).tp_size) == (None, None)
+
+
+@pytest.mark.parametrize("key", list(RUNTIME_OPS))
+def test_the_planner_models_the_ops_the_runtime_runs_in_its_order(key: str) -> None:
+    # A plan's slot names an op by position: the simulated partitions the plans are made
+    # from must order them as the layers run them.
+    assert tuple(op.name for op in LLAMA_3_2_3B.partition(key).ops) == RUNTIME_OPS[key]
