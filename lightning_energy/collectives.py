@@ -26,6 +26,7 @@ __all__ = [
     "TorchDistributedCollective",
     "cpu_collective_group",
     "default_collective",
+    "replicate_group",
 ]
 
 T = TypeVar("T")
@@ -191,3 +192,32 @@ def cpu_collective_group(group: Any = None) -> Any:
             "(torch.distributed.new_group(backend='gloo'))"
         )
     return dist.new_group(backend="gloo")
+
+
+def replicate_group(group: Any, *, backend: str | None = None, pg_options: Any = None) -> Any:
+    """A new group over the ranks of ``group``, with another backend or other options.
+
+    ``torch.distributed.new_group`` is a collective of every process, also of those outside
+    the new group. Each rank passes its own ``group`` (its tensor-parallel group, its
+    pipeline group...: one of a partition of the ranks); the ranks agree on every member of
+    the partition (one object all-gather) and create a group for each, in the same order,
+    so every rank gets the copy of its own. Call it on every rank at the same point.
+
+    Args:
+        group: this rank's group (one of a partition of all ranks).
+        backend: the new group's backend (None: that of ``group``).
+        pg_options: the new group's backend options (NCCL's ``ProcessGroupNCCL.Options``).
+
+    Returns:
+        The new group this rank belongs to.
+    """
+    mine = sorted(int(r) for r in dist.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    backend = backend if backend is not None else str(dist.get_backend(group))
+    own = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        created = dist.new_group(list(ranks), backend=backend, pg_options=pg_options)
+        if list(ranks) == mine:
+            own = created
+    return own

@@ -23,6 +23,7 @@ YAML, Fabric, Accelerate, the Transformers Trainer, the CLI)::
       measurements_dir: runs/kareus
       non_partition_profile: runs/kareus/non_partition.csv
       layers_per_stage: [15, 13]
+      tp_size: 8
     batch_size:                # optional; see docs/batch-size.md
       enabled: true
       job_key: resnet50-imagenet
@@ -273,12 +274,15 @@ class KareusConfig:
             of each stage's work outside the transformer layers for one micro-batch
             (embedding, output layer, loss), per clock.
         layers_per_stage: transformer layers on each pipeline stage, each >= 1.
+        tp_size: the tensor-parallel size the partitions were measured at, >= 2 (None:
+            not recorded); the plan records it and the runtime refuses another.
     """
 
     enabled: bool = False
     measurements_dir: str | None = None
     non_partition_profile: str | None = None
     layers_per_stage: tuple[int, ...] | None = None
+    tp_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -746,6 +750,10 @@ def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: lis
         problems.append(
             f"kareus.layers_per_stage: {list(layers)} is not allowed; use one integer >= 1 "
             "per pipeline stage"
+        )
+    if section.tp_size is not None and section.tp_size < 2:
+        problems.append(
+            f"kareus.tp_size: {section.tp_size} is not allowed; use an integer >= 2 or null"
         )
     if section.enabled:
         # A key given with a bad value is reported as such, not as missing.

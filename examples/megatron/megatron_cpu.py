@@ -4,12 +4,16 @@ Megatron-Core runs its pipeline schedules on CPU with gloo once a few CUDA-only 
 redirected: ``torch.zeros(..., device="cuda")`` and ``tensor.cuda()`` for the token
 counters of the schedules, ``torch.cuda.current_device()`` for the receive buffers of the
 point-to-point communication, and ``torch.cuda.synchronize()`` after batched sends and
-receives. :func:`cuda_calls_on_cpu` redirects them while a block runs. It belongs to the
-example and the tests (no GPU there); lightning-energy itself never patches Megatron.
+receives; its transformer layers (tensor parallel too) also need
+``torch.ones(..., device="cuda")`` for the causal mask and a CUDA RNG tracker, which
+dropout forks (here one that forks nothing: the CPU generator draws the masks).
+:func:`cuda_calls_on_cpu` redirects them while a block runs. It belongs to the example and
+the tests (no GPU there); lightning-energy itself never patches Megatron.
 
 The model is a stack of ``Linear + Tanh`` stages, one per pipeline stage (model chunk),
 each a ``MegatronModule`` that takes its input from the previous stage through
-``set_input_tensor``, as Megatron's models do.
+``set_input_tensor``, as Megatron's models do; :func:`build_gpt` builds a tiny
+Megatron-Core ``GPTModel`` (tensor and pipeline parallel) from a layer spec.
 
 Example (every rank, inside an initialised gloo process group)::
 
@@ -30,6 +34,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import random as rng
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -38,33 +44,62 @@ SEQ_LENGTH = 4
 MICRO_BATCH_SIZE = 2
 HIDDEN_SIZE = 8
 
+#: Layers, sequence length, micro-batch size (even: two nano-batches) and vocabulary of
+#: the tiny GPT.
+GPT_LAYERS = 4
+GPT_SEQ_LENGTH = 8
+GPT_MICRO_BATCH_SIZE = 4
+GPT_VOCAB = 64
+
 
 @contextlib.contextmanager
 def cuda_calls_on_cpu() -> Iterator[None]:
     """Redirect Megatron-Core's CUDA-only calls to the CPU while the block runs.
 
-    ``torch.zeros``/``torch.empty`` with ``device="cuda"`` and ``Tensor.cuda()`` give CPU
-    tensors, ``torch.cuda.current_device()`` names the CPU and ``torch.cuda.synchronize()``
-    does nothing (gloo's sends and receives are complete once waited for). Everything is
-    put back at the end, also when the block raises.
+    ``torch.zeros``/``torch.ones`` with ``device="cuda"`` and ``Tensor.cuda()`` give CPU
+    tensors, ``torch.cuda.current_device()`` names the CPU, ``torch.cuda.synchronize()``
+    does nothing (gloo's sends and receives are complete once waited for) and Megatron's
+    CUDA RNG tracker forks nothing. Everything is put back at the end, also when the block
+    raises.
     """
-    saved = (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize)
-    zeros = torch.zeros
+    saved = (
+        torch.zeros,
+        torch.ones,
+        torch.Tensor.cuda,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+    )
+    tracker = (rng._CUDA_RNG_STATE_TRACKER, rng._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    zeros, ones = torch.zeros, torch.ones
 
     def cpu_zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return zeros(*args, device="cpu" if _is_cuda(device) else device, **kwargs)
+
+    def cpu_ones(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return ones(*args, device="cpu" if _is_cuda(device) else device, **kwargs)
 
     def cpu_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self
 
     torch.zeros = cpu_zeros
+    torch.ones = cpu_ones
     torch.Tensor.cuda = cpu_tensor  # type: ignore[method-assign,assignment]
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None
+    # Megatron's inference tracker forks nothing (its CUDA one would fork a CUDA generator).
+    rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    rng.initialize_rng_tracker(inference_rng_tracker=True)
     try:
         yield
     finally:
-        (torch.zeros, torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize) = saved  # type: ignore[method-assign]
+        (
+            torch.zeros,
+            torch.ones,
+            torch.Tensor.cuda,  # type: ignore[method-assign]
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+        ) = saved
+        rng._CUDA_RNG_STATE_TRACKER, rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
 
 
 def _is_cuda(device: Any) -> bool:
@@ -134,3 +169,61 @@ def forward_step(
     """Megatron's ``forward_step_func``: the stage's output and the loss of the batch."""
     inputs, target = next(data_iterator)
     return model(inputs), partial(_loss, target)
+
+
+def build_gpt(layer_spec: Any) -> GPTModel:
+    """This rank's part of a tiny GPT (float32, no dropout, no fusions: CPU kernels only)
+    with ``layer_spec``'s layers, after ``parallel_state.initialize_model_parallel``."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    config = TransformerConfig(
+        num_layers=GPT_LAYERS,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    torch.manual_seed(1)
+    return GPTModel(
+        config,
+        layer_spec,
+        vocab_size=GPT_VOCAB,
+        max_sequence_length=GPT_SEQ_LENGTH,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        position_embedding_type="rope",
+    )
+
+
+def gpt_batches(num_microbatches: int, seed: int) -> Iterator[torch.Tensor]:
+    """Token micro-batches ``[batch, seq]``, the same on every rank for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_microbatches):
+        yield torch.randint(
+            0, GPT_VOCAB, (GPT_MICRO_BATCH_SIZE, GPT_SEQ_LENGTH), generator=generator
+        )
+
+
+def _mean_loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    loss = output.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+def gpt_forward_step(data_iterator: Iterator[torch.Tensor], model: GPTModel) -> tuple[Any, Any]:
+    """Megatron's ``forward_step_func`` for :func:`build_gpt`: next-token losses."""
+    tokens = next(data_iterator)
+    positions = torch.arange(GPT_SEQ_LENGTH).expand(GPT_MICRO_BATCH_SIZE, GPT_SEQ_LENGTH)
+    return model(tokens, positions, None, labels=torch.roll(tokens, -1, 1)), _mean_loss

@@ -267,6 +267,7 @@ def _kareus_planner(args: argparse.Namespace) -> KareusPlanner:
             kareus.layers_per_stage,
             schedule,
             blocked_power_w=args.p2p_power_w,
+            tp_size=kareus.tp_size,
         )
     except ProfileError as exc:
         raise ConfigError(str(exc), source=str(args.config)) from exc

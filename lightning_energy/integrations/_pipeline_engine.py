@@ -41,6 +41,7 @@ from lightning_energy.perseus.rank_gpu import open_rank_gpu
 if TYPE_CHECKING:
     import torch
 
+    from lightning_energy.perseus.plan import Plan
     from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
 
 __all__ = ["PipelineEngineAdapter"]
@@ -110,13 +111,16 @@ class PipelineEngineAdapter(EnergyAdapter):
         workload: str,
         total_steps: int | None = None,
         stage_times_s: Sequence[Sequence[float]] | None = None,
+        pipeline_rank: int | None = None,
+        pipeline_group: Any = None,
+        plan: Plan | None = None,
     ) -> None:
         """Open this rank's GPU, take the lease, set up the controller and the pipeline
         (every rank, once the process group exists).
 
         Args:
             schedule: the engine's schedule.
-            global_rank: this process's global rank (its pipeline rank).
+            global_rank: this process's global rank.
             world_size: the number of processes.
             local_rank: this process's rank on its node.
             device: the engine's device (a CUDA device picks the GPU by UUID).
@@ -124,6 +128,11 @@ class PipelineEngineAdapter(EnergyAdapter):
             total_steps: the training steps the job will run (carbon pacing needs it).
             stage_times_s: simulated GPUs: ``[forward, backward]`` seconds of one
                 microbatch on each stage at the maximum clock.
+            pipeline_rank: this process's pipeline rank (None: ``global_rank``, a pure
+                pipeline).
+            pipeline_group: a gloo group of the pipeline ranks this process exchanges
+                with (None: every process, a pure pipeline).
+            plan: the clocks to apply (None: ``perseus.plan``, or online planning).
 
         Raises:
             ConfigError: a bad section, a plan file for another schedule, or the stage
@@ -158,16 +167,19 @@ class PipelineEngineAdapter(EnergyAdapter):
             rank = open_rank_gpu(
                 self.config, local_rank=local_rank, device=device, shared=(devices, guard)
             )
+            if pipeline_group is not None:
+                rank = dataclasses.replace(rank, group=pipeline_group)
             perseus = self.config.perseus
             self._pipeline = RankPipeline(
                 rank,
                 perseus,
                 schedule,
-                global_rank=global_rank,
+                global_rank=global_rank if pipeline_rank is None else pipeline_rank,
                 device=device,
                 stage_times_s=stage_times_s,
                 strict=self.config.strict,
                 plan_clocks=perseus.enabled,
+                plan=plan,
             )
             if perseus.enabled:
                 # A knob that holds the clocks: the controller profiles no power limits

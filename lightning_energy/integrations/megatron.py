@@ -10,6 +10,12 @@ its planned clock. The rest (online profiling, plans agreed across ranks, clocks
 off the training thread, carbon pacing, restoring the GPUs) is the engine-agnostic
 pipeline core's.
 
+With ``kareus=`` (a :class:`~lightning_energy.kareus.megatron_layer.KareusMegatron` whose
+layer spec built the model) every forward and backward also runs at its Kareus
+settings, and a Kareus plan's clocks are the Perseus plan: one plan drives both.
+Online profiling needs a pure pipeline; with tensor (or data) parallelism the clocks come
+from a plan (Kareus' or ``perseus.plan``), the same on every rank of a stage.
+
 Example (every rank, after ``parallel_state.initialize_model_parallel``)::
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -31,11 +37,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_energy.collectives import replicate_group
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
@@ -44,6 +51,9 @@ from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
 from lightning_energy.perseus.pipeline_run import schedule_from_orders
 from lightning_energy.perseus.profile import BACKWARD, FORWARD
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+
+if TYPE_CHECKING:
+    from lightning_energy.kareus.megatron_layer import KareusMegatron
 
 __all__ = ["SCHEDULE_FUNCTIONS", "MegatronEnergy", "megatron_schedule"]
 
@@ -189,6 +199,9 @@ class MegatronEnergy(PipelineEngineAdapter):
         stage_times_s: simulated GPUs: ``[forward, backward]`` seconds at the maximum clock
             of one micro-batch on each stage (all virtual stages, in stage order).
         total_steps: iterations the run will train (None: unknown), for carbon pacing.
+        kareus: the Kareus runtime whose layers the model runs: each instruction runs at
+            its plan's settings, and the plan's clocks replace ``perseus.plan`` (Perseus
+            is then enabled).
 
     Raises:
         ConfigError: invalid configuration, raised here, before training starts.
@@ -205,10 +218,21 @@ class MegatronEnergy(PipelineEngineAdapter):
         report: str | None = None,
         stage_times_s: Sequence[Sequence[float]] | None = None,
         total_steps: int | None = None,
+        kareus: KareusMegatron | None = None,
     ) -> None:
+        planned = kareus is not None and kareus.settings is not None
+        if planned:
+            perseus = {**(perseus or {}), "enabled": True}
         super().__init__(
             config, device=device, carbon=carbon, perseus=perseus, strict=strict, report=report
         )
+        if planned and self.config.perseus.plan is not None:
+            raise ConfigError(
+                f"perseus.plan: {self.config.perseus.plan!r} is not allowed with a Kareus "
+                "plan; use null (the Kareus plan's clocks apply)",
+                source="MegatronEnergy",
+            )
+        self.kareus = kareus
         self.stage_times_s = stage_times_s
         self.total_steps = total_steps
         self._shape = (0, 0)  # the open run's (micro-batches, model chunks)
@@ -275,6 +299,12 @@ class MegatronEnergy(PipelineEngineAdapter):
             )
         if num_microbatches < 1:
             problems.append(f"num_microbatches: {given!r} is not allowed; use >= 1")
+        micro_batch_size = kwargs.get("micro_batch_size")
+        if self.kareus is not None and isinstance(micro_batch_size, int) and micro_batch_size % 2:
+            problems.append(
+                f"micro_batch_size: {micro_batch_size} is not allowed with Kareus; use an even "
+                "number (two nano-batches)"
+            )
         if problems:
             raise ConfigError(problems, source="MegatronEnergy")
         if group is None:
@@ -286,10 +316,14 @@ class MegatronEnergy(PipelineEngineAdapter):
                 "combined 1F1B schedule runs a forward and a backward as one instruction)"
             )
         ranks, world = dist.get_world_size(group), dist.get_world_size()
-        if ranks != world:
+        planned = self.config.perseus.plan is not None or (
+            self.kareus is not None and self.kareus.settings is not None
+        )
+        if ranks != world and self.config.perseus.enabled and not planned:
             problems.append(
-                f"pipeline_model_parallel_size: {ranks} of {world} processes is not allowed; "
-                "use pure pipeline parallelism (tensor, context and data parallel sizes 1)"
+                f"pipeline_model_parallel_size: {ranks} of {world} processes is not allowed "
+                "with online profiling; use pure pipeline parallelism (tensor, context and "
+                "data parallel sizes 1), or give a plan (perseus.plan, or a Kareus plan)"
             )
         if problems:
             raise ConfigError(problems, source="MegatronEnergy")
@@ -312,7 +346,12 @@ class MegatronEnergy(PipelineEngineAdapter):
             virtual_stages=len(chunks),
             microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
         )
-        micro_batch_size = kwargs.get("micro_batch_size")
+        plan = None
+        if self.kareus is not None:
+            self.kareus.check_model(
+                chunks, [v * ranks + self._pipeline_rank for v in range(len(chunks))]
+            )
+            plan = self.kareus.clock_plan(schedule)
         self._begin_pipeline(
             schedule=schedule,
             global_rank=dist.get_rank(),
@@ -329,6 +368,9 @@ class MegatronEnergy(PipelineEngineAdapter):
             ),
             total_steps=self.total_steps,
             stage_times_s=self.stage_times_s,
+            pipeline_rank=self._pipeline_rank,
+            pipeline_group=None if ranks == world else _gloo(group),
+            plan=plan,
         )
         self._shape = shape
 
@@ -347,6 +389,10 @@ class MegatronEnergy(PipelineEngineAdapter):
             schedules.forward_step, schedules.backward_step = forward, backward
             self._outputs.clear()
 
+    def _settings(self, inst: Instruction) -> contextlib.AbstractContextManager[None]:
+        """``inst``'s Kareus settings while it runs (nothing without Kareus)."""
+        return contextlib.nullcontext() if self.kareus is None else self.kareus.instruction(inst)
+
     def _forward_hook(self, forward_step: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward_step)
         def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -360,7 +406,8 @@ class MegatronEnergy(PipelineEngineAdapter):
                 chunk * self._pipeline_ranks + self._pipeline_rank, microbatch, FORWARD
             )
             self._before(inst)
-            output = forward_step(*args, **kwargs)
+            with self._settings(inst):
+                output = forward_step(*args, **kwargs)
             self._after(inst)
             # The backward receives this very object (the backward step has no micro-batch).
             self._outputs[id(output[0])] = (output[0], inst)
@@ -377,11 +424,20 @@ class MegatronEnergy(PipelineEngineAdapter):
                 return backward_step(*args, **kwargs)
             inst = Instruction(entry[1].stage, entry[1].microbatch, BACKWARD)
             self._before(inst)
-            grad = backward_step(*args, **kwargs)
+            with self._settings(inst):
+                grad = backward_step(*args, **kwargs)
             self._after(inst)
             return grad
 
         return hooked
+
+
+def _gloo(group: Any) -> Any:
+    """A group of the same ranks that takes CPU tensors (a gloo copy of an NCCL group,
+    created on every rank at the same point)."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    return replicate_group(group, backend="gloo")
 
 
 def _device(chunks: Sequence[torch.nn.Module]) -> torch.device:

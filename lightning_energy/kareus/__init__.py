@@ -11,7 +11,14 @@ The pieces, in the order a user meets them:
 * :mod:`.search`: the multi-objective partition search (Optuna, or exhaustive), with a
   measurement file to resume from;
 * :mod:`.compose`: partition points into instruction options, the Perseus planner's
-  frontier, and the plan (clock and partition settings of every instruction).
+  frontier, and the plan (clock and partition settings of every instruction);
+* :mod:`.runtime`: a plan's settings checked against the model, the CTA-limited NCCL
+  groups, and one partition's collective issued at its launch slot on a communication
+  stream;
+* :mod:`.megatron_layer` (needs Megatron-Core; not imported here): the runtime for
+  Megatron-Core, a layer spec whose layers overlap two nano-batches at a plan's settings
+  (``KareusMegatron``, given to ``MegatronEnergy(kareus=...)``, which applies the plan's
+  clocks: one plan drives both). Without a plan the layers run plain nano-batching.
 
 Example (simulated; see ``benchmarks/kareus.py`` for the whole comparison)::
 
@@ -22,6 +29,16 @@ Example (simulated; see ``benchmarks/kareus.py`` for the whole comparison)::
 
     meter = SimulatedPartitions(OverlapModel(shipped_physics()), LLAMA_3_2_3B)
     ...
+
+Applying a plan (every rank, after ``parallel_state.initialize_model_parallel``)::
+
+    from lightning_energy.kareus.megatron_layer import KareusMegatron
+
+    kareus = KareusMegatron("kareus_plan.json")
+    model = GPTModel(config, transformer_layer_spec=kareus.layer_spec(), ...)
+    forward_backward = MegatronEnergy("energy.yaml", kareus=kareus).wrap(
+        get_forward_backward_func()
+    )
 """
 
 from __future__ import annotations

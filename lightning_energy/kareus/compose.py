@@ -245,17 +245,30 @@ class KareusPlan:
         schedule: the schedule the plan is for.
         choices: one option per node of ``schedule.nodes``, in that order.
         metadata: numbers saved with the plan (iteration time, energy, ...).
+        layers_per_stage: transformer layers of each stage the plan was composed for
+            (None: not recorded).
+        tp_size: the tensor-parallel size the partitions were measured at (None: not
+            recorded).
     """
 
     schedule: PipelineSchedule
     choices: tuple[InstructionOption, ...]
     metadata: Mapping[str, float] = field(default_factory=dict)
+    layers_per_stage: tuple[int, ...] | None = None
+    tp_size: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.choices) != len(self.schedule.nodes):
             raise ProfileError(
                 f"kareus plan: {len(self.choices)} choices for {len(self.schedule.nodes)} "
                 "instructions"
+            )
+        if self.layers_per_stage is not None and (
+            len(self.layers_per_stage) != self.schedule.num_stages
+        ):
+            raise ProfileError(
+                f"kareus plan: layers of {len(self.layers_per_stage)} stages for a schedule "
+                f"of {self.schedule.num_stages}"
             )
 
     def choice(self, instruction: Instruction) -> InstructionOption:
@@ -295,6 +308,12 @@ class KareusPlan:
                 "virtual_stages": s.virtual_stages,
             },
             "metadata": dict(self.metadata),
+            "model": {
+                "layers_per_stage": (
+                    None if self.layers_per_stage is None else list(self.layers_per_stage)
+                ),
+                "tp_size": self.tp_size,
+            },
             "stages": stages,
         }
 
@@ -346,11 +365,16 @@ class KareusPlan:
                         )
             metadata = {str(k): float(v) for k, v in dict(data.get("metadata") or {}).items()}
             choices = tuple(chosen[inst] for inst in schedule.nodes)
+            model = dict(data.get("model") or {})
+            layers = model.get("layers_per_stage")
+            tp_size = model.get("tp_size")
+            layers_per_stage = None if layers is None else tuple(int(n) for n in layers)
+            tp = None if tp_size is None else int(tp_size)
         except ProfileError:
             raise
         except (ConfigError, KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed kareus plan: {exc!r}") from exc
-        return cls(schedule, choices, metadata)
+        return cls(schedule, choices, metadata, layers_per_stage, tp)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> KareusPlan:
@@ -387,6 +411,9 @@ class KareusPlanner:
             :func:`instruction_options`).
         schedule: the pipeline schedule.
         blocked_power_w: power of a stage's group while blocked (bubbles, send/recv).
+        layers_per_stage: the layers of each stage the options were composed for,
+            recorded in every plan (the runtime refuses a plan for another model).
+        tp_size: the tensor-parallel size the partitions were measured at, recorded too.
         **planner_kwargs: passed to :class:`~lightning_energy.perseus.planner.
             PerseusPlanner` (``variants``, ``rounds``, ``seed``...).
 
@@ -400,8 +427,12 @@ class KareusPlanner:
         schedule: PipelineSchedule,
         *,
         blocked_power_w: float,
+        layers_per_stage: Sequence[int] | None = None,
+        tp_size: int | None = None,
         **planner_kwargs: Any,
     ) -> None:
+        self.layers_per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
+        self.tp_size = tp_size
         needed = {(inst.stage, inst.kind) for inst in schedule.nodes}
         missing = sorted(k for k in needed if not options.get(k))
         if missing:
@@ -443,7 +474,13 @@ class KareusPlanner:
         for inst, label in zip(self.schedule.nodes, plan.frequencies_mhz, strict=True):
             opts = self.options[(inst.stage, inst.kind)]
             choices.append(opts[min(label, len(opts)) - 1])
-        return KareusPlan(self.schedule, tuple(choices), dict(plan.metadata or {}))
+        return KareusPlan(
+            self.schedule,
+            tuple(choices),
+            dict(plan.metadata or {}),
+            self.layers_per_stage,
+            self.tp_size,
+        )
 
     def point(self, point: FrontierPoint) -> KareusPoint:
         """A Perseus frontier point of labels as a Kareus point."""
@@ -481,10 +518,13 @@ def planner_from_files(
     schedule: PipelineSchedule,
     *,
     blocked_power_w: float,
+    tp_size: int | None = None,
     **planner_kwargs: Any,
 ) -> KareusPlanner:
     """A :class:`KareusPlanner` from the searches' measurement files (``<key>.jsonl`` in
-    ``measurements_dir``, one per :data:`PARTITION_KEYS`) and a non-partition profile CSV.
+    ``measurements_dir``, one per :data:`PARTITION_KEYS`) and a non-partition profile CSV;
+    its plans record ``layers_per_stage`` and ``tp_size`` (the measured tensor-parallel
+    size, None: unknown).
 
     Raises:
         ProfileError: a file missing or malformed, or measurements that do not compose
@@ -500,4 +540,11 @@ def planner_from_files(
     points = {key: read_measurements(folder / f"{key}.jsonl", key) for key in PARTITION_KEYS}
     rest = PipelineProfile.from_csv(non_partition_profile, blocked_power_w=blocked_power_w)
     options = instruction_options(points, rest, layers_per_stage)
-    return KareusPlanner(options, schedule, blocked_power_w=blocked_power_w, **planner_kwargs)
+    return KareusPlanner(
+        options,
+        schedule,
+        blocked_power_w=blocked_power_w,
+        layers_per_stage=layers_per_stage,
+        tp_size=tp_size,
+        **planner_kwargs,
+    )

@@ -7,9 +7,11 @@ partition (:data:`~.partition.PARTITION_KEYS`) and the work of each op per GPU:
 
 * ``fwd_attn``: residual add, norm, QKV GEMM, QKV split, rotary, attention, projection;
 * ``fwd_mlp``: residual add, norm, FC1 GEMM, activation, FC2 GEMM;
-* ``bwd_mlp`` and ``bwd_attn``: the same ops in reverse, GEMMs twice the forward FLOPs
-  (input and weight gradients), attention 2.5 times (FlashAttention's backward),
-  memory ops twice the bytes;
+* ``bwd_mlp`` and ``bwd_attn``: the same ops' backward in the order the gradient reaches
+  them between two all-reduces (as :data:`~.runtime.RUNTIME_OPS` runs them): the norm and
+  residual add of the block above first, then the block's ops in reverse; GEMMs twice the
+  forward FLOPs (input and weight gradients), attention 2.5 times (FlashAttention's
+  backward), memory ops twice the bytes;
 * the all-reduce of one nano-batch's ``tokens x hidden`` activations (or gradients).
 
 GEMM and attention work is FLOPs, memory ops bytes; the overlap model
@@ -160,10 +162,12 @@ class TransformerShape:
                 ComputeOp("fc2", "gemm", 2 * tokens * ffn * h),
             ]
         if key.startswith("bwd"):
+            # The norm and residual add (the same work in every block) come first: the
+            # gradient reaches them before the block's own ops.
             scale = {"gemm": _BACKWARD_GEMM, "attention": _BACKWARD_ATTENTION}
             ops = [
                 ComputeOp(op.name, op.op_class, op.work * scale.get(op.op_class, _BACKWARD_MEMORY))
-                for op in reversed(ops)
+                for op in [*reversed(ops[:2]), *reversed(ops[2:])]
             ]
         comm = 2.0 * (tp - 1) / tp * tokens * h * b
         return Partition(key, tuple(ops), comm_bytes=comm, tp_size=tp)

@@ -218,6 +218,7 @@ class RankPipeline:
         strict: raise instead of warning when the executed order is not the schedule's.
         plan_clocks: False: only run (and, on simulated GPUs, simulate) the pipeline and
             leave the clocks alone.
+        plan: the clocks to apply (None: the section's plan file, or online planning).
 
     Raises:
         ConfigError: ``global_rank`` outside the schedule, or a plan file for another
@@ -236,6 +237,7 @@ class RankPipeline:
         stage_times_s: Sequence[Sequence[float]] | None = None,
         strict: bool = False,
         plan_clocks: bool = True,
+        plan: Plan | None = None,
     ) -> None:
         self.rank = rank
         self.schedule = schedule
@@ -271,8 +273,10 @@ class RankPipeline:
         self.online: OnlinePerseus | None = None
         if not plan_clocks:
             return
-        if section.plan is not None:
-            self._plan_file = Plan.load(section.plan, schedule=schedule)
+        if plan is None and section.plan is not None:
+            plan = Plan.load(section.plan, schedule=schedule)
+        if plan is not None:
+            self._plan_file = plan
             return
         try:
             supported = gpu.supported_sm_clocks_mhz()

@@ -48,6 +48,7 @@ def config(tmp_path: Path) -> Path:
                     "measurements_dir": str(folder),
                     "non_partition_profile": str(rest),
                     "layers_per_stage": LAYERS,
+                    "tp_size": 2,
                 },
             }
         )
@@ -75,6 +76,8 @@ def test_the_config_plans_kareus_and_writes_its_plan(
     assert "baseline (every instruction at its fastest option)" in text
     plan = KareusPlan.load(out)
     assert plan.schedule.num_microbatches == 4
+    # The model it was made for, which the runtime checks the job against.
+    assert (plan.layers_per_stage, plan.tp_size) == (tuple(LAYERS), 2)
     assert {c.clock_mhz for c in plan.choices} <= {1410, 1200}
     assert main([*argv, "--microbatches", "6", "--json", "--energy-optimal"]) == EXIT_OK
     summary = json.loads(capsys.readouterr().out)

@@ -14,6 +14,7 @@ SECTION = {
     "measurements_dir": "runs/kareus",
     "non_partition_profile": "runs/kareus/non_partition.csv",
     "layers_per_stage": [15, 13],
+    "tp_size": 8,
 }
 
 
@@ -26,6 +27,7 @@ def problems(section: Any) -> list[str]:
 def test_a_complete_section_is_read_and_round_trips() -> None:
     config = EnergyConfig.from_mapping({"kareus": SECTION})
     assert config.kareus.enabled and config.kareus.layers_per_stage == (15, 13)
+    assert config.kareus.tp_size == 8
     assert EnergyConfig.from_mapping(config.to_mapping()) == config
     assert not EnergyConfig.from_mapping({}).kareus.enabled  # off by default
 
@@ -56,3 +58,12 @@ def test_every_bad_value_is_reported_at_once() -> None:
     assert problems({**SECTION, "layers_per_stage": "15,13"}) == [
         "kareus.layers_per_stage: '15,13' is not allowed; use a list of integers"
     ]
+
+
+def test_a_tensor_parallel_size_below_two_is_refused() -> None:
+    assert problems({**SECTION, "tp_size": 1}) == [
+        "kareus.tp_size: 1 is not allowed; use an integer >= 2 or null"
+    ]
+    assert (
+        EnergyConfig.from_mapping({"kareus": {**SECTION, "tp_size": None}}).kareus.tp_size is None
+    )
