@@ -635,18 +635,65 @@ class GPUGuard:
             targets = self._targets(gpus)
             if self._changes_blocked() or self._check_foreign_clocks(targets):
                 return None
-            i = targets[0]
-            try:
-                applied = self._clamp_clocks(min_mhz, max_mhz, targets)
-                for i in targets:
-                    self._mark_changed(i, clocks=True)
-                    self._gpus[i].set_locked_clocks_mhz(*applied)
-                    self._clocks_applied[i] = True
-            except DeviceError as exc:
-                self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
+            return self._lock_targets(min_mhz, max_mhz, targets, probe=False)
+
+    def probe_clock_lock(self, mhz: int) -> str | None:
+        """Lock every GPU at ``mhz`` and release the lock at once: whether this job may
+        lock the SM clocks.
+
+        Unlike :meth:`lock_clocks_mhz`, a refusal (no permission, or not supported) only
+        turns clock control off, with one warning, in strict mode too: power limits still
+        apply. Any other failure is handled as in :meth:`set_power_limit_w`.
+
+        Args:
+            mhz: the clock to lock at (clamped as in :meth:`lock_clocks_mhz`).
+
+        Returns:
+            Why the clocks may not be locked (an administrator's lock, a refusal,
+            observe-only), or None: they may.
+
+        Raises:
+            ConfigError: ``mhz`` is not positive.
+            DeviceError: strict mode, a failure other than a refusal (after rolling back).
+        """
+        if not mhz > 0:
+            raise ConfigError(f"mhz={mhz!r}: need a clock > 0 MHz", source="GPUGuard")
+        with self._critical():
+            self._ensure_acquired()
+            targets = list(range(len(self._gpus)))
+            if self._changes_blocked() or self._check_foreign_clocks(targets):
+                return self._observe_reason or self._clocks_unsupported or "restored"
+            if self._lock_targets(mhz, mhz, targets, probe=True) is None:
+                return self._observe_reason or self._clocks_unsupported
+        self.reset_clocks()
+        return None
+
+    @property
+    def clocks_off_reason(self) -> str | None:
+        """Why this job leaves the SM clocks alone (an administrator's lock, a GPU that
+        cannot or may not lock them), or None."""
+        return self._clocks_unsupported
+
+    def _lock_targets(
+        self, min_mhz: int, max_mhz: int, targets: list[int], *, probe: bool
+    ) -> tuple[int, int] | None:
+        """Lock ``targets``; on a failure roll back and handle it (see the callers)."""
+        i = targets[0]
+        try:
+            applied = self._clamp_clocks(min_mhz, max_mhz, targets)
+            for i in targets:
+                self._mark_changed(i, clocks=True)
+                self._gpus[i].set_locked_clocks_mhz(*applied)
+                self._clocks_applied[i] = True
+        except DeviceError as exc:
+            self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
+            if probe and isinstance(exc, NoPermissionError | NotSupportedError):
+                self._roll_back(clocks_only=True)
+                self._clocks_off(self._gpus[i], exc)
+            else:
                 self._change_failed(i, exc, clocks=True)
-                return None
-            return applied
+            return None
+        return applied
 
     def reset_clocks(self, gpus: Sequence[int] | None = None) -> None:
         """Put the clock state of some GPUs (all by default) back to its pre-job state.
@@ -683,14 +730,7 @@ class GPUGuard:
             self._roll_back(clocks_only=True)
             if self._strict:
                 raise exc
-            if self._clocks_unsupported is None:
-                self._clocks_unsupported = str(exc)
-                log.warning(
-                    "%s cannot lock its clocks (%s): clocks are left alone, power limits "
-                    "still apply.",
-                    _describe(gpu),
-                    exc,
-                )
+            self._clocks_off(gpu, exc)
             return
         self._roll_back(clocks_only=False)
         if isinstance(exc, NoPermissionError):
@@ -703,6 +743,16 @@ class GPUGuard:
                 "back to their pre-job settings"
             )
         self._observe(reason, exc)
+
+    def _clocks_off(self, gpu: GPU, exc: DeviceError) -> None:
+        """Leave the clocks alone from now on (power limits still apply), with one warning."""
+        if self._clocks_unsupported is None:
+            self._clocks_unsupported = f"{_describe(gpu)} cannot lock its clocks ({exc})"
+            log.warning(
+                "%s cannot lock its clocks (%s): clocks are left alone, power limits still apply.",
+                _describe(gpu),
+                exc,
+            )
 
     def _roll_back(self, *, clocks_only: bool) -> None:
         for j, gpu in enumerate(self._gpus):

@@ -85,7 +85,16 @@ from numpy.typing import NDArray
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, ProfileError
 from lightning_energy.optimize.selectors import Measurement, Selector
 
-__all__ = ["PURPOSES", "PowerLimitOptimizer", "Window", "min_window_s"]
+__all__ = [
+    "LOCKED_CLOCK",
+    "POWER_LIMIT",
+    "PURPOSES",
+    "SETTING_KINDS",
+    "PowerLimitOptimizer",
+    "SettingKind",
+    "Window",
+    "min_window_s",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,36 @@ _MIN_REFINE_STEPS = 2
 _PRIOR_DOF = 2.0
 # Correlation of time and energy noise is clipped to this (keeps the Cholesky factor finite).
 _MAX_CORRELATION = 0.99
+
+
+@dataclass(frozen=True)
+class SettingKind:
+    """What an optimizer searches: one setting applied to every GPU of the job.
+
+    Both kinds are searched alike: a higher setting runs no slower (a higher power limit,
+    a higher locked SM clock), so the highest candidate is the fastest (the reference of
+    ``max_slowdown``). Windows and measurements carry the setting in the kind's unit in
+    their ``power_limit_w`` field (the selectors' name for it).
+
+    Attributes:
+        name: ``power_limit`` or ``locked_clock`` (what reports and checkpoints call it).
+        unit: ``W`` or ``MHz``.
+    """
+
+    name: str
+    unit: str
+
+    def label(self, value: float) -> str:
+        """``value`` with its unit, e.g. ``250 W`` or ``1410 MHz``."""
+        return f"{value:g} {self.unit}"
+
+
+#: The power limit of every GPU, in watts.
+POWER_LIMIT = SettingKind("power_limit", "W")
+#: The SM clock every GPU is locked at (minimum = maximum), in MHz.
+LOCKED_CLOCK = SettingKind("locked_clock", "MHz")
+#: Every kind by name.
+SETTING_KINDS: dict[str, SettingKind] = {k.name: k for k in (POWER_LIMIT, LOCKED_CLOCK)}
 
 
 def min_window_s(counter_period_s: float, tolerance: float) -> float:
@@ -168,12 +207,14 @@ class _Posterior:
 
 
 class PowerLimitOptimizer:
-    """Finds the power limit a selector prefers, profiling as few steps as it can.
+    """Finds the setting a selector prefers, profiling as few steps as it can.
 
-    See the module docstring for the method.
+    See the module docstring for the method, written for power limits; a locked SM clock
+    (``kind=LOCKED_CLOCK``) is searched the same way, its candidates in MHz.
 
     Args:
-        power_limits_w: candidate limits (any order; duplicates are dropped).
+        power_limits_w: candidate settings, in the kind's unit (any order; duplicates are
+            dropped).
         selector: what "best" means.
         num_gpus: GPUs of the whole job (all ranks): scales the Zeus cost's time term.
         warmup_steps: unmeasured steps before the first measurement.
@@ -192,10 +233,11 @@ class PowerLimitOptimizer:
             until repeated windows estimate it.
         samples: posterior draws per decision.
         max_power_limit_w: the GPU's highest limit (``P_max`` of the Zeus cost); default
-            the highest candidate.
+            the highest candidate (required for locked clocks).
         seed: seeds the posterior draws.
         counter_period_s: how often the GPUs' energy counters move: every measured window
             lasts at least :func:`min_window_s` of it and ``tolerance`` seconds.
+        kind: what the candidates are (:data:`POWER_LIMIT` or :data:`LOCKED_CLOCK`).
 
     Raises:
         ConfigError: a parameter is out of range (every problem is listed).
@@ -219,6 +261,7 @@ class PowerLimitOptimizer:
         max_power_limit_w: float | None = None,
         seed: int = 0,
         counter_period_s: float = 0.0,
+        kind: SettingKind = POWER_LIMIT,
     ) -> None:
         problems: list[str] = []
         try:
@@ -228,7 +271,7 @@ class PowerLimitOptimizer:
         if not limits or not all(0 < p < math.inf for p in limits):
             problems.append(
                 f"power_limits_w: {list(power_limits_w)!r} is not allowed; use a non-empty "
-                "list of positive, finite watts"
+                f"list of positive, finite numbers ({kind.unit})"
             )
         integers = {
             "num_gpus": (num_gpus, 1),
@@ -256,13 +299,20 @@ class PowerLimitOptimizer:
                 f"counter_period_s: {counter_period_s!r} is not allowed; use a finite number "
                 "of seconds >= 0"
             )
-        if max_power_limit_w is not None and not (limits and max_power_limit_w >= limits[0]):
+        if kind != POWER_LIMIT:
+            if max_power_limit_w is None or not 0 < max_power_limit_w < math.inf:
+                problems.append(
+                    f"max_power_limit_w: {max_power_limit_w!r} is not allowed for "
+                    f"{kind.name} candidates; use the GPU's highest power limit in watts"
+                )
+        elif max_power_limit_w is not None and not (limits and max_power_limit_w >= limits[0]):
             problems.append(
                 f"max_power_limit_w: {max_power_limit_w!r} is not allowed; use a number >= the "
                 "highest candidate"
             )
         if problems:
             raise ConfigError(problems, source="PowerLimitOptimizer")
+        self._kind = kind
         self._limits = tuple(limits)
         self._selector = selector
         self._num_gpus = num_gpus
@@ -298,8 +348,13 @@ class PowerLimitOptimizer:
         return self._selector
 
     @property
+    def kind(self) -> SettingKind:
+        """What the candidates are."""
+        return self._kind
+
+    @property
     def power_limits_w(self) -> tuple[float, ...]:
-        """The candidate limits, highest first."""
+        """The candidate settings, highest first."""
         return self._limits
 
     @property
@@ -351,8 +406,8 @@ class PowerLimitOptimizer:
         measured = window.measure_steps if steps is None else steps
         if measured < window.measure_steps:
             raise ProfileError(
-                f"window at {window.power_limit_w:g} W: steps={steps!r} is fewer than the "
-                f"{window.measure_steps} the window measures"
+                f"window at {self._kind.label(window.power_limit_w)}: steps={steps!r} is "
+                f"fewer than the {window.measure_steps} the window measures"
             )
         if window.measure_steps > 0:
             bad = {
@@ -365,7 +420,8 @@ class PowerLimitOptimizer:
             }
             if bad:
                 raise ProfileError(
-                    f"window at {window.power_limit_w:g} W: {bad} must be positive and finite"
+                    f"window at {self._kind.label(window.power_limit_w)}: {bad} must be "
+                    "positive and finite"
                 )
             self._results.append(
                 _Result(
@@ -482,6 +538,7 @@ class PowerLimitOptimizer:
         """Everything needed to resume, JSON-serialisable."""
         return {
             "version": _STATE_VERSION,
+            "kind": self._kind.name,
             "power_limits_w": list(self._limits),
             "num_gpus": self._num_gpus,
             "selector": self._selector.describe(),
@@ -511,6 +568,7 @@ class PowerLimitOptimizer:
         """
         try:
             version = state["version"]
+            kind = str(state.get("kind", POWER_LIMIT.name))  # states before clocks: limits
             limits = tuple(float(p) for p in state["power_limits_w"])
             num_gpus = int(state["num_gpus"])
             described = str(state["selector"])
@@ -528,10 +586,11 @@ class PowerLimitOptimizer:
                 f"power-limit optimizer state version {version!r}; this version reads "
                 f"{_STATE_VERSION}"
             )
-        if limits != self._limits or num_gpus != self._num_gpus:
+        if kind != self._kind.name or limits != self._limits or num_gpus != self._num_gpus:
             raise CheckpointMismatchError(
-                f"saved power-limit profile is for limits {list(limits)} W on {num_gpus} "
-                f"GPUs; this job has {list(self._limits)} W on {self._num_gpus} GPUs"
+                f"saved profile is for {kind.replace('_', ' ')}s {list(limits)} on {num_gpus} "
+                f"GPUs; this job has {self._kind.name.replace('_', ' ')}s {list(self._limits)} "
+                f"{self._kind.unit} on {self._num_gpus} GPUs"
             )
         bad = [
             r
@@ -611,11 +670,12 @@ class PowerLimitOptimizer:
         self._chosen = float(posterior.limits_w[choice])
         self._pending = None
         log.debug(
-            "power-limit profile complete (%s) after %d steps: %g W for %s "
+            "%s profile complete (%s) after %d steps: %s for %s "
             "(%.1f %% chance of being more than %g %% off)",
+            self._kind.name,
             why,
             self._profiled_steps,
-            self._chosen,
+            self._kind.label(self._chosen),
             self._selector.describe(),
             100.0 * risk,
             100.0 * self._tolerance,

@@ -1,0 +1,163 @@
+"""The locked SM clock: the power limit's sibling knob.
+
+Under a power limit the GPU's DVFS moves the SM clock with the workload's phases; since
+power grows faster than linearly with the clock, a clock locked at the average frequency
+a limit produces can run as fast on less energy. Whether it does on this job is measured,
+not assumed: :class:`LockedClockKnob` profiles locked clocks in the same windows, with the
+same selectors, as the power-limit knob (both are
+:class:`~lightning_energy.controller.setting_knob.SettingKnob`), and ``power_limit.knob``
+says which of the two a job profiles:
+
+- ``power_limit``: power limits (the default);
+- ``locked_clock``: locked clocks; where this job may not lock them (no permission, a GPU
+  older than Volta, an administrator's lock), a warning and power limits (strict mode: a
+  :class:`~lightning_energy.errors.ConfigError`);
+- ``auto``: locked clocks where this job may lock them, else power limits.
+
+With a lock the power limit stays at its pre-job value. Every lock goes through the run's
+guard: it is released at the end (an administrator's lock found before is never replaced
+nor raised) and recorded in the lease first, so ``lightning-energy recover`` releases it
+after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from lightning_energy.controller.setting_knob import SettingKnob, SettingRun
+from lightning_energy.errors import ConfigError, DeviceError
+from lightning_energy.optimize.power_limit import LOCKED_CLOCK
+
+if TYPE_CHECKING:
+    from lightning_energy.device.guard import GPUGuard
+    from lightning_energy.optimize.power_limit import PowerLimitOptimizer
+
+__all__ = ["LockedClockKnob", "thin_clocks_mhz"]
+
+log = logging.getLogger(__name__)
+
+
+def thin_clocks_mhz(supported_mhz: list[int], step_mhz: float) -> list[float]:
+    """Candidate clocks: the highest supported clock, then every supported clock at least
+    ``step_mhz`` below the previous candidate.
+
+    Args:
+        supported_mhz: the supported SM clocks (any order).
+        step_mhz: the least spacing, in MHz.
+
+    Returns:
+        The candidates, highest first.
+
+    Example:
+        >>> thin_clocks_mhz([1410, 1395, 1380, 1300, 1200, 1185], 100)
+        [1410.0, 1300.0, 1200.0]
+    """
+    candidates: list[float] = []
+    for clock in sorted(set(supported_mhz), reverse=True):
+        if not candidates or candidates[-1] - clock >= step_mhz:
+            candidates.append(float(clock))
+    return candidates
+
+
+class LockedClockKnob(SettingKnob):
+    """Profiles, chooses and paces one locked SM clock for all of a job's GPUs.
+
+    Args:
+        run: the controller running the job.
+
+    Attributes:
+        active: this job profiles locked clocks (decided at setup, alike on every rank).
+    """
+
+    name = "locked_clock"
+    holds_clocks = True
+
+    def __init__(self, run: SettingRun) -> None:
+        super().__init__(run, LOCKED_CLOCK)
+        self.active = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this job profiles locked clocks (see :meth:`start`)."""
+        return self.active
+
+    def start(self, guard: GPUGuard) -> None:
+        """At setup: whether this job locks its clocks (``power_limit.knob``), decided alike
+        on every rank (a rank that may not lock makes every rank use power limits).
+
+        Raises:
+            ConfigError: strict mode, ``locked_clock`` is forced and may not be used.
+        """
+        config = self.run.config
+        section = config.power_limit
+        self.active = False
+        if section.knob == "power_limit" or not section.enabled:
+            return
+        if self.profiling_off is not None:
+            log.info(
+                "power_limit.knob %s: %s; power limits apply.", section.knob, self.profiling_off
+            )
+            return
+        refused = None if guard.observe_only else self._refusal(guard)
+        (refusals,), _ = self.run.collective.sum_and_max([float(refused is not None)], [])
+        if refusals == 0:
+            self.active = self.run.changes_settings()
+            return
+        reason = refused or "another rank of the job may not lock its GPUs' clocks"
+        if section.knob == "auto":
+            log.info("power_limit.knob auto: %s; power limits are profiled.", reason)
+        elif config.strict:
+            raise ConfigError(
+                f"power_limit.knob: 'locked_clock' is not possible here ({reason}); allowed "
+                "here: auto or power_limit",
+                config.source,
+            )
+        else:
+            log.warning(
+                "power_limit.knob is locked_clock, but %s: power limits are profiled instead.",
+                reason,
+            )
+
+    def yield_clocks(self, owner: str) -> None:
+        """Another knob (``owner``) holds the clocks from now on: this knob is off for the
+        rest of the job (one owner of the clocks at a time), and a lock it set is released."""
+        self.profiling_off = f"{owner} holds the clocks"
+        if not self.active:
+            return
+        self.active = False
+        self.discard_window(self.profiling_off)
+        guard = self.run.run_guard
+        if guard is not None:
+            guard.reset_clocks()
+        self.value = None
+        if self.run.collective.rank == 0:
+            log.info("Locked clocks are not profiled: %s.", self.profiling_off)
+
+    def _refusal(self, guard: GPUGuard) -> str | None:
+        """Why this rank may not lock its GPUs' clocks (a probe lock), or None."""
+        try:
+            supported = [g.supported_sm_clocks_mhz() for g in self.run.devices.gpus]
+        except DeviceError as exc:
+            return f"the supported SM clocks cannot be read ({exc})"
+        if not all(supported):
+            return "a GPU supports no clock locking (it is older than Volta)"
+        return guard.probe_clock_lock(min(max(s) for s in supported))
+
+    def _new_optimizer(self) -> PowerLimitOptimizer:
+        gpus = self.run.devices.gpus
+        common = set.intersection(*(set(g.supported_sm_clocks_mhz()) for g in gpus))
+        supported = common or set(gpus[0].supported_sm_clocks_mhz())
+        step_mhz = self.run.config.power_limit.clock_step_mhz
+        return self._build_optimizer(thin_clocks_mhz(sorted(supported), step_mhz))
+
+    def _apply_window(self, value: float, purpose: str) -> None:
+        """The warm-up runs unlocked (at the top clock, as a lock there would): its first
+        steps let the guard find an administrator's lock before this job locks."""
+        if purpose != "warmup":
+            super()._apply_window(value, purpose)
+
+    def _change(self, value: float) -> float | None:
+        clock = round(value)
+        applied = self._guard.lock_clocks_mhz(clock, clock)
+        return None if applied is None else float(applied[1])

@@ -1,0 +1,245 @@
+"""The locked-clock knob: profile and choice under every selector, restore and lease,
+checkpoints, and the ``power_limit.knob`` choice (simulated A100, whose clocks are modelled)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController
+from lightning_energy.controller.locked_clock import thin_clocks_mhz
+from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import recover
+from lightning_energy.errors import ConfigError
+from lightning_energy.optimize.selectors import make_selector
+
+PRE_JOB_W = 400.0  # the simulated A100's default limit
+WORKER = Path(__file__).with_name("clock_worker.py")
+SELECTORS: dict[str, dict[str, Any]] = {
+    "energy": {},
+    "time": {},
+    "cost": {"eta": 0.5},
+    "max_slowdown": {"max_slowdown": 1.1},
+    "target_time": {"target_time_s": 0.6},
+}
+
+
+def _config(tmp_path: Path, **power_limit: Any) -> EnergyConfig:
+    section: dict[str, Any] = {
+        "knob": "locked_clock",
+        "warmup_steps": 2,
+        "settle_steps": 1,
+        "clock_step_mhz": 150,
+    }
+    section.update(power_limit)
+    return EnergyConfig.from_mapping(
+        {
+            "device": {"backend": "simulated", "lease_dir": str(tmp_path / "leases")},
+            "power_limit": section,
+        }
+    )
+
+
+def _devices(**spec: Any) -> DeviceSet:
+    fields: dict[str, Any] = {"gpu": "a100", "step_time_s": 0.5}
+    fields.update(spec)
+    gpus = simulated_gpus(SimulatedSpec(**fields))
+    return DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: [g.run_step() for g in gpus] and None,
+    )
+
+
+def _profile(controller: EnergyController, max_steps: int = 1500) -> None:
+    for _ in range(max_steps):
+        controller.on_step_start()
+        controller.on_step_end()
+        if controller.profile_done:
+            return
+    pytest.fail(f"the profile did not complete in {max_steps} steps")
+
+
+def test_candidates_are_the_supported_clocks_thinned_from_the_top() -> None:
+    supported = [1410, 1395, 1380, 1300, 1290, 1200, 1185, 210]
+    assert thin_clocks_mhz(supported, 100) == [1410.0, 1300.0, 1200.0, 210.0]
+    assert thin_clocks_mhz(supported, 1) == sorted(map(float, supported), reverse=True)
+    assert thin_clocks_mhz(supported, 5000) == [1410.0]
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_the_knob_profiles_locked_clocks_and_chooses_by_the_selector(
+    tmp_path: Path, selector: str
+) -> None:
+    devices = _devices()
+    gpu = devices.gpus[0]
+    parameters = SELECTORS[selector]
+    controller = EnergyController(
+        _config(tmp_path, selector=selector, **parameters),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    _profile(controller)
+    assert controller.locked_clock.active
+    measured = controller.locked_clock.profile_by_limit()
+    candidates = thin_clocks_mhz(gpu.supported_sm_clocks_mhz(), 150)
+    assert sorted(measured, reverse=True) == candidates  # every candidate measured
+    # The choice is good enough for the selector on what was measured (a noiseless GPU):
+    # within the optimizer's 1 % of the best, and of any time bound.
+    clocks = np.array(sorted(measured, reverse=True))
+    time_s = np.array([[measured[c][0] for c in clocks]])
+    energy_j = np.array([[measured[c][1] for c in clocks]])
+    gaps = make_selector(selector, **parameters).gaps(
+        clocks, time_s, energy_j, max_power_limit_w=PRE_JOB_W, num_gpus=1, time_slack=0.01
+    )[0]
+    chosen = controller.locked_clock.value
+    assert chosen is not None
+    assert gaps[list(clocks).index(chosen)] <= 0.01
+    assert gaps.max() > 0.01  # the selector tells the clocks apart: the choice is not free
+    assert gpu.settings() == (PRE_JOB_W, (chosen, chosen))  # the power limit is untouched
+    kinds = {d["kind"] for d in controller.decisions}
+    assert kinds == {"locked_clock"}
+    assert controller.decisions[-1]["value"] == chosen
+    summary = controller.teardown()
+    assert gpu.settings() == (PRE_JOB_W, None)  # the lock is released at the end
+    assert summary.power_limit_w is None
+
+
+def test_the_lock_is_restored_when_training_raises(tmp_path: Path) -> None:
+    devices = _devices()
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    with pytest.raises(RuntimeError, match="training failed"):
+        try:
+            for _ in range(40):
+                controller.on_step_start()
+                controller.on_step_end()
+            assert devices.gpus[0].settings()[1] is not None
+            raise RuntimeError("training failed")
+        finally:
+            controller.teardown()
+    assert devices.gpus[0].settings() == (PRE_JOB_W, None)
+
+
+def test_a_checkpoint_resumes_the_chosen_lock_without_profiling(tmp_path: Path) -> None:
+    controller = EnergyController(
+        _config(tmp_path), devices=_devices(), install_signal_handlers=False
+    )
+    _profile(controller)
+    chosen = controller.locked_clock.value
+    state = json.loads(json.dumps(controller.state_dict()))
+    controller.teardown()
+
+    devices = _devices()
+    resumed = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    resumed.setup()
+    resumed.load_state_dict(state)
+    assert resumed.profile_done
+    assert devices.gpus[0].settings()[1] == (chosen, chosen)
+    resumed.on_step_start()
+    resumed.on_step_end()
+    assert [d["purpose"] for d in resumed.decisions] == ["choice"]
+    resumed.teardown()
+    assert devices.gpus[0].settings() == (PRE_JOB_W, None)
+
+
+def test_a_power_limit_profile_does_not_resume_as_a_clock_profile(tmp_path: Path) -> None:
+    limits = EnergyController(
+        _config(tmp_path, knob="power_limit"), devices=_devices(), install_signal_handlers=False
+    )
+    _profile(limits)
+    state = limits.state_dict()
+    limits.teardown()
+    clocks = EnergyController(_config(tmp_path), devices=_devices(), install_signal_handlers=False)
+    clocks.setup()
+    clocks.load_state_dict(state)
+    assert not clocks.profile_done  # the clocks are profiled afresh
+    clocks.teardown()
+
+
+def _state_lock(state_dir: Path) -> list[int] | None:
+    state = json.loads((state_dir / "GPU-sim-a100-0.json").read_text(encoding="utf-8"))
+    lock = state["locked_clocks_mhz"]
+    return None if lock is None else list(lock)
+
+
+def _start_worker(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path / "leases"), str(tmp_path / "state")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        _, err = proc.communicate()
+        pytest.fail(f"worker exited early ({proc.returncode}): {err}")
+    return proc, json.loads(line)["locked"]
+
+
+def test_sigterm_releases_the_lock(tmp_path: Path) -> None:
+    proc, locked = _start_worker(tmp_path)
+    assert _state_lock(tmp_path / "state") == locked
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM
+    assert _state_lock(tmp_path / "state") is None
+
+
+@pytest.mark.gpu_state_may_change
+def test_after_sigkill_the_lease_records_the_lock_and_recover_releases_it(
+    tmp_path: Path,
+) -> None:
+    proc, locked = _start_worker(tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    lease = json.loads((tmp_path / "leases" / "GPU-sim-a100-0.json").read_text(encoding="utf-8"))
+    assert lease["clocks_changed"] is True
+    assert _state_lock(tmp_path / "state") == locked
+    (result,) = recover(tmp_path / "leases")
+    assert result.status == "restored"
+    assert _state_lock(tmp_path / "state") is None
+
+
+_KNOB_VALUES = st.one_of(
+    st.text(max_size=12).filter(lambda s: s not in ("auto", "power_limit", "locked_clock")),
+    st.integers(),
+    st.none(),
+    st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(knob=_KNOB_VALUES)
+def test_a_bad_knob_is_refused_naming_what_is_allowed(knob: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        EnergyConfig.from_mapping({"power_limit": {"knob": knob}})
+    assert "power_limit.knob" in str(info.value)
+    if isinstance(knob, str):
+        assert "allowed: auto, power_limit, locked_clock" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    step=st.one_of(
+        st.floats(max_value=0.999),
+        st.floats(min_value=10_000.001),
+        st.just(float("nan")),
+        st.text(max_size=6),
+        st.none(),
+    )
+)
+def test_a_bad_clock_step_is_refused_naming_the_key(step: object) -> None:
+    with pytest.raises(ConfigError, match=r"power_limit\.clock_step_mhz"):
+        EnergyConfig.from_mapping({"power_limit": {"clock_step_mhz": step}})
