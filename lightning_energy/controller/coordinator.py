@@ -492,18 +492,17 @@ class EnergyController:
             )
         guard = self._guard
         progress = setting.progress() if self._optimises() else None
+        chosen = progress is None or progress[0]
         return ledger.build_summary(
-            power_limit_w=(
-                limits.power_limit_w
-                if progress is None or progress[0] or setting is not limits
-                else None
-            ),
+            power_limit_w=limits.power_limit_w if chosen or setting is not limits else None,
             pre_job_power_limit_w=guard.pre_job_power_limit_w(0) if guard is not None else None,
             observe_only=self.observe_only,
             profile=profile,
             progress=progress,
             world_size=world_size,
             carbon=carbon,
+            knob=setting.name,
+            locked_clock_mhz=self.locked_clock.value if chosen and setting is not limits else None,
         )
 
     def _readings_lost(self, exc: DeviceError) -> None:
@@ -624,7 +623,7 @@ class EnergyController:
 
     def profile(self) -> list[dict[str, float]]:
         """The measured power-limit profile of the current workload (job-wide numbers)."""
-        return self.setting.session.profile()
+        return self.setting.profile()
 
     def gather_job_totals(self) -> dict[str, Any]:
         """Every rank: compare numbers with the others; the job's totals (a collective).

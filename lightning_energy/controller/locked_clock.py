@@ -37,6 +37,10 @@ __all__ = ["LockedClockKnob", "thin_clocks_mhz"]
 
 log = logging.getLogger(__name__)
 
+# NVML clock-event reasons that hold a clock below its lock (software power cap, hardware
+# slowdown, software and hardware thermal, power brake).
+_THROTTLED = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
 
 def thin_clocks_mhz(supported_mhz: list[int], step_mhz: float) -> list[float]:
     """Candidate clocks: the highest supported clock, then every supported clock at least
@@ -156,6 +160,14 @@ class LockedClockKnob(SettingKnob):
         steps let the guard find an administrator's lock before this job locks."""
         if purpose != "warmup":
             super()._apply_window(value, purpose)
+
+    def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
+        """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM
+        clock below the lock."""
+        lock_mhz = self.value
+        if lock_mhz is None:
+            return False
+        return bool(reasons & _THROTTLED) or (clock_mhz is not None and clock_mhz < lock_mhz)
 
     def _change(self, value: float) -> float | None:
         clock = round(value)

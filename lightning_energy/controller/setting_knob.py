@@ -35,13 +35,32 @@ if TYPE_CHECKING:
     from lightning_energy.config import EnergyConfig
     from lightning_energy.controller.ledger import RunLedger
     from lightning_energy.controller.records import Profile
-    from lightning_energy.device.base import DeviceSet
+    from lightning_energy.device.base import GPU, DeviceSet
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer, SettingKind
 
-__all__ = ["SettingKnob", "SettingRun"]
+__all__ = ["CLOCK_EVENT_IDLE", "POWER_LIMIT_KEYS", "SettingKnob", "SettingRun"]
+
+#: NVML clock-event reason of an idle GPU (it shows nothing of a setting).
+CLOCK_EVENT_IDLE = 0x1
 
 log = logging.getLogger(__name__)
+
+#: The key of a profile entry's setting in reports, by kind.
+POWER_LIMIT_KEYS = {"power_limit": "power_limit_w", "locked_clock": "locked_clock_mhz"}
+
+
+def _busy_clock(gpu: GPU) -> tuple[int, int | None] | None:
+    """``(clock-event reasons, SM clock in MHz)`` of a busy GPU; None when it is idle or
+    its backend cannot tell."""
+    try:
+        reasons = int(gpu.clock_event_reasons())  # type: ignore[attr-defined]
+        clock_mhz = gpu.sm_clock_mhz()  # type: ignore[attr-defined]
+    except (AttributeError, DeviceError):
+        return None
+    if reasons & CLOCK_EVENT_IDLE:
+        return None
+    return reasons, None if clock_mhz is None else int(clock_mhz)
 
 
 class SettingRun(Protocol):
@@ -101,6 +120,9 @@ class SettingKnob(ABC):
             section.make_selector(), self._new_optimizer, settle_s=section.settle_s
         )
         self.profiling_off: str | None = None
+        # SM clocks read at measured steps' ends, by (workload, setting): reports show the
+        # average clock each setting ran at.
+        self._clocks_mhz: dict[tuple[str, float], list[float]] = {}
         self.new_run()
 
     def new_run(self) -> None:
@@ -216,10 +238,14 @@ class SettingKnob(ABC):
         else:
             energy_j = m.energy_j if run.counts_energy else 0.0
             duration_s = m.duration_s
-        (energy_j,), (duration_s,) = run.collective.sum_and_max([energy_j], [duration_s])
+        (energy_j,), (duration_s, throttled) = run.collective.sum_and_max(
+            [energy_j], [duration_s, float(self._read_window())]
+        )
         if math.isnan(energy_j):
             self._device_fault()
             return
+        if throttled > 0:
+            self._exclude_throttled()
         steps = self.session.window_steps
         progress = self.session.report(energy_j, duration_s)
         if progress is WindowProgress.MEASURING:
@@ -229,6 +255,42 @@ class SettingKnob(ABC):
             self._finish_profile()
         else:
             self._check_profile_fits(duration_s / steps)
+
+    def _read_window(self) -> bool:
+        """At a measured step's end, while the GPUs are busy: record their SM clocks for
+        the window's setting; whether the setting did not hold on one of them."""
+        window = self.session.window
+        assert window is not None
+        readings = [r for r in map(_busy_clock, self.run.devices.gpus) if r is not None]
+        clocks = self._clocks_mhz.setdefault((self.session.workload, window.power_limit_w), [])
+        clocks.extend(float(c) for _, c in readings if c is not None)
+        return any(self._throttled(reasons, clock) for reasons, clock in readings)
+
+    def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
+        """Whether a busy GPU's clock-event ``reasons`` and SM clock say the setting in
+        force did not hold; a setting that holds by itself, like a power limit, always
+        does."""
+        return False
+
+    def _exclude_throttled(self) -> None:
+        """The window's setting did not hold on some rank: it is measured but never chosen."""
+        window = self.session.window
+        assert window is not None
+        optimizer = self.session.optimizer()
+        if window.power_limit_w in optimizer.excluded:
+            return
+        optimizer.exclude(window.power_limit_w)
+        if self.run.collective.rank == 0:
+            log.warning(
+                "%s %s is throttled (power or thermal clock events, or the clock measured "
+                "below it): it is profiled but never chosen.",
+                self.kind.name.replace("_", " ").capitalize(),
+                self.kind.label(window.power_limit_w),
+            )
+
+    def throttled(self) -> frozenset[float]:
+        """The current workload's settings that did not hold (never chosen)."""
+        return self.session.excluded()
 
     def _check_profile_fits(self, time_per_step_s: float) -> None:
         """Say once, at INFO, when the job is too short for its profile to finish, and what
@@ -366,6 +428,26 @@ class SettingKnob(ABC):
     def profile_done(self) -> bool:
         """Whether the current workload's profile is complete."""
         return self.session.done
+
+    def profile(self) -> list[dict[str, Any]]:
+        """The current workload's measured profile so far, for reports: per setting, the
+        job-wide time and energy per step and steps measured, the average SM clock this
+        rank's GPUs ran at (None: not read) and whether the setting was throttled (never
+        chosen). The setting is ``power_limit_w`` or ``locked_clock_mhz``."""
+        throttled = self.throttled()
+        entries = []
+        for entry in self.session.profile():
+            setting = entry.pop("power_limit_w")
+            clocks = self._clocks_mhz.get((self.session.workload, setting))
+            entries.append(
+                {
+                    POWER_LIMIT_KEYS[self.kind.name]: setting,
+                    **entry,
+                    "sm_clock_mhz": math.fsum(clocks) / len(clocks) if clocks else None,
+                    "throttled": setting in throttled,
+                }
+            )
+        return entries
 
     def profile_by_limit(self) -> Profile:
         """Measured (time, energy) per step by setting, once the profile is complete."""

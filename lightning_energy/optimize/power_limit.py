@@ -334,6 +334,7 @@ class PowerLimitOptimizer:
         half = (initial_steps + 1) // 2
         self._plan = [(limit, steps) for limit in limits for steps in (half, initial_steps - half)]
         self._results: list[_Result] = []
+        self._excluded: set[float] = set()
         self._profiled_steps = 0
         self._chosen: float | None = limits[0] if len(limits) == 1 else None
         self._warm = warmup_steps == 0
@@ -489,6 +490,30 @@ class PowerLimitOptimizer:
         """Steps spent in warm-up, settling and measuring so far."""
         return self._profiled_steps
 
+    def exclude(self, setting: float) -> None:
+        """Never choose ``setting`` (e.g. a lock the GPU could not hold); it is still
+        measured and in :meth:`profile`. While every measured setting is excluded, the
+        choice is among all of them.
+
+        Raises:
+            ProfileError: ``setting`` is not a candidate.
+        """
+        if setting not in self._limits:
+            raise ProfileError(
+                f"exclude({setting!r}): not a candidate; candidates: {list(self._limits)}"
+            )
+        self._excluded.add(float(setting))
+
+    @property
+    def excluded(self) -> frozenset[float]:
+        """The settings never chosen (see :meth:`exclude`)."""
+        return frozenset(self._excluded)
+
+    def _choosable(self) -> list[Measurement]:
+        """The measured settings a choice is made among (the excluded left out)."""
+        profile = self.profile()
+        return [m for m in profile if m.power_limit_w not in self._excluded] or profile
+
     def profile(self) -> list[Measurement]:
         """Every measured limit (windows merged, weighted by steps), highest limit first."""
         merged: dict[float, list[_Result]] = {}
@@ -548,6 +573,7 @@ class PowerLimitOptimizer:
             ],
             "profiled_steps": self._profiled_steps,
             "chosen_power_limit_w": self._chosen,
+            "excluded": sorted(self._excluded),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -579,6 +605,7 @@ class PowerLimitOptimizer:
             profiled_steps = int(state["profiled_steps"])
             chosen = state["chosen_power_limit_w"]
             chosen = None if chosen is None else float(chosen)
+            excluded = {float(x) for x in state.get("excluded", [])}
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed power-limit optimizer state: {exc!r}") from exc
         if version != _STATE_VERSION:
@@ -601,11 +628,13 @@ class PowerLimitOptimizer:
             or not 0 < r.energy_per_step_j < math.inf
             or r.purpose not in PURPOSES
         ]
-        if bad or (chosen is not None and chosen not in limits):
+        if bad or (chosen is not None and chosen not in limits) or not excluded <= set(limits):
             raise ProfileError(
-                f"malformed power-limit optimizer state: windows {bad}, chosen {chosen!r}"
+                f"malformed power-limit optimizer state: windows {bad}, chosen {chosen!r}, "
+                f"excluded {sorted(excluded)}"
             )
         self._results = results
+        self._excluded = excluded
         self._profiled_steps = profiled_steps
         self._chosen = chosen
         self._current_limit_w = None
@@ -682,8 +711,9 @@ class PowerLimitOptimizer:
         )
 
     def _posterior(self) -> _Posterior | None:
-        """Per-limit means and the pooled noise; None before any measurement."""
-        profile = self.profile()
+        """Per-limit means and the pooled noise of the choosable limits; None before any
+        measurement."""
+        profile = self._choosable()
         if not profile:
             return None
         by_limit = {m.power_limit_w: m for m in profile}
@@ -745,7 +775,7 @@ class PowerLimitOptimizer:
         Ties go to the selector's choice on the means, then to the higher limit.
         """
         bad = (self._gaps(posterior, draws, posterior.steps) > self._tolerance).sum(axis=0)
-        profile = self.profile()
+        profile = self._choosable()
         on_means = self._selector.select(
             profile, max_power_limit_w=self._max_power_limit_w, num_gpus=self._num_gpus
         )

@@ -4,6 +4,7 @@ checkpoints, and the ``power_limit.knob`` choice (simulated A100, whose clocks a
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -111,9 +112,14 @@ def test_the_knob_profiles_locked_clocks_and_chooses_by_the_selector(
     kinds = {d["kind"] for d in controller.decisions}
     assert kinds == {"locked_clock"}
     assert controller.decisions[-1]["value"] == chosen
+    for entry in controller.profile():  # what reports show of each candidate
+        assert "power_limit_w" not in entry
+        assert entry["sm_clock_mhz"] == entry["locked_clock_mhz"]  # the locks held
+        assert entry["throttled"] is False
     summary = controller.teardown()
     assert gpu.settings() == (PRE_JOB_W, None)  # the lock is released at the end
     assert summary.power_limit_w is None
+    assert (summary.knob, summary.locked_clock_mhz) == ("locked_clock", chosen)
 
 
 def test_the_lock_is_restored_when_training_raises(tmp_path: Path) -> None:
@@ -243,3 +249,118 @@ def test_a_bad_knob_is_refused_naming_what_is_allowed(knob: object) -> None:
 def test_a_bad_clock_step_is_refused_naming_the_key(step: object) -> None:
     with pytest.raises(ConfigError, match=r"power_limit\.clock_step_mhz"):
         EnergyConfig.from_mapping({"power_limit": {"clock_step_mhz": step}})
+
+
+# ---------------------------------------------------------------- which knob, and fallback
+def test_auto_locks_clocks_where_the_job_may(tmp_path: Path) -> None:
+    controller = EnergyController(
+        _config(tmp_path, knob="auto"), devices=_devices(), install_signal_handlers=False
+    )
+    controller.setup()
+    assert controller.setting is controller.locked_clock
+    controller.teardown()
+
+
+def test_auto_uses_power_limits_on_a_gpu_without_clock_control(tmp_path: Path) -> None:
+    gpus = simulated_gpus(SimulatedSpec(gpu="a40", steps_per_epoch=100))  # a trace GPU
+    devices = DeviceSet(
+        gpus=gpus,
+        clock=gpus[0].clock.now,
+        backend="simulated",
+        run_step=lambda: [g.run_step() for g in gpus] and None,
+    )
+    controller = EnergyController(
+        _config(tmp_path, knob="auto", power_limits_w=[300, 200]),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    _profile(controller)
+    assert controller.setting is controller.power_limit
+    assert {d["kind"] for d in controller.decisions} == {"power_limit"}
+    controller.teardown()
+    assert gpus[0].settings() == (300.0, None)
+
+
+def _nvml_devices(monkeypatch: pytest.MonkeyPatch, **device: Any) -> tuple[DeviceSet, Any]:
+    from lightning_energy.device.nvml import nvml_gpus
+    from tests.lightning_energy.device.fake_pynvml import a100, make_module
+
+    fake = make_module([a100(0, **device)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = nvml_gpus()
+    return DeviceSet(gpus=gpus, clock=fake.clock, backend="nvml"), fake
+
+
+REFUSALS: dict[str, dict[str, Any]] = {
+    "no permission": {"errors": {"nvmlDeviceSetGpuLockedClocks": 4}},
+    "not supported": {"errors": {"nvmlDeviceSetGpuLockedClocks": 3}},
+    "pre-Volta": {"graphics_clocks": {1215: (), 405: ()}},
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+@pytest.mark.parametrize("knob", ["auto", "locked_clock"])
+def test_where_locking_is_refused_power_limits_are_profiled(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    refusal: str,
+    knob: str,
+) -> None:
+    devices, fake = _nvml_devices(monkeypatch, **REFUSALS[refusal])
+    controller = EnergyController(
+        _config(tmp_path, knob=knob), devices=devices, install_signal_handlers=False
+    )
+    with caplog.at_level(logging.INFO, logger="lightning_energy"):
+        controller.setup()
+    assert controller.setting is controller.power_limit
+    assert not controller.observe_only  # power limits still apply
+    said = [r for r in caplog.records if "power limits are profiled" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].levelno == (logging.WARNING if knob == "locked_clock" else logging.INFO)
+    controller.teardown()
+    assert fake.devices[0].locked is None
+    assert fake.devices[0].limit_mw == 400_000
+    for gpu in devices.gpus:
+        gpu.close()
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_strict_mode_refuses_a_forced_lock_that_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    devices, fake = _nvml_devices(monkeypatch, **REFUSALS[refusal])
+    config = _config(tmp_path).merged({"strict": True})
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    with pytest.raises(ConfigError, match=r"power_limit\.knob: 'locked_clock' is not possible"):
+        controller.setup()
+    assert fake.devices[0].locked is None
+    for gpu in devices.gpus:
+        gpu.close()
+
+
+def test_a_throttled_lock_is_flagged_and_never_chosen(tmp_path: Path) -> None:
+    devices = _devices()
+    gpu = devices.gpus[0]
+    gpu.set_power_limit_w(200.0)  # an operator's cap: the highest locks cannot hold under it
+    try:
+        controller = EnergyController(
+            _config(tmp_path, selector="time"), devices=devices, install_signal_handlers=False
+        )
+        _profile(controller)
+        measured = controller.locked_clock.profile_by_limit()
+        throttled = controller.locked_clock.throttled()
+        fastest = min(measured, key=lambda c: (measured[c][0], -c))
+        assert fastest in throttled  # the time selector would take it, were it not flagged
+        assert throttled and max(measured) in throttled
+        chosen = controller.locked_clock.value
+        assert chosen is not None and chosen not in throttled
+        assert gpu.settings() == (200.0, (chosen, chosen))
+        flagged = {e["locked_clock_mhz"]: e for e in controller.profile() if e["throttled"]}
+        assert set(flagged) == throttled
+        assert all(e["sm_clock_mhz"] < c for c, e in flagged.items())  # measured below it
+        controller.teardown()
+        assert gpu.settings() == (200.0, None)
+    finally:
+        gpu.set_power_limit_w(PRE_JOB_W)
