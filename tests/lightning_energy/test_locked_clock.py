@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -364,3 +365,41 @@ def test_a_throttled_lock_is_flagged_and_never_chosen(tmp_path: Path) -> None:
         assert gpu.settings() == (200.0, None)
     finally:
         gpu.set_power_limit_w(PRE_JOB_W)
+
+
+# ---------------------------------------------------------------- reports and summaries
+def test_the_report_summary_and_figures_name_the_knob_and_the_chosen_clock(
+    tmp_path: Path,
+) -> None:
+    from lightning_energy.integrations._common import format_summary
+    from lightning_energy.plots import render_plots
+    from lightning_energy.report import format_report, load_report, write_report
+
+    devices = _devices()
+    devices.gpus[0].set_power_limit_w(200.0)  # some locks are throttled under this cap
+    try:
+        controller = EnergyController(
+            _config(tmp_path, selector="time"), devices=devices, install_signal_handlers=False
+        )
+        _profile(controller)
+        for _ in range(5):
+            controller.on_step_start()
+            controller.on_step_end()
+        chosen = controller.locked_clock.value
+        summary = controller.teardown()
+    finally:
+        devices.gpus[0].set_power_limit_w(PRE_JOB_W)
+    printed = format_summary(summary)
+    assert "locked SM clock" in printed
+    assert re.search(rf"locked clocks chosen\s+{chosen:.0f} MHz", printed)
+    report = load_report(write_report(controller, tmp_path / "run.json"))
+    assert report["summary"]["knob"] == "locked_clock"
+    assert report["summary"]["locked_clock_mhz"] == chosen
+    entries = report["profile"]
+    assert all(set(e) >= {"locked_clock_mhz", "sm_clock_mhz", "throttled"} for e in entries)
+    assert any(e["throttled"] for e in entries) and not all(e["throttled"] for e in entries)
+    table = format_report(report)
+    assert re.search(rf"locked clocks chosen\s+{chosen:.0f} MHz", table)
+    assert "power limits chosen" not in table
+    written = render_plots(report, tmp_path / "figures")
+    assert {p.name for p in written} >= {"frontier.png"}
