@@ -403,3 +403,47 @@ def test_the_report_summary_and_figures_name_the_knob_and_the_chosen_clock(
     assert "power limits chosen" not in table
     written = render_plots(report, tmp_path / "figures")
     assert {p.name for p in written} >= {"frontier.png"}
+
+
+# ---------------------------------------------------------------- one owner of the clocks
+def test_a_knob_holding_the_clocks_switches_the_clock_knob_off(tmp_path: Path) -> None:
+    from lightning_energy.perseus.data_parallel import StragglerClocks
+
+    devices = _devices()
+    gpu = devices.gpus[0]
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    controller.setup()
+    assert controller.setting is controller.locked_clock
+    straggler = StragglerClocks()
+    controller.add_knob(straggler)
+    assert not controller.locked_clock.active
+    assert controller.setting is controller.power_limit
+    assert controller.paced_knob() is straggler
+    assert [k.name for k in controller.knobs] == ["power_limit", "straggler_clocks"]
+    for _ in range(60):
+        controller.on_step_start()
+        controller.on_step_end()
+    assert gpu.settings() == (PRE_JOB_W, None)  # neither a lock nor a power limit of ours
+    assert not [d for d in controller.decisions if d["kind"] in ("locked_clock", "power_limit")]
+    controller.teardown()
+    # The next run of this controller keeps the clocks to their owner.
+    controller.setup()
+    assert controller.setting is controller.power_limit
+    controller.teardown()
+
+
+def test_a_lock_already_applied_is_released_when_another_knob_takes_the_clocks(
+    tmp_path: Path,
+) -> None:
+    from lightning_energy.perseus.data_parallel import StragglerClocks
+
+    devices = _devices()
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    _profile(controller)
+    controller.teardown()
+    devices.gpus[0].idle(1.0)  # between fits (else the GPU still shows the last lock)
+    controller.setup()  # a second fit: the known choice is locked at once
+    assert devices.gpus[0].settings()[1] is not None
+    controller.add_knob(StragglerClocks())
+    assert devices.gpus[0].settings() == (PRE_JOB_W, None)
+    controller.teardown()
