@@ -447,3 +447,37 @@ def test_a_lock_already_applied_is_released_when_another_knob_takes_the_clocks(
     controller.add_knob(StragglerClocks())
     assert devices.gpus[0].settings() == (PRE_JOB_W, None)
     controller.teardown()
+
+
+# ---------------------------------------------------------------- the carbon pace
+def test_the_carbon_pace_moves_the_locked_clock(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
+    config = EnergyConfig.from_yaml(example).merged(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a100",
+                "step_time_s": 36.0,  # 1200 steps are half a day of the grid
+                "lease_dir": str(tmp_path / "leases"),
+            },
+            "power_limit": {"knob": "locked_clock", "clock_step_mhz": 150},
+            "carbon": {"max_slowdown": 1.1},
+            "report": None,
+        }
+    )
+    (gpu,) = simulated_gpus(config.device.simulated_spec())
+    devices = DeviceSet(gpus=[gpu], clock=gpu.clock.now, backend="simulated", run_step=gpu.run_step)
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    controller.setup()
+    assert controller.paced_knob() is controller.locked_clock
+    controller.set_total_steps(1200)
+    for _ in range(1200):
+        controller.on_step_start()
+        controller.on_step_end()
+    summary = controller.teardown()
+    paced = [d for d in controller.decisions if "carbon pace" in d["reason"]]
+    assert paced and {d["kind"] for d in paced} == {"locked_clock"}
+    assert len({d["value"] for d in paced}) > 1  # the pace moved the clock with the grid
+    assert not [d for d in controller.decisions if d["kind"] == "power_limit"]
+    assert summary.carbon is not None and summary.carbon["deadline_met"] is True
+    assert gpu.settings()[1] is None
