@@ -106,7 +106,7 @@ class EnergyController:
         self._device = device
         self._install_signal_handlers = install_signal_handlers
         self.power_limit = PowerLimitKnob(self)
-        self.locked_clock = LockedClockKnob(self)
+        self.locked_clock = LockedClockKnob(self, self.power_limit)
         self._knobs: list[Knob] = []
         self._devices_closed = False
         self._is_setup = False

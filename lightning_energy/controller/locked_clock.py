@@ -69,6 +69,8 @@ class LockedClockKnob(SettingKnob):
 
     Args:
         run: the controller running the job.
+        limits: the job's power-limit knob: the average clocks it measured under each
+            limit of a workload (an earlier run's profile) are candidates too.
 
     Attributes:
         active: this job profiles locked clocks (decided at setup, alike on every rank).
@@ -77,8 +79,9 @@ class LockedClockKnob(SettingKnob):
     name = "locked_clock"
     holds_clocks = True
 
-    def __init__(self, run: SettingRun) -> None:
+    def __init__(self, run: SettingRun, limits: SettingKnob) -> None:
         super().__init__(run, LOCKED_CLOCK)
+        self.limits = limits
         self.active = False
 
     @property
@@ -149,11 +152,18 @@ class LockedClockKnob(SettingKnob):
         return guard.probe_clock_lock(min(max(s) for s in supported))
 
     def _new_optimizer(self) -> PowerLimitOptimizer:
-        gpus = self.run.devices.gpus
+        """Candidates: the supported clocks thinned to ``clock_step_mhz``, and the supported
+        clock nearest the average clock each power limit of this workload ran at where
+        the limits were profiled (rank 0's readings: every rank has the same candidates)."""
+        run = self.run
+        gpus = run.devices.gpus
         common = set.intersection(*(set(g.supported_sm_clocks_mhz()) for g in gpus))
-        supported = common or set(gpus[0].supported_sm_clocks_mhz())
-        step_mhz = self.run.config.power_limit.clock_step_mhz
-        return self._build_optimizer(thin_clocks_mhz(sorted(supported), step_mhz))
+        supported = sorted(common or set(gpus[0].supported_sm_clocks_mhz()))
+        candidates = thin_clocks_mhz(supported, run.config.power_limit.clock_step_mhz)
+        seen = self.limits.average_clocks_mhz(self.session.workload).values()
+        seeds: list[float] = run.collective.broadcast(sorted(seen))
+        nearest = {float(min(supported, key=lambda c: abs(c - s))) for s in seeds}
+        return self._build_optimizer(sorted(set(candidates) | nearest, reverse=True))
 
     def _apply_window(self, value: float, purpose: str) -> None:
         """The warm-up runs unlocked (at the top clock, as a lock there would): its first

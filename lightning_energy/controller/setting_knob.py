@@ -435,19 +435,28 @@ class SettingKnob(ABC):
         rank's GPUs ran at (None: not read) and whether the setting was throttled (never
         chosen). The setting is ``power_limit_w`` or ``locked_clock_mhz``."""
         throttled = self.throttled()
+        clocks = self.average_clocks_mhz(self.session.workload)
         entries = []
         for entry in self.session.profile():
             setting = entry.pop("power_limit_w")
-            clocks = self._clocks_mhz.get((self.session.workload, setting))
             entries.append(
                 {
                     POWER_LIMIT_KEYS[self.kind.name]: setting,
                     **entry,
-                    "sm_clock_mhz": math.fsum(clocks) / len(clocks) if clocks else None,
+                    "sm_clock_mhz": clocks.get(setting),
                     "throttled": setting in throttled,
                 }
             )
         return entries
+
+    def average_clocks_mhz(self, workload: str) -> dict[float, float]:
+        """The average SM clock this rank's GPUs ran at in the measured steps of each
+        setting of ``workload`` (settings whose clock was never read are left out)."""
+        return {
+            setting: math.fsum(clocks) / len(clocks)
+            for (key, setting), clocks in self._clocks_mhz.items()
+            if key == workload and clocks
+        }
 
     def profile_by_limit(self) -> Profile:
         """Measured (time, energy) per step by setting, once the profile is complete."""

@@ -481,3 +481,28 @@ def test_the_carbon_pace_moves_the_locked_clock(tmp_path: Path) -> None:
     assert not [d for d in controller.decisions if d["kind"] == "power_limit"]
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
     assert gpu.settings()[1] is None
+
+
+def test_the_clocks_power_limits_ran_at_are_candidates_once_limits_were_profiled(
+    tmp_path: Path,
+) -> None:
+    devices = _devices()
+    gpu = devices.gpus[0]
+    config = _config(tmp_path, knob="power_limit", power_limits_w=[400, 350, 300, 250])
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    _profile(controller)
+    under_limits = controller.power_limit.average_clocks_mhz("default")
+    assert sorted(under_limits) == [250.0, 300.0, 350.0, 400.0]
+    controller.teardown()
+    gpu.idle(1.0)
+    # The next run of the job locks clocks: the clocks the limits ran at are candidates.
+    controller.config = config.merged({"power_limit": {"knob": "locked_clock"}})
+    controller.setup()
+    assert controller.setting is controller.locked_clock
+    candidates = controller.locked_clock.session.optimizer().power_limits_w
+    grid = thin_clocks_mhz(gpu.supported_sm_clocks_mhz(), 150)
+    supported = gpu.supported_sm_clocks_mhz()
+    seeded = {float(min(supported, key=lambda c: abs(c - s))) for s in under_limits.values()}
+    assert seeded - set(grid)  # some of them are off the thinned grid
+    assert set(candidates) == set(grid) | seeded
+    controller.teardown()
