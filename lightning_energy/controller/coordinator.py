@@ -36,7 +36,7 @@ from lightning_energy.controller.events import (
 )
 from lightning_energy.controller.knobs import Knob
 from lightning_energy.controller.ledger import RunLedger
-from lightning_energy.controller.locked_clock import LockedClockKnob
+from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
 from lightning_energy.controller.power_limits import PowerLimitKnob
 from lightning_energy.controller.records import Decision, RunSummary, StepResult
 from lightning_energy.device.base import DeviceSet, gpu_info
@@ -58,9 +58,6 @@ __all__ = ["EnergyController"]
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# At the end of this many first steps of a run the guard looks for a clock lock the job did
-# not make: NVML shows one only while work runs under it, never on the idle GPU of setup.
-_FOREIGN_CLOCK_CHECK_STEPS = 3
 
 
 class EnergyController:
@@ -122,7 +119,7 @@ class EnergyController:
         """
         self._guard: GPUGuard | None = None
         self._agreement = RunAgreement()
-        self._clock_checks_left = _FOREIGN_CLOCK_CHECK_STEPS
+        self._clock_checks_left = FOREIGN_CLOCK_CHECK_STEPS
         self._pacing: CarbonPacing | None = None
         self.power_limit.new_run()
         self.locked_clock.new_run()

@@ -33,9 +33,13 @@ if TYPE_CHECKING:
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 
-__all__ = ["LockedClockKnob", "thin_clocks_mhz"]
+__all__ = ["FOREIGN_CLOCK_CHECK_STEPS", "LockedClockKnob", "thin_clocks_mhz"]
 
 log = logging.getLogger(__name__)
+
+#: At the ends of this many first steps of a run the controller lets the guard look for a
+#: clock lock the job did not make (NVML shows one only while work runs under it).
+FOREIGN_CLOCK_CHECK_STEPS = 3
 
 # NVML clock-event reasons that hold a clock below its lock (software power cap, hardware
 # slowdown, software and hardware thermal, power brake).
@@ -83,6 +87,7 @@ class LockedClockKnob(SettingKnob):
         super().__init__(run, LOCKED_CLOCK)
         self.limits = limits
         self.active = False
+        self._confirmed = False  # the first lock of the run was made (or refused)
 
     @property
     def enabled(self) -> bool:
@@ -90,15 +95,17 @@ class LockedClockKnob(SettingKnob):
         return self.active
 
     def start(self, guard: GPUGuard) -> None:
-        """At setup: whether this job locks its clocks (``power_limit.knob``), decided alike
-        on every rank (a rank that may not lock makes every rank use power limits).
+        """At setup: whether this job may lock its clocks (``power_limit.knob``, every GPU
+        lists supported clocks), decided alike on every rank (a rank that may not makes
+        every rank use power limits). Whether the GPUs accept a lock is known at the first
+        lock, after the warm-up: see :meth:`_apply_window`.
 
         Raises:
             ConfigError: strict mode, ``locked_clock`` is forced and may not be used.
         """
-        config = self.run.config
-        section = config.power_limit
+        section = self.run.config.power_limit
         self.active = False
+        self._confirmed = False
         if section.knob == "power_limit" or not section.enabled:
             return
         if self.profiling_off is not None:
@@ -106,13 +113,22 @@ class LockedClockKnob(SettingKnob):
                 "power_limit.knob %s: %s; power limits apply.", section.knob, self.profiling_off
             )
             return
-        refused = None if guard.observe_only else self._refusal(guard)
+        self.active = self.run.changes_settings()
+        self._agree(None if guard.observe_only else self._refusal())
+
+    def _agree(self, refused: str | None) -> None:
+        """Every rank alike: fall back to power limits when ``refused`` on some rank."""
         (refusals,), _ = self.run.collective.sum_and_max([float(refused is not None)], [])
-        if refusals == 0:
-            self.active = self.run.changes_settings()
-            return
-        reason = refused or "another rank of the job may not lock its GPUs' clocks"
-        if section.knob == "auto":
+        if refusals > 0:
+            self._fall_back(refused or "another rank of the job may not lock its GPUs' clocks")
+
+    def _fall_back(self, reason: str) -> None:
+        """Power limits from now on: this knob is off for the run (a lock it set is
+        released), with one line saying why (strict mode and ``locked_clock``: an error)."""
+        config = self.run.config
+        knob = config.power_limit.knob
+        self._switch_off(reason)
+        if knob == "auto":
             log.info("power_limit.knob auto: %s; power limits are profiled.", reason)
         elif config.strict:
             raise ConfigError(
@@ -126,30 +142,34 @@ class LockedClockKnob(SettingKnob):
                 reason,
             )
 
+    def _switch_off(self, reason: str) -> None:
+        """Off for the rest of the run: the window in progress discarded, a lock released."""
+        if not self.active:
+            return
+        self.active = False
+        self.discard_window(reason)
+        guard = self.run.run_guard
+        if guard is not None and self.value is not None:
+            guard.reset_clocks()
+        self.value = None
+
     def yield_clocks(self, owner: str) -> None:
         """Another knob (``owner``) holds the clocks from now on: this knob is off for the
         rest of the job (one owner of the clocks at a time), and a lock it set is released."""
         self.profiling_off = f"{owner} holds the clocks"
-        if not self.active:
-            return
-        self.active = False
-        self.discard_window(self.profiling_off)
-        guard = self.run.run_guard
-        if guard is not None:
-            guard.reset_clocks()
-        self.value = None
-        if self.run.collective.rank == 0:
+        if self.active and self.run.collective.rank == 0:
             log.info("Locked clocks are not profiled: %s.", self.profiling_off)
+        self._switch_off(self.profiling_off)
 
-    def _refusal(self, guard: GPUGuard) -> str | None:
-        """Why this rank may not lock its GPUs' clocks (a probe lock), or None."""
+    def _refusal(self) -> str | None:
+        """Why this rank's GPUs cannot lock their clocks (none listed), or None."""
         try:
             supported = [g.supported_sm_clocks_mhz() for g in self.run.devices.gpus]
         except DeviceError as exc:
             return f"the supported SM clocks cannot be read ({exc})"
         if not all(supported):
             return "a GPU supports no clock locking (it is older than Volta)"
-        return guard.probe_clock_lock(min(max(s) for s in supported))
+        return None
 
     def _new_optimizer(self) -> PowerLimitOptimizer:
         """Candidates: the supported clocks thinned to ``clock_step_mhz``, and the supported
@@ -163,13 +183,25 @@ class LockedClockKnob(SettingKnob):
         seen = self.limits.average_clocks_mhz(self.session.workload).values()
         seeds: list[float] = run.collective.broadcast(sorted(seen))
         nearest = {float(min(supported, key=lambda c: abs(c - s))) for s in seeds}
-        return self._build_optimizer(sorted(set(candidates) | nearest, reverse=True))
+        # The warm-up covers the steps at whose ends the guard looks for an administrator's
+        # lock (NVML shows one only under load): none is replaced by this job's first lock.
+        warmup_steps = max(run.config.power_limit.warmup_steps, FOREIGN_CLOCK_CHECK_STEPS)
+        return self._build_optimizer(
+            sorted(set(candidates) | nearest, reverse=True), warmup_steps=warmup_steps
+        )
 
     def _apply_window(self, value: float, purpose: str) -> None:
-        """The warm-up runs unlocked (at the top clock, as a lock there would): its first
-        steps let the guard find an administrator's lock before this job locks."""
-        if purpose != "warmup":
-            super()._apply_window(value, purpose)
+        """The warm-up runs unlocked (at the top clock, as a lock there would). The first
+        lock after it tells whether the GPUs accept one (no permission, not supported, an
+        administrator's lock found in the warm-up): where a rank's do not, every rank
+        profiles power limits from here on."""
+        if purpose == "warmup":
+            return
+        super()._apply_window(value, purpose)
+        if not self._confirmed:
+            self._confirmed = True
+            guard = self._guard
+            self._agree(None if guard.observe_only else guard.clocks_off_reason)
 
     def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
         """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM
@@ -181,5 +213,5 @@ class LockedClockKnob(SettingKnob):
 
     def _change(self, value: float) -> float | None:
         clock = round(value)
-        applied = self._guard.lock_clocks_mhz(clock, clock)
+        applied = self._guard.lock_clocks_mhz(clock, clock, refusal_stops_clocks=True)
         return None if applied is None else float(applied[1])

@@ -150,8 +150,11 @@ class SettingKnob(ABC):
     def _change(self, value: float) -> float | None:
         """Apply ``value`` through the guard; what was applied, None when nothing was."""
 
-    def _build_optimizer(self, candidates: list[float]) -> PowerLimitOptimizer:
-        """The optimizer of a new workload over ``candidates`` (the knob's unit)."""
+    def _build_optimizer(
+        self, candidates: list[float], warmup_steps: int | None = None
+    ) -> PowerLimitOptimizer:
+        """The optimizer of a new workload over ``candidates`` (the knob's unit), warming up
+        ``warmup_steps`` (None: the configuration's)."""
         from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 
         run = self.run
@@ -169,7 +172,7 @@ class SettingKnob(ABC):
             self.session.selector,
             max_power_limit_w=top_w,
             num_gpus=len(devices) * run.collective.world_size,
-            warmup_steps=section.warmup_steps,
+            warmup_steps=section.warmup_steps if warmup_steps is None else warmup_steps,
             settle_steps=section.settle_steps,
             seed=run.config.device.seed,
             counter_period_s=period,

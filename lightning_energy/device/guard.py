@@ -603,7 +603,12 @@ class GPUGuard:
         return new_min, new_max
 
     def lock_clocks_mhz(
-        self, min_mhz: int, max_mhz: int, gpus: Sequence[int] | None = None
+        self,
+        min_mhz: int,
+        max_mhz: int,
+        gpus: Sequence[int] | None = None,
+        *,
+        refusal_stops_clocks: bool = False,
     ) -> tuple[int, int] | None:
         """Lock the SM clock of some GPUs (all by default) into ``[min_mhz, max_mhz]``.
 
@@ -616,10 +621,13 @@ class GPUGuard:
             min_mhz: lowest SM clock.
             max_mhz: highest SM clock.
             gpus: positions of the GPUs to change; None: all.
+            refusal_stops_clocks: a refusal (no permission, or not supported) only turns
+                clock control off, with one warning, in strict mode too (power limits still
+                apply; :attr:`clocks_off_reason` says why).
 
         Returns:
             The ``(min_mhz, max_mhz)`` applied, or None when nothing was changed
-            (observe-only, or clock locking unsupported).
+            (observe-only, or clock locking unsupported or refused).
 
         Raises:
             ConfigError: ``min_mhz > max_mhz`` or not positive, or a bad position.
@@ -635,38 +643,9 @@ class GPUGuard:
             targets = self._targets(gpus)
             if self._changes_blocked() or self._check_foreign_clocks(targets):
                 return None
-            return self._lock_targets(min_mhz, max_mhz, targets, probe=False)
-
-    def probe_clock_lock(self, mhz: int) -> str | None:
-        """Lock every GPU at ``mhz`` and release the lock at once: whether this job may
-        lock the SM clocks.
-
-        Unlike :meth:`lock_clocks_mhz`, a refusal (no permission, or not supported) only
-        turns clock control off, with one warning, in strict mode too: power limits still
-        apply. Any other failure is handled as in :meth:`set_power_limit_w`.
-
-        Args:
-            mhz: the clock to lock at (clamped as in :meth:`lock_clocks_mhz`).
-
-        Returns:
-            Why the clocks may not be locked (an administrator's lock, a refusal,
-            observe-only), or None: they may.
-
-        Raises:
-            ConfigError: ``mhz`` is not positive.
-            DeviceError: strict mode, a failure other than a refusal (after rolling back).
-        """
-        if not mhz > 0:
-            raise ConfigError(f"mhz={mhz!r}: need a clock > 0 MHz", source="GPUGuard")
-        with self._critical():
-            self._ensure_acquired()
-            targets = list(range(len(self._gpus)))
-            if self._changes_blocked() or self._check_foreign_clocks(targets):
-                return self._observe_reason or self._clocks_unsupported or "restored"
-            if self._lock_targets(mhz, mhz, targets, probe=True) is None:
-                return self._observe_reason or self._clocks_unsupported
-        self.reset_clocks()
-        return None
+            return self._lock_targets(
+                min_mhz, max_mhz, targets, refusal_stops_clocks=refusal_stops_clocks
+            )
 
     @property
     def clocks_off_reason(self) -> str | None:
@@ -675,7 +654,7 @@ class GPUGuard:
         return self._clocks_unsupported
 
     def _lock_targets(
-        self, min_mhz: int, max_mhz: int, targets: list[int], *, probe: bool
+        self, min_mhz: int, max_mhz: int, targets: list[int], *, refusal_stops_clocks: bool
     ) -> tuple[int, int] | None:
         """Lock ``targets``; on a failure roll back and handle it (see the callers)."""
         i = targets[0]
@@ -687,7 +666,7 @@ class GPUGuard:
                 self._clocks_applied[i] = True
         except DeviceError as exc:
             self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
-            if probe and isinstance(exc, NoPermissionError | NotSupportedError):
+            if refusal_stops_clocks and isinstance(exc, NoPermissionError | NotSupportedError):
                 self._roll_back(clocks_only=True)
                 self._clocks_off(self._gpus[i], exc)
             else:

@@ -314,7 +314,9 @@ def test_where_locking_is_refused_power_limits_are_profiled(
         _config(tmp_path, knob=knob), devices=devices, install_signal_handlers=False
     )
     with caplog.at_level(logging.INFO, logger="lightning_energy"):
-        controller.setup()
+        for _ in range(6):  # the refusal is known at setup, or at the first lock
+            controller.on_step_start()
+            controller.on_step_end()
     assert controller.setting is controller.power_limit
     assert not controller.observe_only  # power limits still apply
     said = [r for r in caplog.records if "power limits are profiled" in r.getMessage()]
@@ -335,7 +337,10 @@ def test_strict_mode_refuses_a_forced_lock_that_is_refused(
     config = _config(tmp_path).merged({"strict": True})
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
     with pytest.raises(ConfigError, match=r"power_limit\.knob: 'locked_clock' is not possible"):
-        controller.setup()
+        for _ in range(6):  # the refusal is known at setup, or at the first lock
+            controller.on_step_start()
+            controller.on_step_end()
+    controller.teardown()
     assert fake.devices[0].locked is None
     for gpu in devices.gpus:
         gpu.close()
@@ -506,3 +511,25 @@ def test_the_clocks_power_limits_ran_at_are_candidates_once_limits_were_profiled
     assert seeded - set(grid)  # some of them are off the thinned grid
     assert set(candidates) == set(grid) | seeded
     controller.teardown()
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 10])
+def test_an_administrators_lock_is_never_replaced_and_power_limits_are_profiled(
+    tmp_path: Path, warmup_steps: int
+) -> None:
+    devices = _devices(foreign_clock_lock_mhz=(1005, 1005))
+    gpu = devices.gpus[0]
+    controller = EnergyController(
+        _config(tmp_path, knob="auto", warmup_steps=warmup_steps),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    for _ in range(40):
+        controller.on_step_start()
+        controller.on_step_end()
+        assert gpu.foreign_clock_lock_mhz() == (1005, 1005)
+    assert controller.setting is controller.power_limit
+    assert not [d for d in controller.decisions if d["kind"] == "locked_clock"]
+    assert [d for d in controller.decisions if d["kind"] == "power_limit"]
+    controller.teardown()
+    assert gpu.foreign_clock_lock_mhz() == (1005, 1005)
