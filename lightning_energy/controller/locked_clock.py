@@ -77,7 +77,8 @@ class LockedClockKnob(SettingKnob):
             limit of a workload (an earlier run's profile) are candidates too.
 
     Attributes:
-        active: this job profiles locked clocks (decided at setup, alike on every rank).
+        active: this job profiles locked clocks (decided at setup and at the first lock,
+            alike on every rank).
     """
 
     name = "locked_clock"

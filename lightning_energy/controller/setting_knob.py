@@ -13,7 +13,7 @@ step. Every change goes through the run's guard and is recorded in its ledger. W
 learnt about workloads is kept across runs and in checkpoints.
 
 A job profiles one of them (``power_limit.knob``: see
-:func:`~lightning_energy.controller.locked_clock.choose_setting_knob`).
+:meth:`~lightning_energy.controller.locked_clock.LockedClockKnob.start`).
 """
 
 from __future__ import annotations
