@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_ENV_VAR",
+    "KNOBS",
     "BatchSizeConfig",
     "DeviceConfig",
     "EnergyConfig",
@@ -78,6 +79,8 @@ __all__ = [
 CONFIG_ENV_VAR = "LIGHTNING_ENERGY_CONFIG"
 
 _BACKENDS = ("auto", "nvml", "zeusd", "simulated")
+#: What ``power_limit.knob`` may name.
+KNOBS = ("auto", "power_limit", "locked_clock")
 _PERSEUS_MODES = ("ddp", "pipeline")
 _PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
@@ -157,10 +160,13 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class PowerLimitConfig:
-    """How the power limit is chosen.
+    """How the power limit, or the locked SM clock, is chosen.
 
     Attributes:
-        enabled: optimise the power limit (False: measure and report only).
+        enabled: optimise the setting (False: measure and report only).
+        knob: what is profiled and chosen: ``power_limit``, ``locked_clock`` (the SM clock
+            locked at one frequency; the power limit stays at its pre-job value) or
+            ``auto`` (locked clocks where this job may lock them, else power limits).
         selector: ``energy``, ``time``, ``cost``, ``max_slowdown`` or ``target_time``.
         eta: weight of energy in the Zeus cost (``cost`` selector), in [0, 1].
         max_slowdown: allowed slowdown factor (``max_slowdown`` selector), >= 1.
@@ -172,9 +178,13 @@ class PowerLimitConfig:
         settle_s: unmeasured seconds after each power-limit change, besides
             ``settle_steps`` (a board applies a new limit after tens to hundreds of ms;
             set it when ``settle_steps`` steps are shorter than that).
+        clock_step_mhz: spacing of the candidate locked clocks, in MHz: from the highest
+            supported SM clock (at the highest memory clock) down, every supported clock
+            at least this far below the previous candidate.
     """
 
     enabled: bool = True
+    knob: str = "power_limit"
     selector: str = "cost"
     eta: float = 0.5
     max_slowdown: float = 1.1
@@ -184,6 +194,7 @@ class PowerLimitConfig:
     warmup_steps: int = 10
     settle_steps: int = 2
     settle_s: float = 0.0
+    clock_step_mhz: float = 90.0
 
     def make_selector(self) -> Selector:
         """Build the selector this section names (already validated)."""
@@ -693,6 +704,15 @@ def _check_power_limit(section: PowerLimitConfig, problems: list[str]) -> None:
     if not 0 <= section.settle_s <= 60:
         problems.append(
             f"power_limit.settle_s: {section.settle_s} is not allowed; use seconds in [0, 60]"
+        )
+    if section.knob not in KNOBS:
+        problems.append(
+            f"power_limit.knob: {section.knob!r} is not allowed; allowed: {', '.join(KNOBS)}"
+        )
+    if not 1 <= section.clock_step_mhz <= 10_000:
+        problems.append(
+            f"power_limit.clock_step_mhz: {section.clock_step_mhz} is not allowed; use MHz in "
+            "[1, 10000]"
         )
 
 

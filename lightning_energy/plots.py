@@ -36,7 +36,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from carbon.accounting import J_PER_KWH
-from lightning_energy.report import ReportError, chosen_power_limits_w
+from lightning_energy.report import ReportError, chosen_power_limits_w, profile_setting
 
 __all__ = ["plot_emissions", "plot_frontier", "plot_power", "render_plots"]
 
@@ -273,11 +273,14 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     profile = [m for m in report.get("profile", []) if float(m.get("time_per_step_s", 0)) > 0]
     fig = Figure(figsize=(8, 6), layout="constrained")
     ax = fig.subplots()
-    fig.suptitle(f"Measured energy-time frontier: {_gpu_label(report)}")
+    clocks = report.get("summary", {}).get("knob") == "locked_clock"
+    knob = "locked clocks" if clocks else "power limits"
+    fig.suptitle(f"Measured energy-time frontier of {knob}: {_gpu_label(report)}")
     if not profile:
-        _empty(ax, "no power-limit profile was measured\n(observe-only, or profiling disabled)")
+        _empty(ax, "no profile was measured\n(observe-only, or profiling disabled)")
         return _save(fig, Path(path))
-    limits = [float(m["power_limit_w"]) for m in profile]
+    limits = [profile_setting(m)[0] for m in profile]
+    unit = profile_setting(profile[0])[1]
     times = [float(m["time_per_step_s"]) for m in profile]
     energies = [float(m["energy_per_step_j"]) for m in profile]
     kilo = max(energies) >= 10_000
@@ -285,9 +288,15 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     ax.scatter(
         times, np.array(energies) / e_div, color=_COLORS["limit"], zorder=3, label="measured"
     )
-    for p, t, e in zip(limits, times, energies, strict=True):
+    for m, p, t, e in zip(profile, limits, times, energies, strict=True):
+        clock = m.get("sm_clock_mhz")
+        ran_at = f", ran at {clock:.0f} MHz" if clock is not None and clock != p else ""
         ax.annotate(
-            f"{p:.0f} W", (t, e / e_div), textcoords="offset points", xytext=(6, 4), fontsize=8
+            f"{p:.0f} {unit}{ran_at}{', throttled' if m.get('throttled') else ''}",
+            (t, e / e_div),
+            textcoords="offset points",
+            xytext=(6, 4),
+            fontsize=8,
         )
     front = _pareto(list(zip(times, energies, strict=True)))
     ax.plot(
@@ -309,7 +318,7 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
             s=320,
             color=_COLORS["full"],
             zorder=4,
-            label=f"chosen by the '{selector}' selector ({chosen[0]:.0f} W)",
+            label=f"chosen by the '{selector}' selector ({chosen[0]:.0f} {unit})",
         )
     if len(chosen) > 1:
         later = [by_limit[p] for p in chosen[1:]]
@@ -333,7 +342,7 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
 # --------------------------------------------------------------------------- emissions
 def _energy_per_step_j(report: Mapping[str, Any], limit_w: float | None) -> float | None:
     for m in report.get("profile", []):
-        if limit_w is not None and float(m["power_limit_w"]) == limit_w:
+        if limit_w is not None and profile_setting(m)[0] == limit_w:
             return float(m["energy_per_step_j"])
     return None
 
@@ -446,7 +455,7 @@ def _energy_by_step(
     steps = np.concatenate([[0.0], np.cumsum([float(e.get("steps", 0)) for e in timeline])])
     energy = _series(timeline, "energy_j")
     series = {"this run": np.zeros(len(timeline)) if energy is None else np.nan_to_num(energy)}
-    top = max((float(m["power_limit_w"]) for m in report.get("profile", [])), default=None)
+    top = max((profile_setting(m)[0] for m in report.get("profile", [])), default=None)
     full = _energy_per_step_j(report, top)
     if full is not None:
         series["full power (every step at the highest limit)"] = np.diff(steps) * full

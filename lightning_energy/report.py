@@ -11,7 +11,8 @@ Every integration writes the same report when the configuration names a ``report
       "devices":   [...],   # identity and power-limit range of every GPU driven
       "timeline":  [...],   # one entry per logging interval: power limit, energy, power,
                             # and with carbon-aware pacing intensity, grams and target scale
-      "profile":   [...],   # the measured power-limit frontier (time and energy per step)
+      "profile":   [...],   # the measured frontier of the knob (power limits or locked
+                            # clocks): time and energy per step, average SM clock, throttled
       "decisions": [...],   # every setting applied, when, and why
       "summary":   {...},   # steps, energy, time, chosen limit, savings (RunSummary) of
                             # the writing process's GPUs ("scope" says which rank), its
@@ -270,7 +271,10 @@ _ITEM_FIELDS: dict[str, dict[str, str]] = {
         )
     },
     "profile": {
-        "power_limit_w": "num!",
+        "power_limit_w": "num?",
+        "locked_clock_mhz": "num?",
+        "sm_clock_mhz": "num?",
+        "throttled": "bool?",
         "time_per_step_s": "num!",
         "energy_per_step_j": "num!",
         "steps": "num?",
@@ -299,6 +303,8 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "power_limits_measured": "num?",
         "power_limit_candidates": "num?",
         "power_limits_applied": "num?",
+        "knob": "str?",
+        "locked_clock_mhz": "num?",
         "node_energy": "obj?",
         "job_node_energy_j": "num?",
         "energy_counted": "str?",
@@ -365,6 +371,11 @@ def _field_problems(data: Mapping[str, Any]) -> list[str]:
                 problems.extend(_check_fields(item, fields, where))
             if len(problems) >= 10:
                 return problems
+    for i, entry in enumerate(data["profile"]):
+        if isinstance(entry, dict) and not any(
+            _is_number(entry.get(k)) for k in ("power_limit_w", "locked_clock_mhz")
+        ):
+            problems.append(f"'profile[{i}]' should have a power_limit_w or a locked_clock_mhz")
     for i, entry in enumerate(data["timeline"]):
         lasted = isinstance(entry, dict) and _is_number(entry.get("duration_s"))
         if lasted and entry["duration_s"] > 0 and not _is_number(entry.get("time_s")):
@@ -424,13 +435,24 @@ def _kind(kind: type | tuple[type, ...]) -> str:
 
 
 # --------------------------------------------------------------------------- summary
+def profile_setting(entry: Mapping[str, Any]) -> tuple[float, str]:
+    """The setting a (checked) profile entry measured and its unit: a locked clock in MHz
+    or a power limit in W."""
+    if entry.get("locked_clock_mhz") is not None:
+        return float(entry["locked_clock_mhz"]), "MHz"
+    return float(entry["power_limit_w"]), "W"
+
+
 def chosen_power_limits_w(report: Mapping[str, Any]) -> list[float]:
-    """The power limits applied after profiling (the selector's and any later re-choices),
-    in the order they were applied, without repeats."""
+    """The settings of the run's knob applied after profiling (the selector's and any later
+    re-choices), in the order they were applied, without repeats: power limits, or locked
+    clocks when the summary's ``knob`` is ``locked_clock``."""
+    knob = report.get("summary", {}).get("knob") or "power_limit"
     limits: list[float] = []
     for decision in report.get("decisions", []):
         value = decision.get("value")
-        if decision.get("purpose") != "choice" or value is None:
+        kind = decision.get("kind") or "power_limit"
+        if decision.get("purpose") != "choice" or value is None or kind != knob:
             continue
         if float(value) not in limits:
             limits.append(float(value))

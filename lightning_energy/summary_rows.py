@@ -13,25 +13,33 @@ __all__ = ["node_energy_rows", "power_limit_rows"]
 
 
 def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> list[tuple[str, str]]:
-    """What a run did with power limits, as summary rows: the limits chosen, a profile that
-    did not finish, and what every GPU was put back to at the end.
+    """What a run did with its setting knob, as summary rows: the knob, the settings
+    chosen, a profile that did not finish, and what every GPU was put back to at the end.
 
     Args:
         summary: a run summary (``RunSummary.to_dict()`` or a checked report's section).
-        chosen: the limits chosen after profiling, in the order applied.
+        chosen: the settings chosen after profiling (power limits in W, or locked clocks
+            in MHz when ``summary["knob"]`` is ``locked_clock``), in the order applied.
     """
     applied = summary.get("power_limits_applied") or 0
     rows: list[tuple[str, str]] = []
+    clocks = summary.get("knob") == "locked_clock"
+    if clocks:
+        rows.append(("knob", "locked SM clock (power limit left at its pre-job value)"))
     if summary.get("profile_complete") is False:
         measured = summary.get("power_limits_measured") or 0
         candidates = summary.get("power_limit_candidates") or 0
+        name, what = ("locked-clock", "clocks") if clocks else ("power-limit", "limits")
         rows.append(
             (
-                "power-limit profile",
-                f"not finished: {measured:.0f} of {candidates:.0f} limits measured",
+                f"{name} profile",
+                f"not finished: {measured:.0f} of {candidates:.0f} {what} measured",
             )
         )
-    if chosen:
+    if clocks:
+        chose = ", ".join(f"{c:.0f} MHz" for c in chosen) if chosen else "none"
+        rows.append(("locked clocks chosen", chose))
+    elif chosen:
         rows.append(("power limits chosen", ", ".join(f"{p:.0f} W" for p in chosen)))
     elif applied:
         plural = "limit" if applied == 1 else "limits"
@@ -41,6 +49,7 @@ def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> lis
     pre = summary.get("pre_job_power_limit_w")
     if pre is not None:
         restored = " (every GPU put back to it at the end)" if chosen or applied else ""
+        restored = " (every clock lock released at the end)" if clocks else restored
         rows.append(("pre-job power limit", f"{float(pre):.0f} W{restored}"))
     return rows
 

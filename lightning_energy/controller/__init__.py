@@ -22,9 +22,12 @@ Inside, one concern per module:
   takes the lease, hands each event to the knobs, paces, saves and resumes checkpoints and
   restores first at teardown.
 * :mod:`.knobs` (:class:`Knob`): what the controller coordinates: every setting it
-  changes, behind one protocol. :mod:`.power_limits` (:class:`PowerLimitKnob`) is the
-  built-in one; Perseus' clocks and the straggler equaliser's register theirs.
-* :mod:`.session` (:class:`ProfilingSession`): the power limit's profiling windows.
+  changes, behind one protocol. :mod:`.power_limits` (:class:`PowerLimitKnob`) and
+  :mod:`.locked_clock` (:class:`LockedClockKnob`) are the built-in ones, the two kinds of
+  :mod:`.setting_knob` (:class:`SettingKnob`: one setting for every GPU, profiled,
+  chosen and paced; ``power_limit.knob`` says which a job profiles); Perseus' clocks and
+  the straggler equaliser's register theirs.
+* :mod:`.session` (:class:`ProfilingSession`): a setting knob's profiling windows.
 * :mod:`.agreement`: who drives what across ranks, and whether the job optimises.
 * :mod:`.carbon_pace` (:class:`CarbonPacing`): the grid's pace, applied to the paced
   knob, and pauses.
@@ -46,9 +49,11 @@ from lightning_energy.controller.events import (
 )
 from lightning_energy.controller.knobs import Knob, KnobDecision
 from lightning_energy.controller.ledger import RunLedger
+from lightning_energy.controller.locked_clock import LockedClockKnob
 from lightning_energy.controller.power_limits import PowerLimitKnob
 from lightning_energy.controller.records import Decision, Profile, RunSummary, StepResult
 from lightning_energy.controller.session import ProfilingSession
+from lightning_energy.controller.setting_knob import SettingKnob
 
 __all__ = [
     "CarbonPacing",
@@ -61,11 +66,13 @@ __all__ = [
     "Interruption",
     "Knob",
     "KnobDecision",
+    "LockedClockKnob",
     "PowerLimitKnob",
     "Profile",
     "ProfilingSession",
     "RunLedger",
     "RunSummary",
+    "SettingKnob",
     "StepEnd",
     "StepResult",
     "StepStart",

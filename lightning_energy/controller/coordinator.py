@@ -2,7 +2,8 @@
 
 It sequences a run: it opens the GPUs, agrees with the other ranks on who drives what
 (:mod:`.agreement`) under one guard and lease, hands each event to the knobs that act on it
-(the built-in power limit, :mod:`.power_limits`, and those registered with
+(the built-in power limit, :mod:`.power_limits`, or its sibling the locked SM clock,
+:mod:`.locked_clock`, and those registered with
 :meth:`EnergyController.add_knob`: see :mod:`.knobs`), paces the paced knob to the grid
 (:mod:`.carbon_pace`), saves and resumes checkpoints, and restores every GPU first at
 teardown. Every number is the :class:`~.ledger.RunLedger`'s.
@@ -35,6 +36,7 @@ from lightning_energy.controller.events import (
 )
 from lightning_energy.controller.knobs import Knob
 from lightning_energy.controller.ledger import RunLedger
+from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
 from lightning_energy.controller.power_limits import PowerLimitKnob
 from lightning_energy.controller.records import Decision, RunSummary, StepResult
 from lightning_energy.device.base import DeviceSet, gpu_info
@@ -46,6 +48,7 @@ from lightning_energy.pacing import CarbonPacer, utc_now
 if TYPE_CHECKING:
     import torch
 
+    from lightning_energy.controller.setting_knob import SettingKnob
     from lightning_energy.device.base import GPUInfo
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.device.rapl import RaplCounters
@@ -55,9 +58,6 @@ __all__ = ["EnergyController"]
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# At the end of this many first steps of a run the guard looks for a clock lock the job did
-# not make: NVML shows one only while work runs under it, never on the idle GPU of setup.
-_FOREIGN_CLOCK_CHECK_STEPS = 3
 
 
 class EnergyController:
@@ -78,6 +78,8 @@ class EnergyController:
 
     Attributes:
         power_limit: the built-in power-limit knob.
+        locked_clock: the built-in locked-clock knob (profiled instead of power limits
+            where ``power_limit.knob`` asks for it and the job may lock clocks).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class EnergyController:
         self._device = device
         self._install_signal_handlers = install_signal_handlers
         self.power_limit = PowerLimitKnob(self)
+        self.locked_clock = LockedClockKnob(self, self.power_limit)
         self._knobs: list[Knob] = []
         self._devices_closed = False
         self._is_setup = False
@@ -116,9 +119,10 @@ class EnergyController:
         """
         self._guard: GPUGuard | None = None
         self._agreement = RunAgreement()
-        self._clock_checks_left = _FOREIGN_CLOCK_CHECK_STEPS
+        self._clock_checks_left = FOREIGN_CLOCK_CHECK_STEPS
         self._pacing: CarbonPacing | None = None
         self.power_limit.new_run()
+        self.locked_clock.new_run()
         self._ledger = RunLedger(self.config.log_every_n_steps, self.clock, self._readings_lost)
 
     # ------------------------------------------------------------------ events
@@ -147,7 +151,7 @@ class EnergyController:
             case StepEnd():
                 self._step_end()
             case Interruption(reason=reason):
-                self.power_limit.pause_window(reason)
+                self.setting.pause_window(reason)
             case CheckpointSave():
                 state = self.state_dict()
             case CheckpointLoad(state=saved):
@@ -189,9 +193,10 @@ class EnergyController:
     def add_knob(self, knob: Knob) -> None:
         """Coordinate ``knob`` in this job from now on (every rank alike, before training).
 
-        The carbon pace moves the knob registered last (the power limit when none is); a
+        The carbon pace moves the knob registered last (the setting knob when none is); a
         knob that holds the clocks switches power-limit profiling off (limits measured while
-        clocks move say nothing), saying so once at INFO.
+        clocks move say nothing), saying so once at INFO, and switches the locked-clock knob
+        off (one owner of the clocks at a time: its lock is released).
 
         Raises:
             EnergyError: training has started (its steps were profiled or paced already).
@@ -207,15 +212,25 @@ class EnergyController:
             limits.profiling_off = f"{knob.name} holds the clocks"
             if self.collective.rank == 0:
                 log.info("Power limits are not profiled: %s.", limits.profiling_off)
+        if knob.holds_clocks:
+            self.locked_clock.yield_clocks(knob.name)
 
     def paced_knob(self) -> Knob:
-        """The knob the carbon pace moves: the one registered last, else the power limit."""
-        return self._knobs[-1] if self._knobs else self.power_limit
+        """The knob the carbon pace moves: the one registered last, else the setting knob."""
+        return self._knobs[-1] if self._knobs else self.setting
+
+    @property
+    def setting(self) -> SettingKnob:
+        """The built-in knob this run profiles: the locked clock where it is active, else
+        the power limit."""
+        return self.locked_clock if self.locked_clock.active else self.power_limit
 
     @property
     def knobs(self) -> list[Knob]:
-        """Every knob of the job: the power limit, then those registered."""
-        return [self.power_limit, *self._knobs]
+        """Every knob of the job: the power limit, the locked clock when it is active, then
+        those registered."""
+        clocks: list[Knob] = [self.locked_clock] if self.locked_clock.active else []
+        return [self.power_limit, *clocks, *self._knobs]
 
     # ------------------------------------------------------------------ the run
     @property
@@ -351,13 +366,14 @@ class EnergyController:
         if guard.observe_only:
             self._ledger.decide("observe-only", None, guard.observe_only_reason or "")
             return
-        self.power_limit.reuse_known_choice()
+        self.setting.reuse_known_choice()
 
     def _start(self, devices: DeviceSet, guard: GPUGuard) -> None:
         simulated = devices.backend == "simulated"
         job_start = (simulated and self.config.device.start_time()) or utc_now()
         self._ledger.start(devices, [gpu_info(g) for g in devices.gpus], job_start)
         self.power_limit.start(guard)
+        self.locked_clock.start(guard)
         if self.config.carbon is not None:
             self._pacing = CarbonPacing(self, self.config.carbon)
             self._pacing.start(simulated=simulated)
@@ -455,31 +471,35 @@ class EnergyController:
         """Close the open windows (what can still be read) and build the summary."""
         ledger = self._ledger
         limits = self.power_limit
+        setting = self.setting
         ledger.after_profile = None
         try:
-            limits.discard_window("end of the run")  # a window cut short is measured later
+            setting.discard_window("end of the run")  # a window cut short is measured later
         except Exception as exc:  # e.g. a sticky CUDA error: the GPUs are restored already
             ledger.fail(exc)
         else:
             ledger.close(limits.power_limit_w, stop_clock=self._devices is not None)
         ledger.close_node()
-        profile = limits.profile_by_limit()
+        profile = setting.profile_by_limit()
         world_size = self.collective.world_size
         carbon = None
         if self.config.carbon is not None:
             carbon = ledger.carbon_summary(
-                self.pacer, profile, limits.static_limit_w, world_size, self.now()
+                self.pacer, profile, setting.static_value, world_size, self.now()
             )
         guard = self._guard
-        progress = limits.progress() if self._optimises() else None
+        progress = setting.progress() if self._optimises() else None
+        chosen = progress is None or progress[0]
         return ledger.build_summary(
-            power_limit_w=limits.power_limit_w if progress is None or progress[0] else None,
+            power_limit_w=limits.power_limit_w if chosen or setting is not limits else None,
             pre_job_power_limit_w=guard.pre_job_power_limit_w(0) if guard is not None else None,
             observe_only=self.observe_only,
             profile=profile,
             progress=progress,
             world_size=world_size,
             carbon=carbon,
+            knob=setting.name,
+            locked_clock_mhz=self.locked_clock.value if chosen and setting is not limits else None,
         )
 
     def _readings_lost(self, exc: DeviceError) -> None:
@@ -503,14 +523,14 @@ class EnergyController:
         Adapters build the key with
         :func:`~lightning_energy.integrations._common.workload_key`.
         """
-        self.power_limit.set_workload(key)
+        self.setting.set_workload(key)
 
     def _step_start(self) -> None:
         if not self._is_setup:
             if self._torn_down:
                 return
             self.setup()
-        self.power_limit.step_start()
+        self.setting.step_start()
 
     def _step_end(self) -> None:
         if not self._is_setup:
@@ -520,7 +540,7 @@ class EnergyController:
             run_step()
         self._check_foreign_clocks()
         self._ledger.count_step()
-        self.power_limit.step_end()
+        self.setting.step_end()
         if self._ledger.interval_complete:  # closing the profile may have closed it
             self._ledger.next_interval(self.power_limit.power_limit_w)
             if self._pacing is not None:
@@ -560,8 +580,8 @@ class EnergyController:
 
     @property
     def profile_done(self) -> bool:
-        """Whether the current workload's power-limit profile is complete."""
-        return self.power_limit.profile_done
+        """Whether the current workload's profile (of the setting knob) is complete."""
+        return self.setting.profile_done
 
     @property
     def steps(self) -> int:
@@ -600,7 +620,7 @@ class EnergyController:
 
     def profile(self) -> list[dict[str, float]]:
         """The measured power-limit profile of the current workload (job-wide numbers)."""
-        return self.power_limit.session.profile()
+        return self.setting.profile()
 
     def gather_job_totals(self) -> dict[str, Any]:
         """Every rank: compare numbers with the others; the job's totals (a collective).
@@ -630,6 +650,7 @@ class EnergyController:
             "version": _STATE_VERSION,
             "gpu_models": sorted({g.name for g in gpus}),
             **self.power_limit.state_dict(),
+            LockedClockKnob.name: self.locked_clock.state_dict(),
             "steps": self._ledger.step,
             "energy_j": self._ledger.job_energy_so_far_j(),
         }
@@ -655,4 +676,8 @@ class EnergyController:
                 "(drop the energy state from the checkpoint to profile again)"
             )
         self._ledger.resume(int(state.get("steps", 0)), float(state.get("energy_j", 0.0)))
-        self.power_limit.load_state_dict(state, running=self._is_setup)
+        running = self._is_setup
+        self.power_limit.load_state_dict(state, running=running and not self.locked_clock.active)
+        self.locked_clock.load_state_dict(
+            state.get(LockedClockKnob.name, {}), running=running and self.locked_clock.active
+        )

@@ -368,6 +368,8 @@ class RunLedger:
         progress: tuple[bool, int, int] | None,
         world_size: int,
         carbon: dict[str, Any] | None,
+        knob: str = "power_limit",
+        locked_clock_mhz: float | None = None,
     ) -> RunSummary:
         """The run summary (kept in :attr:`summary`).
 
@@ -380,6 +382,8 @@ class RunLedger:
                 the run profiled nothing.
             world_size: ranks of the job.
             carbon: the carbon summary (None without a ``carbon:`` section).
+            knob: the setting knob the run profiled (``power_limit`` or ``locked_clock``).
+            locked_clock_mhz: the clock the choice locked, in force at the end (None: none).
         """
         duration_s = (self.end_s or self.start_s) - self.start_s
         saved_j, slowdown = 0.0, 1.0
@@ -409,6 +413,8 @@ class RunLedger:
             power_limits_applied=len(
                 {d["value"] for d in self.decisions if d["kind"] == "power_limit"}
             ),
+            knob=knob,
+            locked_clock_mhz=locked_clock_mhz,
             resumed_at_step=self.resumed_at_step,
             energy_before_resume_j=self.energy_before_resume_j,
             node_energy=self.node_summary(),

@@ -63,6 +63,11 @@ class RunSummary:
             of the same workload).
         power_limit_candidates: candidate limits of the profile.
         power_limits_applied: distinct limits this run set (profiling windows included).
+        knob: what the run profiled and chose: ``power_limit`` or ``locked_clock`` (then
+            the ``power_limit*`` counts above are of locked clocks, and the power limit
+            stayed at its pre-job value).
+        locked_clock_mhz: the SM clock locked by the choice and in force at the end of the
+            run (None: the knob is the power limit, or no lock was chosen).
         energy_saved_j: energy measured over the steps after profiling, subtracted from
             the same steps at the highest profiled limit (per the measured profile; 0
             before the profile completes).
@@ -110,6 +115,8 @@ class RunSummary:
     power_limits_measured: int = 0
     power_limit_candidates: int = 0
     power_limits_applied: int = 0
+    knob: str = "power_limit"
+    locked_clock_mhz: float | None = None
     resumed_at_step: int = 0
     energy_before_resume_j: float = 0.0
     node_energy: dict[str, Any] | None = None

@@ -131,6 +131,11 @@ class ProfilingSession:
             m.power_limit_w: (m.time_per_step_s, m.energy_per_step_j) for m in optimizer.profile()
         }
 
+    def excluded(self) -> frozenset[float]:
+        """The current workload's settings never chosen (see the optimizer's ``exclude``)."""
+        optimizer = self._optimizers.get(self.workload)
+        return frozenset() if optimizer is None else optimizer.excluded
+
     def progress(self) -> tuple[bool, int, int] | None:
         """The current workload's profile: ``(complete, limits measured, candidates)``;
         None when no profile was started for it."""

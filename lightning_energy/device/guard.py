@@ -603,7 +603,12 @@ class GPUGuard:
         return new_min, new_max
 
     def lock_clocks_mhz(
-        self, min_mhz: int, max_mhz: int, gpus: Sequence[int] | None = None
+        self,
+        min_mhz: int,
+        max_mhz: int,
+        gpus: Sequence[int] | None = None,
+        *,
+        refusal_stops_clocks: bool = False,
     ) -> tuple[int, int] | None:
         """Lock the SM clock of some GPUs (all by default) into ``[min_mhz, max_mhz]``.
 
@@ -616,10 +621,13 @@ class GPUGuard:
             min_mhz: lowest SM clock.
             max_mhz: highest SM clock.
             gpus: positions of the GPUs to change; None: all.
+            refusal_stops_clocks: a refusal (no permission, or not supported) only turns
+                clock control off, with one warning, in strict mode too (power limits still
+                apply; :attr:`clocks_off_reason` says why).
 
         Returns:
             The ``(min_mhz, max_mhz)`` applied, or None when nothing was changed
-            (observe-only, or clock locking unsupported).
+            (observe-only, or clock locking unsupported or refused).
 
         Raises:
             ConfigError: ``min_mhz > max_mhz`` or not positive, or a bad position.
@@ -635,18 +643,36 @@ class GPUGuard:
             targets = self._targets(gpus)
             if self._changes_blocked() or self._check_foreign_clocks(targets):
                 return None
-            i = targets[0]
-            try:
-                applied = self._clamp_clocks(min_mhz, max_mhz, targets)
-                for i in targets:
-                    self._mark_changed(i, clocks=True)
-                    self._gpus[i].set_locked_clocks_mhz(*applied)
-                    self._clocks_applied[i] = True
-            except DeviceError as exc:
-                self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
+            return self._lock_targets(
+                min_mhz, max_mhz, targets, refusal_stops_clocks=refusal_stops_clocks
+            )
+
+    @property
+    def clocks_off_reason(self) -> str | None:
+        """Why this job leaves the SM clocks alone (an administrator's lock, a GPU that
+        cannot or may not lock them), or None."""
+        return self._clocks_unsupported
+
+    def _lock_targets(
+        self, min_mhz: int, max_mhz: int, targets: list[int], *, refusal_stops_clocks: bool
+    ) -> tuple[int, int] | None:
+        """Lock ``targets``; on a failure roll back and handle it (see the callers)."""
+        i = targets[0]
+        try:
+            applied = self._clamp_clocks(min_mhz, max_mhz, targets)
+            for i in targets:
+                self._mark_changed(i, clocks=True)
+                self._gpus[i].set_locked_clocks_mhz(*applied)
+                self._clocks_applied[i] = True
+        except DeviceError as exc:
+            self._clocks_applied[i] = self._clocks_applied[i] or _maybe_applied(exc)
+            if refusal_stops_clocks and isinstance(exc, NoPermissionError | NotSupportedError):
+                self._roll_back(clocks_only=True)
+                self._clocks_off(self._gpus[i], exc)
+            else:
                 self._change_failed(i, exc, clocks=True)
-                return None
-            return applied
+            return None
+        return applied
 
     def reset_clocks(self, gpus: Sequence[int] | None = None) -> None:
         """Put the clock state of some GPUs (all by default) back to its pre-job state.
@@ -683,14 +709,7 @@ class GPUGuard:
             self._roll_back(clocks_only=True)
             if self._strict:
                 raise exc
-            if self._clocks_unsupported is None:
-                self._clocks_unsupported = str(exc)
-                log.warning(
-                    "%s cannot lock its clocks (%s): clocks are left alone, power limits "
-                    "still apply.",
-                    _describe(gpu),
-                    exc,
-                )
+            self._clocks_off(gpu, exc)
             return
         self._roll_back(clocks_only=False)
         if isinstance(exc, NoPermissionError):
@@ -703,6 +722,16 @@ class GPUGuard:
                 "back to their pre-job settings"
             )
         self._observe(reason, exc)
+
+    def _clocks_off(self, gpu: GPU, exc: DeviceError) -> None:
+        """Leave the clocks alone from now on (power limits still apply), with one warning."""
+        if self._clocks_unsupported is None:
+            self._clocks_unsupported = f"{_describe(gpu)} cannot lock its clocks ({exc})"
+            log.warning(
+                "%s cannot lock its clocks (%s): clocks are left alone, power limits still apply.",
+                _describe(gpu),
+                exc,
+            )
 
     def _roll_back(self, *, clocks_only: bool) -> None:
         for j, gpu in enumerate(self._gpus):

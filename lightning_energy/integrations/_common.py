@@ -175,7 +175,8 @@ def format_summary(summary: RunSummary) -> str:
         rows.append(("energy (whole job)", f"{summary.job_energy_j / 1000:.2f} kJ"))
     rows += node_energy_rows(summary.to_dict(), lambda j: f"{j / 1000:.2f} kJ")
     rows.append(("time", f"{summary.duration_s:.1f} s"))
-    chosen = [] if summary.power_limit_w is None else [summary.power_limit_w]
+    setting = summary.locked_clock_mhz if summary.knob == "locked_clock" else summary.power_limit_w
+    chosen = [] if setting is None else [setting]
     rows += power_limit_rows(summary.to_dict(), chosen)
     rows += [
         ("energy saved (estimate)", f"{summary.energy_saved_j / 1000:.2f} kJ"),

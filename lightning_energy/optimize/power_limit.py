@@ -85,7 +85,16 @@ from numpy.typing import NDArray
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, ProfileError
 from lightning_energy.optimize.selectors import Measurement, Selector
 
-__all__ = ["PURPOSES", "PowerLimitOptimizer", "Window", "min_window_s"]
+__all__ = [
+    "LOCKED_CLOCK",
+    "POWER_LIMIT",
+    "PURPOSES",
+    "SETTING_KINDS",
+    "PowerLimitOptimizer",
+    "SettingKind",
+    "Window",
+    "min_window_s",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,36 @@ _MIN_REFINE_STEPS = 2
 _PRIOR_DOF = 2.0
 # Correlation of time and energy noise is clipped to this (keeps the Cholesky factor finite).
 _MAX_CORRELATION = 0.99
+
+
+@dataclass(frozen=True)
+class SettingKind:
+    """What an optimizer searches: one setting applied to every GPU of the job.
+
+    Both kinds are searched alike: a higher setting runs no slower (a higher power limit,
+    a higher locked SM clock), so the highest candidate is the fastest (the reference of
+    ``max_slowdown``). Windows and measurements carry the setting in the kind's unit in
+    their ``power_limit_w`` field (the selectors' name for it).
+
+    Attributes:
+        name: ``power_limit`` or ``locked_clock`` (what reports and checkpoints call it).
+        unit: ``W`` or ``MHz``.
+    """
+
+    name: str
+    unit: str
+
+    def label(self, value: float) -> str:
+        """``value`` with its unit, e.g. ``250 W`` or ``1410 MHz``."""
+        return f"{value:g} {self.unit}"
+
+
+#: The power limit of every GPU, in watts.
+POWER_LIMIT = SettingKind("power_limit", "W")
+#: The SM clock every GPU is locked at (minimum = maximum), in MHz.
+LOCKED_CLOCK = SettingKind("locked_clock", "MHz")
+#: Every kind by name.
+SETTING_KINDS: dict[str, SettingKind] = {k.name: k for k in (POWER_LIMIT, LOCKED_CLOCK)}
 
 
 def min_window_s(counter_period_s: float, tolerance: float) -> float:
@@ -168,12 +207,14 @@ class _Posterior:
 
 
 class PowerLimitOptimizer:
-    """Finds the power limit a selector prefers, profiling as few steps as it can.
+    """Finds the setting a selector prefers, profiling as few steps as it can.
 
-    See the module docstring for the method.
+    See the module docstring for the method, written for power limits; a locked SM clock
+    (``kind=LOCKED_CLOCK``) is searched the same way, its candidates in MHz.
 
     Args:
-        power_limits_w: candidate limits (any order; duplicates are dropped).
+        power_limits_w: candidate settings, in the kind's unit (any order; duplicates are
+            dropped).
         selector: what "best" means.
         num_gpus: GPUs of the whole job (all ranks): scales the Zeus cost's time term.
         warmup_steps: unmeasured steps before the first measurement.
@@ -192,10 +233,11 @@ class PowerLimitOptimizer:
             until repeated windows estimate it.
         samples: posterior draws per decision.
         max_power_limit_w: the GPU's highest limit (``P_max`` of the Zeus cost); default
-            the highest candidate.
+            the highest candidate (required for locked clocks).
         seed: seeds the posterior draws.
         counter_period_s: how often the GPUs' energy counters move: every measured window
             lasts at least :func:`min_window_s` of it and ``tolerance`` seconds.
+        kind: what the candidates are (:data:`POWER_LIMIT` or :data:`LOCKED_CLOCK`).
 
     Raises:
         ConfigError: a parameter is out of range (every problem is listed).
@@ -219,6 +261,7 @@ class PowerLimitOptimizer:
         max_power_limit_w: float | None = None,
         seed: int = 0,
         counter_period_s: float = 0.0,
+        kind: SettingKind = POWER_LIMIT,
     ) -> None:
         problems: list[str] = []
         try:
@@ -228,7 +271,7 @@ class PowerLimitOptimizer:
         if not limits or not all(0 < p < math.inf for p in limits):
             problems.append(
                 f"power_limits_w: {list(power_limits_w)!r} is not allowed; use a non-empty "
-                "list of positive, finite watts"
+                f"list of positive, finite numbers ({kind.unit})"
             )
         integers = {
             "num_gpus": (num_gpus, 1),
@@ -256,13 +299,20 @@ class PowerLimitOptimizer:
                 f"counter_period_s: {counter_period_s!r} is not allowed; use a finite number "
                 "of seconds >= 0"
             )
-        if max_power_limit_w is not None and not (limits and max_power_limit_w >= limits[0]):
+        if kind != POWER_LIMIT:
+            if max_power_limit_w is None or not 0 < max_power_limit_w < math.inf:
+                problems.append(
+                    f"max_power_limit_w: {max_power_limit_w!r} is not allowed for "
+                    f"{kind.name} candidates; use the GPU's highest power limit in watts"
+                )
+        elif max_power_limit_w is not None and not (limits and max_power_limit_w >= limits[0]):
             problems.append(
                 f"max_power_limit_w: {max_power_limit_w!r} is not allowed; use a number >= the "
                 "highest candidate"
             )
         if problems:
             raise ConfigError(problems, source="PowerLimitOptimizer")
+        self._kind = kind
         self._limits = tuple(limits)
         self._selector = selector
         self._num_gpus = num_gpus
@@ -284,6 +334,7 @@ class PowerLimitOptimizer:
         half = (initial_steps + 1) // 2
         self._plan = [(limit, steps) for limit in limits for steps in (half, initial_steps - half)]
         self._results: list[_Result] = []
+        self._excluded: set[float] = set()
         self._profiled_steps = 0
         self._chosen: float | None = limits[0] if len(limits) == 1 else None
         self._warm = warmup_steps == 0
@@ -298,8 +349,13 @@ class PowerLimitOptimizer:
         return self._selector
 
     @property
+    def kind(self) -> SettingKind:
+        """What the candidates are."""
+        return self._kind
+
+    @property
     def power_limits_w(self) -> tuple[float, ...]:
-        """The candidate limits, highest first."""
+        """The candidate settings, highest first."""
         return self._limits
 
     @property
@@ -351,8 +407,8 @@ class PowerLimitOptimizer:
         measured = window.measure_steps if steps is None else steps
         if measured < window.measure_steps:
             raise ProfileError(
-                f"window at {window.power_limit_w:g} W: steps={steps!r} is fewer than the "
-                f"{window.measure_steps} the window measures"
+                f"window at {self._kind.label(window.power_limit_w)}: steps={steps!r} is "
+                f"fewer than the {window.measure_steps} the window measures"
             )
         if window.measure_steps > 0:
             bad = {
@@ -365,7 +421,8 @@ class PowerLimitOptimizer:
             }
             if bad:
                 raise ProfileError(
-                    f"window at {window.power_limit_w:g} W: {bad} must be positive and finite"
+                    f"window at {self._kind.label(window.power_limit_w)}: {bad} must be "
+                    "positive and finite"
                 )
             self._results.append(
                 _Result(
@@ -433,6 +490,30 @@ class PowerLimitOptimizer:
         """Steps spent in warm-up, settling and measuring so far."""
         return self._profiled_steps
 
+    def exclude(self, setting: float) -> None:
+        """Never choose ``setting`` (e.g. a lock the GPU could not hold); it is still
+        measured and in :meth:`profile`. While every measured setting is excluded, the
+        choice is among all of them.
+
+        Raises:
+            ProfileError: ``setting`` is not a candidate.
+        """
+        if setting not in self._limits:
+            raise ProfileError(
+                f"exclude({setting!r}): not a candidate; candidates: {list(self._limits)}"
+            )
+        self._excluded.add(float(setting))
+
+    @property
+    def excluded(self) -> frozenset[float]:
+        """The settings never chosen (see :meth:`exclude`)."""
+        return frozenset(self._excluded)
+
+    def _choosable(self) -> list[Measurement]:
+        """The measured settings a choice is made among (the excluded left out)."""
+        profile = self.profile()
+        return [m for m in profile if m.power_limit_w not in self._excluded] or profile
+
     def profile(self) -> list[Measurement]:
         """Every measured limit (windows merged, weighted by steps), highest limit first."""
         merged: dict[float, list[_Result]] = {}
@@ -482,6 +563,7 @@ class PowerLimitOptimizer:
         """Everything needed to resume, JSON-serialisable."""
         return {
             "version": _STATE_VERSION,
+            "kind": self._kind.name,
             "power_limits_w": list(self._limits),
             "num_gpus": self._num_gpus,
             "selector": self._selector.describe(),
@@ -491,6 +573,7 @@ class PowerLimitOptimizer:
             ],
             "profiled_steps": self._profiled_steps,
             "chosen_power_limit_w": self._chosen,
+            "excluded": sorted(self._excluded),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -511,6 +594,7 @@ class PowerLimitOptimizer:
         """
         try:
             version = state["version"]
+            kind = str(state.get("kind", POWER_LIMIT.name))  # states before clocks: limits
             limits = tuple(float(p) for p in state["power_limits_w"])
             num_gpus = int(state["num_gpus"])
             described = str(state["selector"])
@@ -521,6 +605,7 @@ class PowerLimitOptimizer:
             profiled_steps = int(state["profiled_steps"])
             chosen = state["chosen_power_limit_w"]
             chosen = None if chosen is None else float(chosen)
+            excluded = {float(x) for x in state.get("excluded", [])}
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed power-limit optimizer state: {exc!r}") from exc
         if version != _STATE_VERSION:
@@ -528,10 +613,11 @@ class PowerLimitOptimizer:
                 f"power-limit optimizer state version {version!r}; this version reads "
                 f"{_STATE_VERSION}"
             )
-        if limits != self._limits or num_gpus != self._num_gpus:
+        if kind != self._kind.name or limits != self._limits or num_gpus != self._num_gpus:
             raise CheckpointMismatchError(
-                f"saved power-limit profile is for limits {list(limits)} W on {num_gpus} "
-                f"GPUs; this job has {list(self._limits)} W on {self._num_gpus} GPUs"
+                f"saved profile is for {kind.replace('_', ' ')}s {list(limits)} on {num_gpus} "
+                f"GPUs; this job has {self._kind.name.replace('_', ' ')}s {list(self._limits)} "
+                f"{self._kind.unit} on {self._num_gpus} GPUs"
             )
         bad = [
             r
@@ -542,11 +628,13 @@ class PowerLimitOptimizer:
             or not 0 < r.energy_per_step_j < math.inf
             or r.purpose not in PURPOSES
         ]
-        if bad or (chosen is not None and chosen not in limits):
+        if bad or (chosen is not None and chosen not in limits) or not excluded <= set(limits):
             raise ProfileError(
-                f"malformed power-limit optimizer state: windows {bad}, chosen {chosen!r}"
+                f"malformed power-limit optimizer state: windows {bad}, chosen {chosen!r}, "
+                f"excluded {sorted(excluded)}"
             )
         self._results = results
+        self._excluded = excluded
         self._profiled_steps = profiled_steps
         self._chosen = chosen
         self._current_limit_w = None
@@ -611,19 +699,21 @@ class PowerLimitOptimizer:
         self._chosen = float(posterior.limits_w[choice])
         self._pending = None
         log.debug(
-            "power-limit profile complete (%s) after %d steps: %g W for %s "
+            "%s profile complete (%s) after %d steps: %s for %s "
             "(%.1f %% chance of being more than %g %% off)",
+            self._kind.name,
             why,
             self._profiled_steps,
-            self._chosen,
+            self._kind.label(self._chosen),
             self._selector.describe(),
             100.0 * risk,
             100.0 * self._tolerance,
         )
 
     def _posterior(self) -> _Posterior | None:
-        """Per-limit means and the pooled noise; None before any measurement."""
-        profile = self.profile()
+        """Per-limit means and the pooled noise of the choosable limits; None before any
+        measurement."""
+        profile = self._choosable()
         if not profile:
             return None
         by_limit = {m.power_limit_w: m for m in profile}
@@ -685,7 +775,7 @@ class PowerLimitOptimizer:
         Ties go to the selector's choice on the means, then to the higher limit.
         """
         bad = (self._gaps(posterior, draws, posterior.steps) > self._tolerance).sum(axis=0)
-        profile = self.profile()
+        profile = self._choosable()
         on_means = self._selector.select(
             profile, max_power_limit_w=self._max_power_limit_w, num_gpus=self._num_gpus
         )

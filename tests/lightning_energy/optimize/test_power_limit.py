@@ -12,7 +12,7 @@ import pytest
 
 from lightning_energy.device.simulated import PowerTrace, SimulatedSpec, TraceModel, simulated_gpus
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, ProfileError
-from lightning_energy.optimize.power_limit import PowerLimitOptimizer, Window
+from lightning_energy.optimize.power_limit import LOCKED_CLOCK, PowerLimitOptimizer, Window
 from lightning_energy.optimize.selectors import Measurement, Selector, make_selector
 
 LIMITS = [300.0, 275.0, 250.0, 225.0, 200.0, 175.0, 150.0, 125.0, 100.0]
@@ -543,3 +543,44 @@ def test_noisy_trace_search_misses_less_often_than_zeus_sweep() -> None:
     assert misses <= sum(g > 0.01 for g in zeus)
     assert misses <= 0.02 * len(ours)
     assert steps <= 0.4 * sweep_steps
+
+
+def test_an_excluded_setting_is_measured_but_never_chosen_and_the_state_keeps_it() -> None:
+    best = optimizer(make_selector("energy"))
+    drive(best, noiseless)
+    assert best.chosen_power_limit_w == 200.0
+    opt = optimizer(make_selector("energy"))
+    excluded = False
+    while (window := opt.next_window()) is not None:
+        if window.measure_steps == 0:
+            opt.report(window, time_per_step_s=0.0, energy_per_step_j=0.0)
+            continue
+        if window.power_limit_w == 200.0 and not excluded:
+            opt.exclude(200.0)  # e.g. a lock the GPU could not hold
+            excluded = True
+        time_s, energy_j = noiseless(window)
+        opt.report(window, time_per_step_s=time_s, energy_per_step_j=energy_j)
+    assert 200.0 in {m.power_limit_w for m in opt.profile()}
+    assert opt.chosen_power_limit_w not in (None, 200.0)
+    assert opt.reselect(make_selector("energy")) != 200.0
+    resumed = optimizer(make_selector("energy"))
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.excluded == {200.0}
+    assert resumed.reselect(make_selector("energy")) == opt.chosen_power_limit_w
+    with pytest.raises(ProfileError, match="not a candidate"):
+        opt.exclude(212.0)
+
+
+def test_a_locked_clock_profile_is_not_resumed_as_power_limits() -> None:
+    clocks = PowerLimitOptimizer(
+        [1410.0, 1200.0],
+        make_selector("energy"),
+        num_gpus=1,
+        max_power_limit_w=400.0,
+        kind=LOCKED_CLOCK,
+    )
+    limits = PowerLimitOptimizer([1410.0, 1200.0], make_selector("energy"), num_gpus=1)
+    with pytest.raises(CheckpointMismatchError, match="locked clocks"):
+        limits.load_state_dict(clocks.state_dict())
+    with pytest.raises(ConfigError, match="max_power_limit_w"):
+        PowerLimitOptimizer([1410.0], make_selector("energy"), num_gpus=1, kind=LOCKED_CLOCK)
