@@ -1,8 +1,10 @@
 """Locked SM clocks vs. power limits, on the simulated GPUs that model clocks.
 
 For every physics preset (``a100``, ``h100``, ``h200``: the simulated GPUs whose SM clock is
-modelled; trace GPUs cannot lock) and three workloads (compute-bound shares 0.9, 0.6 and
-0.3 of a 0.5 s step), both knobs are measured:
+modelled; trace GPUs cannot lock) and four workloads of a 0.5 s step (three of one phase,
+compute-bound shares 0.9, 0.6 and 0.3, and one ``phased``: 60 % compute-bound work at 0.95
+then 40 % memory-bound at 0.15, as GEMMs and elementwise/optimizer kernels alternate in a
+training step), both knobs are measured:
 
 - **Exhaustively**, on a noiseless GPU: every power limit of a 25 W grid (the configuration's
   default) and every candidate clock (the supported clocks thinned to 90 MHz, the default
@@ -22,10 +24,11 @@ choice by more than the noise tolerance (1 %).
 
 At equal speed, each power limit is compared with the cheapest lock at least as fast: the
 energy change of the lock against the cap, in per cent (negative: the lock saves), with its
-median and tails per preset. The simulator applies a cap as the highest clock under it, so
-the two come out nearly equal; with a DVFS governor whose clock moves with the workload's
-phases they would not. No measured lock-vs-cap data ships with the package yet
-(``measured`` is null): the comparison is the simulator's only.
+median and tails per preset. Under a cap the simulated board's governor sets the clock from
+the power it measures every 20 ms, so on phased work the clock follows the phases (high in
+the memory-bound phase, where it buys no speed); on single-phase work cap and lock settle at
+the same clock. The measured lock-vs-cap comparison (the Perseus artifact's data) is
+``benchmarks/calibrate_governor.py``'s; ``measured`` here is null.
 
 Usage::
 
@@ -47,7 +50,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_energy.controller.locked_clock import thin_clocks_mhz
-from lightning_energy.device.simulated import SimulatedGPU, SimulatedSpec, simulated_gpus
+from lightning_energy.device.simulated import Phase, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.optimize.power_limit import (
     LOCKED_CLOCK,
     POWER_LIMIT,
@@ -57,7 +60,13 @@ from lightning_energy.optimize.power_limit import (
 from lightning_energy.optimize.selectors import Selector, make_selector
 
 PRESETS = ("a100", "h100", "h200")
-WORKLOADS = {"compute-bound": 0.9, "mixed": 0.6, "memory-bound": 0.3}
+Work = tuple[Phase, ...]
+WORKLOADS: dict[str, Work] = {
+    "compute-bound": (Phase(1.0, 0.9),),
+    "mixed": (Phase(1.0, 0.6),),
+    "memory-bound": (Phase(1.0, 0.3),),
+    "phased": (Phase(0.6, 0.95), Phase(0.4, 0.15)),
+}
 STEP_TIME_S = 0.5
 GRID_STEP_W = 25.0
 CLOCK_STEP_MHZ = 90.0
@@ -89,13 +98,13 @@ class Choice:
     best_setting: float
 
 
-def spec(preset: str, share: float, noise_std: float, seed: int) -> SimulatedSpec:
+def spec(preset: str, work: Work, noise_std: float, seed: int) -> SimulatedSpec:
     """An ideal board (the counter and the settings immediate): the knobs are compared,
     not the board's counter period."""
     return SimulatedSpec(
         gpu=preset,
         step_time_s=STEP_TIME_S,
-        compute_bound_share=share,
+        step_phases=work,
         noise_std=noise_std,
         seed=seed,
         energy_counter_period_s=0.0,
@@ -130,9 +139,9 @@ def measure(gpu: SimulatedGPU, steps: int) -> tuple[float, float]:
     return (gpu.now_s() - start_s) / steps, (gpu.energy_j() - start_j) / steps
 
 
-def truth(preset: str, share: float, kind: SettingKind) -> list[Point]:
+def truth(preset: str, work: Work, kind: SettingKind) -> list[Point]:
     """Every candidate of ``kind`` on a noiseless GPU, highest first."""
-    (gpu,) = simulated_gpus(spec(preset, share, 0.0, 0))
+    (gpu,) = simulated_gpus(spec(preset, work, 0.0, 0))
     points = []
     for setting in candidates(gpu, kind):
         apply(gpu, kind, setting)
@@ -144,10 +153,10 @@ def truth(preset: str, share: float, kind: SettingKind) -> list[Point]:
 
 
 def search(
-    preset: str, share: float, kind: SettingKind, selector: Selector, noise: float, seed: int
+    preset: str, work: Work, kind: SettingKind, selector: Selector, noise: float, seed: int
 ) -> tuple[float, int]:
     """The optimizer's choice of ``kind`` on a noisy GPU, and the steps it took."""
-    (gpu,) = simulated_gpus(spec(preset, share, noise, seed))
+    (gpu,) = simulated_gpus(spec(preset, work, noise, seed))
     optimizer = PowerLimitOptimizer(
         candidates(gpu, kind),
         selector,
@@ -207,9 +216,9 @@ def equal_speed_changes_pct(caps: Sequence[Point], locks: Sequence[Point]) -> li
     return changes
 
 
-def workload_result(preset: str, share: float, noise: float, seed: int) -> dict[str, Any]:
-    caps, locks = truth(preset, share, POWER_LIMIT), truth(preset, share, LOCKED_CLOCK)
-    (gpu,) = simulated_gpus(spec(preset, share, 0.0, 0))
+def workload_result(preset: str, work: Work, noise: float, seed: int) -> dict[str, Any]:
+    caps, locks = truth(preset, work, POWER_LIMIT), truth(preset, work, LOCKED_CLOCK)
+    (gpu,) = simulated_gpus(spec(preset, work, 0.0, 0))
     max_power_w = gpu.power_limit_constraints_w()[1]
     by_kind = {POWER_LIMIT.name: caps, LOCKED_CLOCK.name: locks}
     rows: dict[str, Any] = {}
@@ -217,7 +226,7 @@ def workload_result(preset: str, share: float, noise: float, seed: int) -> dict[
         choices: dict[str, Choice] = {}
         for kind in (POWER_LIMIT, LOCKED_CLOCK):
             points = by_kind[kind.name]
-            chosen, steps = search(preset, share, kind, selector, noise, seed)
+            chosen, steps = search(preset, work, kind, selector, noise, seed)
             point = next(p for p in points if p.setting == chosen)
             best = min(points, key=lambda p: objective(name, p, max_power_w, bound_s))
             choices[kind.name] = Choice(
@@ -249,7 +258,7 @@ def workload_result(preset: str, share: float, noise: float, seed: int) -> dict[
 
 def preset_result(preset: str, noise: float, seed: int) -> dict[str, Any]:
     workloads = {
-        name: workload_result(preset, share, noise, seed) for name, share in WORKLOADS.items()
+        name: workload_result(preset, work, noise, seed) for name, work in WORKLOADS.items()
     }
     changes = [c for w in workloads.values() for c in w["equal_speed_changes_pct"]]
     rows = [r for w in workloads.values() for r in w["selectors"].values()]

@@ -1105,6 +1105,9 @@ class SimulatedSpec:
             0.37 s a step on the A40).
         step_time_s: physics GPUs: duration of a step at the maximum clock.
         compute_bound_share: physics GPUs: compute-bound share of a step.
+        step_phases: physics presets: the phases of a step, in order (work of different
+            compute/memory intensity: under a power limit the governor moves the clock with
+            them); not with ``compute_bound_share``.
         count: how many GPUs.
         first_index: index of the first GPU (DDP: the local rank).
         noise_std: relative Gaussian noise on work duration and power.
@@ -1131,6 +1134,7 @@ class SimulatedSpec:
     steps_per_epoch: int | None = None
     step_time_s: float | None = None
     compute_bound_share: float | None = None
+    step_phases: tuple[Phase, ...] | None = None
     count: int = 1
     first_index: int = 0
     noise_std: float = 0.0
@@ -1202,6 +1206,18 @@ class SimulatedSpec:
             problems.extend(self.board().problems())
         if self.workload is not None and self.workload.count("/") != 1:
             problems.append(f"workload: {self.workload!r} is not allowed; use 'dataset/network'")
+        if self.step_phases is not None and (not physics or self.calibration is not None):
+            problems.append(
+                f"step_phases: {self.step_phases!r} is not allowed; it only applies to "
+                "physics presets"
+            )
+        elif self.step_phases is not None:
+            problems.extend(f"step_{issue}" for issue in phase_problems(self.step_phases))
+            if self.compute_bound_share is not None:
+                problems.append(
+                    "compute_bound_share: not allowed with step_phases (the share of phased "
+                    "steps is their mean); give one of them"
+                )
         trace_only = ("workload", "batch_size", "optimizer")
         physics_only = ("step_time_s", "compute_bound_share")
         for key in trace_only if physics else physics_only:
@@ -1247,7 +1263,10 @@ class SimulatedSpec:
             )
         if self.gpu in PHYSICS_PRESETS:
             return physics_preset(
-                self.gpu, step_time_s=self.step_time_s, compute_bound_share=self.compute_bound_share
+                self.gpu,
+                step_time_s=self.step_time_s,
+                compute_bound_share=self.compute_bound_share,
+                step_phases=self.step_phases,
             )
         trace = PowerTrace.load(self.gpu)
         workloads = trace.workloads()

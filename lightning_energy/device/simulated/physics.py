@@ -458,7 +458,11 @@ PHYSICS_PRESETS: dict[str, PhysicsModel] = {
 
 
 def physics_preset(
-    name: str, *, step_time_s: float | None = None, compute_bound_share: float | None = None
+    name: str,
+    *,
+    step_time_s: float | None = None,
+    compute_bound_share: float | None = None,
+    step_phases: Sequence[Phase] | None = None,
 ) -> PhysicsModel:
     """A physics preset, optionally with a different simulated training step.
 
@@ -468,12 +472,15 @@ def physics_preset(
         step_time_s: duration of one training step at ``f_max`` (default 0.25 s).
         compute_bound_share: compute-bound share of a step (default: the preset's); a
             step of one phase of this share replaces the preset's phases.
+        step_phases: the phases of a step, replacing the preset's (its compute-bound share
+            becomes their mean); not with ``compute_bound_share``.
 
     Returns:
         The preset's model.
 
     Raises:
-        ConfigError: ``name`` is not a preset, or a step parameter is out of range.
+        ConfigError: ``name`` is not a preset, a step parameter is out of range, or both
+            ``compute_bound_share`` and ``step_phases`` are given.
     """
     try:
         model = PHYSICS_PRESETS[name]
@@ -481,6 +488,21 @@ def physics_preset(
         raise ConfigError(
             f"gpu={name!r}: not a physics preset; allowed: {sorted(PHYSICS_PRESETS)}"
         ) from None
+    if compute_bound_share is not None and step_phases is not None:
+        raise ConfigError(
+            "compute_bound_share and step_phases: give one of them (the share of phased "
+            "steps is their mean)",
+            source=f"physics preset {name!r}",
+        )
     if compute_bound_share is not None:  # one phase of that share replaces the preset's
         model = replace(model, step_phases=(), step_compute_bound_share=compute_bound_share)
+    if step_phases is not None:
+        problems = [f"step_{issue}" for issue in phase_problems(step_phases)]
+        if problems:
+            raise ConfigError(problems, source=f"physics preset {name!r}")
+        model = replace(
+            model,
+            step_phases=tuple(step_phases),
+            step_compute_bound_share=mean_compute_bound_share(step_phases),
+        )
     return replace(model, step_time_s=model.step_time_s if step_time_s is None else step_time_s)

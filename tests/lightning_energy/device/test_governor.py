@@ -17,8 +17,10 @@ from lightning_energy.device.simulated import (
     GovernedRun,
     Phase,
     SimulatedGPU,
+    SimulatedSpec,
     ThermalModel,
     physics_preset,
+    simulated_gpus,
     steady_run,
 )
 from lightning_energy.errors import ConfigError, NotSupportedError
@@ -175,3 +177,49 @@ def test_a_single_phase_step_under_a_cap_lands_near_the_static_answer() -> None:
         static_s, static_w = A100.run(0.25, 0.85, cap_w, None)
         assert run.duration_s == pytest.approx(static_s, rel=0.02)
         assert run.power_w == pytest.approx(static_w, rel=0.02)
+
+
+def test_a_spec_with_step_phases_trains_on_them_and_the_cap_follows_them() -> None:
+    """A job's training step made of phases (``SimulatedSpec.step_phases``): under a cap
+    the governor moves the clock within each step; a lock at the same speed is cheaper."""
+    spec = SimulatedSpec(gpu="a100", step_time_s=STEP_S, step_phases=TWO_PHASES)
+    model = spec.model()
+    assert isinstance(model, type(A100)) and model.step_shape() == TWO_PHASES
+    assert model.step_compute_bound_share == pytest.approx(0.55)
+
+    def step_cost(setting: dict[str, float]) -> tuple[float, float]:
+        (gpu,) = simulated_gpus(spec)
+        if "cap_w" in setting:
+            gpu.set_power_limit_w(setting["cap_w"])
+        else:
+            gpu.set_locked_clocks_mhz(int(setting["clock_mhz"]), int(setting["clock_mhz"]))
+        gpu.run_step(3)  # settle
+        start_j, start_s = gpu.energy_j(), gpu.clock.now()
+        gpu.run_step(4)
+        gpu.set_power_limit_w(A100.default_power_limit_w)
+        gpu.reset_locked_clocks()
+        return (gpu.clock.now() - start_s) / 4, (gpu.energy_j() - start_j) / 4
+
+    capped_s, capped_j = step_cost({"cap_w": 250.0})
+    cheaper = [
+        joules
+        for clock in A100.sm_clocks_mhz[::3]
+        for seconds, joules in [step_cost({"clock_mhz": clock})]
+        if seconds <= capped_s
+    ]
+    assert min(cheaper) < capped_j
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"step_phases": (Phase(0.5, 1.0),)}, "add up to"),
+        ({"step_phases": TWO_PHASES, "compute_bound_share": 0.5}, "compute_bound_share"),
+        ({"gpu": "a40", "step_phases": TWO_PHASES}, "only applies to physics presets"),
+    ],
+)
+def test_bad_step_phases_in_a_spec_are_refused_with_what_is_allowed(
+    fields: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SimulatedSpec(**{"gpu": "a100", **fields}).model()  # type: ignore[arg-type]
