@@ -18,22 +18,17 @@ import math
 import select
 import socket
 from collections.abc import Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Protocol
 
+from lightning_energy.controller.knobs import ControllerRun
 from lightning_energy.errors import ConfigError, DeviceError
 from lightning_energy.job import measuring_ranks
 from lightning_energy.pacing import CarbonPacer, PaceUpdate
 
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
-    from lightning_energy.collectives import Collective
-    from lightning_energy.config import EnergyConfig
     from lightning_energy.controller.knobs import Knob
-    from lightning_energy.controller.ledger import RunLedger
     from lightning_energy.controller.power_limits import PowerLimitKnob
-    from lightning_energy.device.base import DeviceSet
-    from lightning_energy.device.guard import GPUGuard
     from lightning_energy.job import RankInfo
     from lightning_energy.measure import Measurement
 
@@ -51,28 +46,8 @@ _IDLE_SHARE = 0.15
 _IDLE_PROBE_S = 60.0
 
 
-class PacedRun(Protocol):
+class PacedRun(ControllerRun, Protocol):
     """What carbon pacing uses of the run it belongs to (the controller)."""
-
-    config: EnergyConfig
-
-    @property
-    def devices(self) -> DeviceSet: ...
-
-    @property
-    def collective(self) -> Collective: ...
-
-    @property
-    def run_guard(self) -> GPUGuard | None: ...
-
-    @property
-    def ledger(self) -> RunLedger: ...
-
-    @property
-    def counts_energy(self) -> bool: ...
-
-    @property
-    def total_steps(self) -> int | None: ...
 
     @property
     def ranks(self) -> Sequence[RankInfo]: ...
@@ -81,10 +56,6 @@ class PacedRun(Protocol):
     def power_limit(self) -> PowerLimitKnob: ...
 
     def paced_knob(self) -> Knob: ...
-
-    def changes_settings(self) -> bool: ...
-
-    def now(self) -> datetime: ...
 
 
 class CarbonPacing:

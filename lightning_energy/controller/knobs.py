@@ -29,9 +29,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from datetime import datetime
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-__all__ = ["Knob", "KnobDecision"]
+if TYPE_CHECKING:
+    from lightning_energy.collectives import Collective
+    from lightning_energy.config import EnergyConfig
+    from lightning_energy.controller.ledger import RunLedger
+    from lightning_energy.device.base import DeviceSet
+    from lightning_energy.device.guard import GPUGuard
+
+__all__ = ["ControllerRun", "Knob", "KnobDecision"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +82,32 @@ class Knob(Protocol):
         """Every rank: run at ``scale`` times the fastest step time from now on; what was
         set, for the ledger (None: nothing changed)."""
         ...
+
+
+class ControllerRun(Protocol):
+    """What the controller's collaborators (knobs, carbon pacing) use of the run they belong
+    to; each extends it with what it needs besides."""
+
+    config: EnergyConfig
+
+    @property
+    def devices(self) -> DeviceSet: ...
+
+    @property
+    def collective(self) -> Collective: ...
+
+    @property
+    def run_guard(self) -> GPUGuard | None: ...
+
+    @property
+    def ledger(self) -> RunLedger: ...
+
+    @property
+    def counts_energy(self) -> bool: ...
+
+    @property
+    def total_steps(self) -> int | None: ...
+
+    def changes_settings(self) -> bool: ...
+
+    def now(self) -> datetime: ...

@@ -22,20 +22,16 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lightning_energy.controller.knobs import KnobDecision
+from lightning_energy.controller.knobs import ControllerRun, KnobDecision
 from lightning_energy.controller.readings import WINDOW
 from lightning_energy.controller.session import ProfilingSession, WindowProgress
 from lightning_energy.errors import DeviceError
 
 if TYPE_CHECKING:
-    from lightning_energy.collectives import Collective
-    from lightning_energy.config import EnergyConfig
-    from lightning_energy.controller.ledger import RunLedger
     from lightning_energy.controller.records import Profile
-    from lightning_energy.device.base import GPU, DeviceSet
+    from lightning_energy.device.base import GPU
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer, SettingKind
 
@@ -63,34 +59,10 @@ def _busy_clock(gpu: GPU) -> tuple[int, int | None] | None:
     return reasons, None if clock_mhz is None else int(clock_mhz)
 
 
-class SettingRun(Protocol):
+class SettingRun(ControllerRun, Protocol):
     """What a setting knob uses of the run it belongs to (the controller)."""
 
-    config: EnergyConfig
-
-    @property
-    def devices(self) -> DeviceSet: ...
-
-    @property
-    def collective(self) -> Collective: ...
-
-    @property
-    def run_guard(self) -> GPUGuard | None: ...
-
-    @property
-    def ledger(self) -> RunLedger: ...
-
-    @property
-    def counts_energy(self) -> bool: ...
-
-    @property
-    def total_steps(self) -> int | None: ...
-
-    def changes_settings(self) -> bool: ...
-
     def current_power_limit_w(self) -> float | None: ...
-
-    def now(self) -> datetime: ...
 
     def clock(self) -> float: ...
 
