@@ -369,7 +369,7 @@ class EnergyController:
         self.setting.reuse_known_choice()
 
     def _start(self, devices: DeviceSet, guard: GPUGuard) -> None:
-        simulated = devices.backend == "simulated"
+        simulated = devices.virtual_time
         job_start = (simulated and self.config.device.start_time()) or utc_now()
         self._ledger.start(devices, [gpu_info(g) for g in devices.gpus], job_start)
         self.power_limit.start(guard)
@@ -384,7 +384,7 @@ class EnergyController:
         """This node's CPU and DRAM energy counters, or why there are none."""
         from lightning_energy.node_energy import open_counters
 
-        return open_counters(self.config.node_energy, simulated=devices.backend == "simulated")
+        return open_counters(self.config.node_energy, simulated=devices.virtual_time)
 
     def _start_node(self) -> None:
         """Measure the node's CPUs and DRAM when this rank is the lowest of the ranks that

@@ -202,6 +202,13 @@ class DeviceSet:
     backend: str
     run_step: Callable[[], object] | None = None
 
+    @property
+    def virtual_time(self) -> bool:
+        """Whether the GPUs' time is virtual (simulated GPUs): their work is simulated, not
+        run, and their clock, the job's start and the host's own counters do not follow the
+        wall clock together."""
+        return self.backend == "simulated"
+
     def synchronize(self) -> None:
         """Synchronise every GPU of the set."""
         for gpu in self.gpus:

@@ -59,7 +59,7 @@ class RankGPU:
     @property
     def simulated(self) -> bool:
         """Whether the GPU is simulated (Perseus then simulates the work too)."""
-        return self.devices.backend == "simulated"
+        return self.devices.virtual_time
 
     @property
     def clock(self) -> Callable[[], float]:

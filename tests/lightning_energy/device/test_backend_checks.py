@@ -24,8 +24,35 @@ def _backend_isinstance_calls(path: Path) -> list[str]:
     return found
 
 
+def _simulated_backend_comparisons(path: Path) -> list[str]:
+    """``<x>.backend == "simulated"`` (or ``!=``, ``in``): code asking whether the GPUs are
+    simulated instead of asking the device set what it needs to know."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        asks_backend = any(isinstance(o, ast.Attribute) and o.attr == "backend" for o in operands)
+        constants = {n.value for o in operands for n in ast.walk(o) if isinstance(n, ast.Constant)}
+        if asks_backend and "simulated" in constants:
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return found
+
+
+def _outside_the_device_layer() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if PACKAGE / "device" not in p.parents]
+
+
+def test_no_code_outside_the_device_layer_asks_whether_the_backend_is_simulated() -> None:
+    assert [
+        hit for path in _outside_the_device_layer() for hit in _simulated_backend_comparisons(path)
+    ] == []
+    # The device layer answers it (DeviceSet.virtual_time): the check sees it there.
+    assert _simulated_backend_comparisons(PACKAGE / "device" / "base.py")
+
+
 def test_no_isinstance_check_on_a_backend_outside_the_device_layer() -> None:
-    outside = [p for p in PACKAGE.rglob("*.py") if PACKAGE / "device" not in p.parents]
+    outside = _outside_the_device_layer()
     assert outside
     assert [hit for path in outside for hit in _backend_isinstance_calls(path)] == []
 
