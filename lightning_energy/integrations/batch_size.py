@@ -5,8 +5,7 @@ history suggests, stops once the target is reached (or once it costs too much), 
 itself::
 
     from lightning.pytorch import Trainer
-    from lightning_energy.integrations.batch_size import BatchSizeCallback
-    from lightning_energy.integrations.lightning import EnergyCallback
+    from lightning_energy.integrations.lightning import BatchSizeCallback, EnergyCallback
 
     trainer = Trainer(
         max_epochs=30,
@@ -19,9 +18,12 @@ itself::
     )
     trainer.fit(model, datamodule=datamodule)   # datamodule.batch_size is set for you
 
-For ``pytorch_lightning``, use ``PLBatchSizeCallback`` (or
-``batch_size_callback_class("pytorch_lightning")``); importing this module imports neither
-namespace until one of the classes is used.
+The callback is defined, like the energy callback, in each namespace's module:
+``lightning_energy.integrations.lightning.BatchSizeCallback`` and
+``lightning_energy.integrations.pytorch_lightning.BatchSizeCallback`` (also reachable here as
+``BatchSizeCallback`` and ``PLBatchSizeCallback``, or through
+``batch_size_callback_class(namespace)``); importing this module imports neither namespace
+until one of the classes is used.
 
 Settings come from the ``batch_size:`` section of the energy configuration (``config=``,
 else ``LIGHTNING_ENERGY_CONFIG``); an argument overrides the key it names. With
@@ -42,7 +44,6 @@ batch size, so the next run with it skips profiling. Only rank 0 talks to the st
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
@@ -59,15 +60,15 @@ from lightning_energy.recurring import Choice, RecurringRun, Verdict
 from lightning_energy.store import Store
 
 # ``BatchSizeCallback`` (lightning.pytorch) and ``PLBatchSizeCallback`` (pytorch_lightning)
-# are built on first access by the module ``__getattr__`` below.
+# are the namespaces' own classes, imported on first access by ``__getattr__`` below.
 __all__ = ["BatchSizeCallbackCore", "batch_size_callback_class"]
 
 log = logging.getLogger(__name__)
 
 _RUN = "batch-size-run"
-_CLASS_NAMES = {
-    "lightning.pytorch": "BatchSizeCallback",
-    "pytorch_lightning": "PLBatchSizeCallback",
+_NAMESPACES = {  # namespace: (the name here, the module defining its class)
+    "lightning.pytorch": ("BatchSizeCallback", "lightning_energy.integrations.lightning"),
+    "pytorch_lightning": ("PLBatchSizeCallback", "lightning_energy.integrations.pytorch_lightning"),
 }
 
 
@@ -274,7 +275,6 @@ class BatchSizeCallbackCore:
             )
 
 
-@functools.cache
 def batch_size_callback_class(namespace: str = "lightning.pytorch") -> type[BatchSizeCallbackCore]:
     """The batch-size callback for a Lightning namespace.
 
@@ -282,31 +282,24 @@ def batch_size_callback_class(namespace: str = "lightning.pytorch") -> type[Batc
         namespace: ``"lightning.pytorch"`` or ``"pytorch_lightning"``.
 
     Returns:
-        A subclass of :class:`BatchSizeCallbackCore` and of the namespace's ``Callback``.
+        The namespace module's ``BatchSizeCallback``: a subclass of
+        :class:`BatchSizeCallbackCore` and of the namespace's ``Callback``.
 
     Raises:
         ConfigError: an unknown namespace.
     """
-    if namespace not in _CLASS_NAMES:
+    if namespace not in _NAMESPACES:
         raise ConfigError(
-            f"namespace: {namespace!r} is not allowed; use one of {sorted(_CLASS_NAMES)}"
+            f"namespace: {namespace!r} is not allowed; use one of {sorted(_NAMESPACES)}"
         )
-    callback_base = importlib.import_module(f"{namespace}.callbacks").Callback
-    name = _CLASS_NAMES[namespace]
-    return type(
-        name,
-        (BatchSizeCallbackCore, callback_base),
-        {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"Batch-size optimisation for ``{namespace}``; see "
-            ":class:`BatchSizeCallbackCore` for the arguments.",
-        },
-    )
+    callback: type[BatchSizeCallbackCore] = importlib.import_module(
+        _NAMESPACES[namespace][1]
+    ).BatchSizeCallback
+    return callback
 
 
 def __getattr__(name: str) -> type[BatchSizeCallbackCore]:
-    for namespace, class_name in _CLASS_NAMES.items():
+    for namespace, (class_name, _) in _NAMESPACES.items():
         if name == class_name:
             return batch_size_callback_class(namespace)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,8 +26,10 @@ from lightning_energy.integrations._lightning_core import (
     EnergyStrategyCore,
     register_energy_strategies,
 )
+from lightning_energy.integrations.batch_size import BatchSizeCallbackCore
 
 __all__ = [
+    "BatchSizeCallback",
     "EnergyCallback",
     "EnergyDDPStrategy",
     "EnergySingleDeviceStrategy",
@@ -60,6 +62,12 @@ class EnergyCallback(EnergyCallbackCore, Callback):
         >>> cb.config.power_limit.selector
         'max_slowdown'
     """
+
+
+class BatchSizeCallback(BatchSizeCallbackCore, Callback):
+    """Batch-size optimisation across recurring runs; see
+    :class:`~lightning_energy.integrations.batch_size.BatchSizeCallbackCore` for the
+    arguments."""
 
 
 class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):

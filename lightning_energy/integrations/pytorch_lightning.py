@@ -18,8 +18,10 @@ from lightning_energy.integrations._lightning_core import (
     EnergyStrategyCore,
     register_energy_strategies,
 )
+from lightning_energy.integrations.batch_size import BatchSizeCallbackCore
 
 __all__ = [
+    "BatchSizeCallback",
     "EnergyCallback",
     "EnergyDDPStrategy",
     "EnergySingleDeviceStrategy",
@@ -31,6 +33,10 @@ __all__ = [
 # namespace's ``Callback`` names its own ``Trainer`` type, which the checker cannot match.
 class EnergyCallback(EnergyCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``integrations.lightning.EnergyCallback``."""
+
+
+class BatchSizeCallback(BatchSizeCallbackCore, Callback):
+    """The ``pytorch_lightning`` twin of ``integrations.lightning.BatchSizeCallback``."""
 
 
 class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
