@@ -16,6 +16,7 @@ from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergySingleDeviceCore,
     EnergyStrategyCore,
+    KareusDDPCore,
     register_energy_strategies,
 )
 
@@ -33,8 +34,9 @@ class EnergyCallback(EnergyCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``integrations.lightning.EnergyCallback``."""
 
 
-class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
-    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``)."""
+class EnergyDDPStrategy(KareusDDPCore, EnergyStrategyCore, DDPStrategy):
+    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``) and,
+    given ``data_parallel=``, a Kareus data-parallel setting applied to DDP."""
 
     callback_class = EnergyCallback
 

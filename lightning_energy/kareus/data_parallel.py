@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "DataParallelSetting",
     "ddp_kwargs",
     "gradient_group",
+    "refuse_decided",
     "wrap_ddp",
 ]
 
@@ -131,6 +133,24 @@ def ddp_kwargs(setting: DataParallelSetting, group: Any = None) -> dict[str, Any
     }
 
 
+def refuse_decided(kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse DDP arguments that a data-parallel setting decides.
+
+    Args:
+        kwargs: DDP arguments given beside a setting.
+        where: what they were given to, for the message.
+
+    Raises:
+        ConfigError: ``kwargs`` names ``bucket_cap_mb`` or ``process_group``.
+    """
+    clash = sorted({"bucket_cap_mb", "process_group"} & set(kwargs))
+    if clash:
+        raise ConfigError(
+            f"{where}: {', '.join(clash)} come from the data-parallel setting; give the "
+            "bucket size in the setting and the data-parallel group as `group`"
+        )
+
+
 def wrap_ddp(
     model: torch.nn.Module, setting: DataParallelSetting, group: Any = None, **kwargs: Any
 ) -> DistributedDataParallel:
@@ -149,10 +169,5 @@ def wrap_ddp(
         ConfigError: ``kwargs`` names ``bucket_cap_mb`` or ``process_group``, which the
             setting decides.
     """
-    clash = sorted({"bucket_cap_mb", "process_group"} & set(kwargs))
-    if clash:
-        raise ConfigError(
-            f"wrap_ddp: {', '.join(clash)} come from the data-parallel setting; pass the "
-            "group as `group` and the bucket size in the setting"
-        )
+    refuse_decided(kwargs, "wrap_ddp")
     return DistributedDataParallel(model, **ddp_kwargs(setting, group), **kwargs)
