@@ -352,11 +352,13 @@ class KareusDDPCore:
     (:class:`~lightning_energy.kareus.data_parallel.DataParallelSetting`) goes into the
     strategy's DDP arguments as it wraps the model, after the process group exists: every
     rank wraps at the same point, as the CTA-limited gradient group needs. Subclasses list
-    it before the DDP strategy.
+    it before :class:`EnergyStrategyCore` and the DDP strategy.
 
     Args:
         *args: passed to the base strategy.
-        data_parallel: the setting (None: DDP's own group and buckets).
+        data_parallel: the setting (None: that of the energy configuration's ``kareus``
+            section, ``data_parallel_ctas`` and ``data_parallel_bucket_cap_mb``; without
+            those, DDP's own group and buckets).
         **kwargs: passed to the base strategy (DDP's own arguments among them).
 
     Raises:
@@ -365,15 +367,18 @@ class KareusDDPCore:
     """
 
     _ddp_kwargs: dict[str, Any]  # the DDP strategy's own DDP arguments
+    energy_callback: EnergyCallbackCore  # set by EnergyStrategyCore
 
     def __init__(
         self, *args: Any, data_parallel: DataParallelSetting | None = None, **kwargs: Any
     ) -> None:
+        super().__init__(*args, **kwargs)
+        if data_parallel is None:
+            data_parallel = self.energy_callback.config.kareus.data_parallel()
         if data_parallel is not None:
             from lightning_energy.kareus.data_parallel import refuse_decided
 
             refuse_decided(kwargs, type(self).__name__)
-        super().__init__(*args, **kwargs)
         self.data_parallel = data_parallel
 
     def _setup_model(self, model: torch.nn.Module) -> Any:

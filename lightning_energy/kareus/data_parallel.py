@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ __all__ = [
     "ddp_kwargs",
     "gradient_group",
     "refuse_decided",
+    "setting_problems",
     "wrap_ddp",
 ]
 
@@ -68,30 +69,49 @@ class DataParallelSetting:
     clock_mhz: int | None = None
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.ctas is not None and not (_whole(self.ctas) and 1 <= self.ctas <= NCCL_MAX_CTAS):
-            problems.append(
-                f"ctas {self.ctas!r} is not allowed; use 1 to {NCCL_MAX_CTAS} (NCCL's channel "
-                "limit) or None (NCCL's default)"
-            )
-        cap = self.bucket_cap_mb
-        if not (_number(cap) and math.isfinite(cap) and cap > 0):
-            problems.append(f"bucket_cap_mb {cap!r} is not allowed; use a positive number of MB")
-        if self.clock_mhz is not None and not (_whole(self.clock_mhz) and self.clock_mhz > 0):
-            problems.append(
-                f"clock_mhz {self.clock_mhz!r} is not allowed; use a positive clock in MHz "
-                "or None (left as it is)"
-            )
+        problems = setting_problems(self.ctas, self.bucket_cap_mb, self.clock_mhz)
         if problems:
             raise ConfigError("kareus data-parallel setting: " + "; ".join(problems))
 
 
-def _whole(value: object) -> bool:
+def setting_problems(
+    ctas: object, bucket_cap_mb: object, clock_mhz: object, prefix: str = ""
+) -> list[str]:
+    """What is wrong with a data-parallel setting's values, each naming what is allowed.
+
+    Args:
+        ctas: the CTA count (None allowed).
+        bucket_cap_mb: the bucket size in MB.
+        clock_mhz: the clock (None allowed).
+        prefix: put before each name (a configuration section's, e.g. ``"kareus."``).
+
+    Returns:
+        One message per bad value (none: the setting is good).
+    """
+    problems = []
+    if ctas is not None and not (_whole(ctas) and 1 <= ctas <= NCCL_MAX_CTAS):
+        problems.append(
+            f"{prefix}ctas: {ctas!r} is not allowed; use 1 to {NCCL_MAX_CTAS} (NCCL's channel "
+            "limit) or null (NCCL's default)"
+        )
+    if not (_number(bucket_cap_mb) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+        problems.append(
+            f"{prefix}bucket_cap_mb: {bucket_cap_mb!r} is not allowed; use a positive number of MB"
+        )
+    if clock_mhz is not None and not (_whole(clock_mhz) and clock_mhz > 0):
+        problems.append(
+            f"{prefix}clock_mhz: {clock_mhz!r} is not allowed; use a positive clock in MHz or "
+            "null (left as it is)"
+        )
+    return problems
+
+
+def _whole(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[float]:
     """Whether ``value`` is an int or a float (not a bool)."""
     return _whole(value) or isinstance(value, float)
 

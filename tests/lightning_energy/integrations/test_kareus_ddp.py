@@ -42,7 +42,26 @@ def test_without_a_setting_ddp_keeps_its_own(strategy_class: Any) -> None:
     assert ddp.process_group is dist.group.WORLD
 
 
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize("strategy_class", NAMESPACES)
+def test_the_kareus_section_gives_the_setting(strategy_class: Any) -> None:
+    section = {"data_parallel_ctas": 2, "data_parallel_bucket_cap_mb": 5.0}
+    ddp = wrap(strategy_class, energy={"kareus": section})
+    assert ddp.bucket_bytes_cap == 5 * 1024 * 1024
+    assert ddp.process_group is not dist.group.WORLD
+    # An argument wins over the section.
+    ddp = wrap(
+        strategy_class,
+        energy={"kareus": section},
+        data_parallel=DataParallelSetting(bucket_cap_mb=9),
+    )
+    assert ddp.bucket_bytes_cap == 9 * 1024 * 1024
+    assert ddp.process_group is dist.group.WORLD
+
+
 @pytest.mark.parametrize("strategy_class", NAMESPACES)
 def test_a_setting_with_ddps_bucket_size_is_refused(strategy_class: Any) -> None:
     with pytest.raises(ConfigError, match="bucket_cap_mb come from the data-parallel setting"):
         strategy_class(data_parallel=DataParallelSetting(), bucket_cap_mb=5)
+    with pytest.raises(ConfigError, match="process_group come from the data-parallel setting"):
+        strategy_class(energy={"kareus": {"data_parallel_ctas": 4}}, process_group=None)

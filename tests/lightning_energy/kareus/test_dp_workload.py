@@ -116,7 +116,7 @@ def test_bad_groups_and_settings_are_refused_naming_what_is_allowed() -> None:
             OverlapModel(shipped_physics()), LLAMA_3_2_3B, dp_size=1, bucket_caps_mb=(0.0,)
         )
     assert "dp_size: 1 is not allowed; use >= 2" in str(info.value)
-    assert "bucket_cap_mb 0.0 is not allowed" in str(info.value)
+    assert "bucket_cap_mb: 0.0 is not allowed" in str(info.value)
     dp = group()
     with pytest.raises(ConfigError, match=r"slot 6 is not allowed; use the index of a bucket"):
         dp.exact(DP_KEY, [PartitionSetting(1410, 8, len(CAPS_MB))])
