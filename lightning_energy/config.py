@@ -60,6 +60,7 @@ from lightning_energy.errors import ConfigError
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
     from lightning_energy.device.simulated import SimulatedSpec
+    from lightning_energy.kareus.data_parallel import DataParallelSetting
     from lightning_energy.optimize.selectors import Selector
 
 __all__ = [
@@ -287,6 +288,10 @@ class KareusConfig:
         layers_per_stage: transformer layers on each pipeline stage, each >= 1.
         tp_size: the tensor-parallel size the partitions were measured at, >= 2 (None:
             not recorded); the plan records it and the runtime refuses another.
+        data_parallel_ctas: data-parallel training: the CTAs of the gradient all-reduce,
+            1 to 32 (None: NCCL's own); applied by the Lightning energy DDP strategy.
+        data_parallel_bucket_cap_mb: data-parallel training: DDP's bucket size in MB
+            (None: DDP's 25 MB); applied by the Lightning energy DDP strategy.
     """
 
     enabled: bool = False
@@ -294,6 +299,27 @@ class KareusConfig:
     non_partition_profile: str | None = None
     layers_per_stage: tuple[int, ...] | None = None
     tp_size: int | None = None
+    data_parallel_ctas: int | None = None
+    data_parallel_bucket_cap_mb: float | None = None
+
+    def data_parallel(self) -> DataParallelSetting | None:
+        """The data-parallel setting of the section (None: neither key set)."""
+        values = self.data_parallel_values()
+        if values is None:
+            return None
+        from lightning_energy.kareus.data_parallel import DataParallelSetting
+
+        return DataParallelSetting(ctas=values[0], bucket_cap_mb=values[1])
+
+    def data_parallel_values(self) -> tuple[int | None, float] | None:
+        """The data-parallel CTAs and bucket size, DDP's bucket size where none is given
+        (None: neither key set)."""
+        if self.data_parallel_ctas is None and self.data_parallel_bucket_cap_mb is None:
+            return None
+        from lightning_energy.kareus.data_parallel import DDP_DEFAULT_BUCKET_CAP_MB
+
+        cap = self.data_parallel_bucket_cap_mb
+        return self.data_parallel_ctas, DDP_DEFAULT_BUCKET_CAP_MB if cap is None else cap
 
 
 @dataclass(frozen=True)
@@ -775,6 +801,11 @@ def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: lis
         problems.append(
             f"kareus.tp_size: {section.tp_size} is not allowed; use an integer >= 2 or null"
         )
+    values = section.data_parallel_values()
+    if values is not None:
+        from lightning_energy.kareus.data_parallel import setting_problems
+
+        problems.extend(setting_problems(*values, None, "kareus.data_parallel_"))
     if section.enabled:
         # A key given with a bad value is reported as such, not as missing.
         missing = [

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     # Type-checked as a Lightning callback, so ``@override`` is checked against its hooks;
     # at run time the core imports neither namespace (each subclass adds its own base).
     from lightning.pytorch.callbacks import Callback as _CallbackBase
+
+    from lightning_energy.kareus.data_parallel import DataParallelSetting
 else:
     _CallbackBase = object
 
@@ -341,6 +343,51 @@ class EnergyStrategyCore:
         checkpoints = [id(cb) for cb in trainer.checkpoint_callbacks]
         at = next((i for i, cb in enumerate(callbacks) if id(cb) in checkpoints), len(callbacks))
         trainer.callbacks = [*callbacks[:at], self.energy_callback, *callbacks[at:]]
+
+
+class KareusDDPCore:
+    """Mixin applying a Kareus data-parallel setting when a DDP strategy wraps the model.
+
+    DDP takes its process group and bucket size only at construction, so the setting
+    (:class:`~lightning_energy.kareus.data_parallel.DataParallelSetting`) goes into the
+    strategy's DDP arguments as it wraps the model, after the process group exists: every
+    rank wraps at the same point, as the CTA-limited gradient group needs. Subclasses list
+    it before :class:`EnergyStrategyCore` and the DDP strategy.
+
+    Args:
+        *args: passed to the base strategy.
+        data_parallel: the setting (None: that of the energy configuration's ``kareus``
+            section, ``data_parallel_ctas`` and ``data_parallel_bucket_cap_mb``; without
+            those, DDP's own group and buckets).
+        **kwargs: passed to the base strategy (DDP's own arguments among them).
+
+    Raises:
+        ConfigError: a setting together with DDP's ``bucket_cap_mb`` or ``process_group``
+            (the setting decides them).
+    """
+
+    _ddp_kwargs: dict[str, Any]  # the DDP strategy's own DDP arguments
+    energy_callback: EnergyCallbackCore  # set by EnergyStrategyCore
+
+    def __init__(
+        self, *args: Any, data_parallel: DataParallelSetting | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if data_parallel is None:
+            data_parallel = self.energy_callback.config.kareus.data_parallel()
+        if data_parallel is not None:
+            from lightning_energy.kareus.data_parallel import refuse_decided
+
+            refuse_decided(kwargs, type(self).__name__)
+        self.data_parallel = data_parallel
+
+    def _setup_model(self, model: torch.nn.Module) -> Any:
+        """Wrap ``model`` in DDP under the data-parallel setting."""
+        if self.data_parallel is not None:
+            from lightning_energy.kareus.data_parallel import ddp_kwargs
+
+            self._ddp_kwargs = {**self._ddp_kwargs, **ddp_kwargs(self.data_parallel)}
+        return super()._setup_model(model)  # type: ignore[misc]
 
 
 class EnergySingleDeviceCore(EnergyStrategyCore):

@@ -16,6 +16,7 @@ from lightning_energy.integrations._lightning_core import (
     EnergyCallbackCore,
     EnergySingleDeviceCore,
     EnergyStrategyCore,
+    KareusDDPCore,
     register_energy_strategies,
 )
 from lightning_energy.integrations.batch_size import BatchSizeCallbackCore
@@ -39,8 +40,9 @@ class BatchSizeCallback(BatchSizeCallbackCore, Callback):
     """The ``pytorch_lightning`` twin of ``integrations.lightning.BatchSizeCallback``."""
 
 
-class EnergyDDPStrategy(EnergyStrategyCore, DDPStrategy):
-    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``)."""
+class EnergyDDPStrategy(KareusDDPCore, EnergyStrategyCore, DDPStrategy):
+    """``DDPStrategy`` with the energy callback attached (``strategy="energy_ddp"``) and,
+    given ``data_parallel=``, a Kareus data-parallel setting applied to DDP."""
 
     callback_class = EnergyCallback
 

@@ -15,6 +15,11 @@ The pieces, in the order a user meets them:
 * :mod:`.runtime`: a plan's settings checked against the model, the CTA-limited NCCL
   groups, and one partition's collective issued at its launch slot on a communication
   stream;
+* :mod:`.data_parallel`: the knobs of data-parallel training (the gradient all-reduce's
+  CTAs through a CTA-limited group, DDP's bucket size, the clock), applied when DDP wraps
+  the model;
+* :mod:`.dp_workload`: the simulated GPU's answer for data-parallel training, a backward
+  with its gradient all-reduce in overlapped buckets, measured for the partition search;
 * :mod:`.megatron_layer` (needs Megatron-Core; not imported here): the runtime for
   Megatron-Core, a layer spec whose layers overlap two nano-batches at a plan's settings
   (``KareusMegatron``, given to ``MegatronEnergy(kareus=...)``, which applies the plan's

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError
+from lightning_energy.kareus.data_parallel import DDP_DEFAULT_BUCKET_CAP_MB
 
 SECTION = {
     "enabled": True,
@@ -53,7 +54,11 @@ def test_every_bad_value_is_reported_at_once() -> None:
     assert "kareus.measurements_dir: '  ' is not allowed; use a path or null" in found
     assert any(p.startswith("kareus.layers_per_stage: [15, 0] is not allowed") for p in found)
     assert any(
-        p.startswith("kareus.nanobatches: unknown key; allowed keys: enabled,") for p in found
+        p.startswith(
+            "kareus.nanobatches: unknown key; allowed keys: data_parallel_bucket_cap_mb, "
+            "data_parallel_ctas, enabled,"
+        )
+        for p in found
     )
     assert problems({**SECTION, "layers_per_stage": "15,13"}) == [
         "kareus.layers_per_stage: '15,13' is not allowed; use a list of integers"
@@ -67,3 +72,23 @@ def test_a_tensor_parallel_size_below_two_is_refused() -> None:
     assert (
         EnergyConfig.from_mapping({"kareus": {**SECTION, "tp_size": None}}).kareus.tp_size is None
     )
+
+
+def test_the_data_parallel_keys_give_a_setting() -> None:
+    kareus = EnergyConfig.from_mapping({"kareus": {"data_parallel_ctas": 8}}).kareus
+    setting = kareus.data_parallel()
+    assert setting is not None
+    assert (setting.ctas, setting.bucket_cap_mb) == (8, DDP_DEFAULT_BUCKET_CAP_MB)
+    section = {"data_parallel_bucket_cap_mb": 100}
+    setting = EnergyConfig.from_mapping({"kareus": section}).kareus.data_parallel()
+    assert setting is not None and (setting.ctas, setting.bucket_cap_mb) == (None, 100.0)
+    assert EnergyConfig.from_mapping({}).kareus.data_parallel() is None
+
+
+def test_bad_data_parallel_keys_are_named() -> None:
+    section = {"data_parallel_ctas": 33, "data_parallel_bucket_cap_mb": -1}
+    with pytest.raises(ConfigError) as info:
+        EnergyConfig.from_mapping({"kareus": section})
+    found = str(info.value)
+    assert "kareus.data_parallel_ctas: 33 is not allowed; use 1 to 32" in found
+    assert "kareus.data_parallel_bucket_cap_mb: -1.0 is not allowed; use a positive" in found

@@ -1,0 +1,193 @@
+"""Kareus' knobs for data-parallel training: the gradient all-reduce's CTAs, its buckets
+and the clock.
+
+Under DDP (Lightning's DDP strategy, Accelerate) the gradient all-reduce overlaps the
+backward pass. Three knobs decide how it overlaps:
+
+* ``ctas``: the SMs the all-reduce may use, through a gradient process group whose NCCL
+  communicator is limited to that many CTAs (:func:`~.runtime.cta_groups`: per
+  communicator, never the process-wide ``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS``);
+* ``bucket_cap_mb``: DDP's bucket size, which decides when communication starts (a bucket
+  is all-reduced as soon as its gradients are ready);
+* ``clock_mhz``: the GPU clock during the step.
+
+DDP takes its process group and bucket size only when it wraps the model, so a setting
+is applied there: :func:`ddp_kwargs` gives the constructor's arguments and
+:func:`wrap_ddp` wraps a model. The clock is not set here; it is the GPU's clock for the
+step, set by the device layer like any other clock.
+
+Example::
+
+    setting = DataParallelSetting(ctas=8, bucket_cap_mb=50)
+    model = wrap_ddp(model, setting, device_ids=[local_rank])  # on every rank
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_energy.errors import ConfigError
+from lightning_energy.kareus.runtime import NCCL_MAX_CTAS, cta_groups
+
+__all__ = [
+    "DDP_DEFAULT_BUCKET_CAP_MB",
+    "DataParallelSetting",
+    "ddp_kwargs",
+    "gradient_group",
+    "refuse_decided",
+    "setting_problems",
+    "wrap_ddp",
+]
+
+#: DDP's own bucket size (``DistributedDataParallel(bucket_cap_mb=None)``).
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+@dataclass(frozen=True)
+class DataParallelSetting:
+    """One data-parallel setting.
+
+    Args:
+        ctas: the CTAs the gradient all-reduce may use, 1 to :data:`~.runtime.NCCL_MAX_CTAS`
+            (None: NCCL's own choice, the default process group).
+        bucket_cap_mb: DDP's bucket size in MB, positive and finite.
+        clock_mhz: the GPU clock during the step (None: left as it is).
+
+    Raises:
+        ConfigError: a value out of range, naming what is allowed.
+    """
+
+    ctas: int | None = None
+    bucket_cap_mb: float = DDP_DEFAULT_BUCKET_CAP_MB
+    clock_mhz: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = setting_problems(self.ctas, self.bucket_cap_mb, self.clock_mhz)
+        if problems:
+            raise ConfigError("kareus data-parallel setting: " + "; ".join(problems))
+
+
+def setting_problems(
+    ctas: object, bucket_cap_mb: object, clock_mhz: object, prefix: str = ""
+) -> list[str]:
+    """What is wrong with a data-parallel setting's values, each naming what is allowed.
+
+    Args:
+        ctas: the CTA count (None allowed).
+        bucket_cap_mb: the bucket size in MB.
+        clock_mhz: the clock (None allowed).
+        prefix: put before each name (a configuration section's, e.g. ``"kareus."``).
+
+    Returns:
+        One message per bad value (none: the setting is good).
+    """
+    problems = []
+    if ctas is not None and not (_whole(ctas) and 1 <= ctas <= NCCL_MAX_CTAS):
+        problems.append(
+            f"{prefix}ctas: {ctas!r} is not allowed; use 1 to {NCCL_MAX_CTAS} (NCCL's channel "
+            "limit) or null (NCCL's default)"
+        )
+    if not (_number(bucket_cap_mb) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+        problems.append(
+            f"{prefix}bucket_cap_mb: {bucket_cap_mb!r} is not allowed; use a positive number of MB"
+        )
+    if clock_mhz is not None and not (_whole(clock_mhz) and clock_mhz > 0):
+        problems.append(
+            f"{prefix}clock_mhz: {clock_mhz!r} is not allowed; use a positive clock in MHz or "
+            "null (left as it is)"
+        )
+    return problems
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is an int or a float (not a bool)."""
+    return _whole(value) or isinstance(value, float)
+
+
+def gradient_group(setting: DataParallelSetting, group: Any = None) -> Any:
+    """The process group the gradients are all-reduced in under ``setting``.
+
+    With ``ctas`` set, a copy of ``group`` whose NCCL communicator is limited to that many
+    CTAs (on gloo, which has no CTAs, a plain copy), created collectively: call it on every
+    rank at the same point. Without, ``group`` itself.
+
+    Args:
+        setting: the data-parallel setting.
+        group: this rank's data-parallel group (None: the default process group).
+
+    Returns:
+        The gradient group (None: the default process group).
+    """
+    if setting.ctas is None:
+        return group
+    base = group if group is not None else dist.group.WORLD
+    return cta_groups(base, (setting.ctas,))[setting.ctas]
+
+
+def ddp_kwargs(setting: DataParallelSetting, group: Any = None) -> dict[str, Any]:
+    """``DistributedDataParallel``'s arguments for ``setting``: ``bucket_cap_mb`` and
+    ``process_group`` (see :func:`gradient_group`; collective when ``ctas`` is set).
+
+    Args:
+        setting: the data-parallel setting.
+        group: this rank's data-parallel group (None: the default process group).
+
+    Returns:
+        The keyword arguments, to pass to DDP (or to a strategy that builds it).
+    """
+    return {
+        "bucket_cap_mb": float(setting.bucket_cap_mb),
+        "process_group": gradient_group(setting, group),
+    }
+
+
+def refuse_decided(kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse DDP arguments that a data-parallel setting decides.
+
+    Args:
+        kwargs: DDP arguments given beside a setting.
+        where: what they were given to, for the message.
+
+    Raises:
+        ConfigError: ``kwargs`` names ``bucket_cap_mb`` or ``process_group``.
+    """
+    clash = sorted({"bucket_cap_mb", "process_group"} & set(kwargs))
+    if clash:
+        raise ConfigError(
+            f"{where}: {', '.join(clash)} come from the data-parallel setting; give the "
+            "bucket size in the setting and the data-parallel group as `group`"
+        )
+
+
+def wrap_ddp(
+    model: torch.nn.Module, setting: DataParallelSetting, group: Any = None, **kwargs: Any
+) -> DistributedDataParallel:
+    """``model`` in DDP under ``setting``; call it on every rank at the same point.
+
+    Args:
+        model: the module to wrap.
+        setting: the data-parallel setting.
+        group: this rank's data-parallel group (None: the default process group).
+        **kwargs: DDP's other arguments (``device_ids``...).
+
+    Returns:
+        The wrapped model.
+
+    Raises:
+        ConfigError: ``kwargs`` names ``bucket_cap_mb`` or ``process_group``, which the
+            setting decides.
+    """
+    refuse_decided(kwargs, "wrap_ddp")
+    return DistributedDataParallel(model, **ddp_kwargs(setting, group), **kwargs)
