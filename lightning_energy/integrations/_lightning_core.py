@@ -8,6 +8,7 @@ imports neither: it only translates trainer hooks into controller calls.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,6 +43,8 @@ __all__ = [
     "EnergyStrategyCore",
     "register_energy_strategies",
 ]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -267,11 +270,21 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             self._finish_run(trainer)
 
     def _finish_run(self, trainer: _Trainer) -> None:
+        """End the run and log its summary to every logger; a logger that refuses the
+        values (a fixed schema) is warned about, and the fit ends as it would without us."""
         summary = self._finish()
         if summary is None:
             return
         for logger in trainer.loggers:
-            logger.log_metrics(summary_values(summary), step=trainer.global_step)
+            try:
+                logger.log_metrics(summary_values(summary), step=trainer.global_step)
+            except Exception as exc:
+                log.warning(
+                    "The %s logger refused the energy summary (%s: %s); training is unaffected.",
+                    type(logger).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
 
     # ----------------------------------------------------------------- helpers
     def _declare_workload(self, trainer: _Trainer, pl_module: _Module) -> None:

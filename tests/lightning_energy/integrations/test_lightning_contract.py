@@ -11,6 +11,7 @@ real Trainers on CPU, a simulated A40.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,36 @@ def test_a_training_step_taking_the_dataloader_iterator_gets_energy_values_logge
     trainer.fit(IteratorModule(), make_loader())
     assert logger.logged["energy/total_j"] > 0
     assert "energy/total_j" in trainer.callback_metrics
+
+
+def test_a_logger_refusing_the_energy_summary_leaves_the_fit_as_it_was(
+    namespace: tuple[Any, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ns, integ = namespace
+
+    class OnlyItsOwnKeys(_recording_logger(ns).__class__):  # type: ignore[misc]
+        """Rejects a dictionary without its own key, as a logger with a schema does."""
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            if not any(key.startswith("loss") for key in metrics):
+                raise ValueError(f"unexpected keys {sorted(metrics)}")
+            super().log_metrics(metrics, step)
+
+    class LoggingLoss(module_class(ns)):  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = super().training_step(batch, batch_idx)
+            self.log("loss", loss)
+            return loss
+
+    logger = OnlyItsOwnKeys()
+    callback = integ.EnergyCallback(energy_config(tmp_path))
+    trainer = quiet_trainer(ns, callback, tmp_path, 12, logger=logger, log_every_n_steps=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        trainer.fit(LoggingLoss(), make_loader())
+    assert trainer.global_step == 12 and callback.summary is not None and not callback.running
+    assert "loss" in logger.logged
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "OnlyItsOwnKeys" in warning and "unexpected keys" in warning
 
 
 # ---------------------------------------------------------------------- unchanged outcomes
