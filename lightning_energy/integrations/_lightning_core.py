@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -103,6 +104,9 @@ class _Trainer(Protocol):
     @property
     def progress_bar_callback(self) -> object: ...
 
+    @property
+    def state(self) -> Any: ...
+
 
 class _Module(Protocol):
     """What the callback uses of a ``LightningModule`` (either namespace)."""
@@ -140,6 +144,8 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     """
 
     applied_sections = frozenset({"perseus", "batch_size"})
+    # The Trainer of the open run (held weakly), to tell a fit ended without our hooks.
+    _trainer: weakref.ref[_Trainer] | None = None
 
     @property
     @override
@@ -181,7 +187,26 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             # installed at train start, on top of it (see ``on_train_start``).
             install_signal_handlers=False,
         )
+        self._trainer = weakref.ref(trainer)
         self._begin_run(controller, main_process=trainer.is_global_zero, collective=collective)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy gets (see :class:`EnergyAdapter`), without the Trainer's reference."""
+        state = super().__getstate__()
+        state.pop("_trainer", None)
+        return state
+
+    def _abandoned(self) -> str | None:
+        """The fit of this run's Trainer ended without calling ``on_exception`` or
+        ``teardown`` on this callback (``Tuner.lr_find`` raising while it has swapped the
+        Trainer's callbacks for its own), or the Trainer is gone."""
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            return "outlived its Trainer"
+        status = str(getattr(trainer.state.status, "value", trainer.state.status))
+        if status == "running":
+            return None
+        return f"was left open by a fit that ended ({status}) without the callback's hooks"
 
     @override
     def on_train_start(self, trainer: _Trainer, pl_module: _Module) -> None:

@@ -260,6 +260,33 @@ def test_an_exception_in_training_reaches_the_caller_as_it_was_raised(
     assert callback.summary is not None and not callback.running
 
 
+def test_a_fit_whose_exception_skips_the_callback_leaves_no_run_open_for_the_next(
+    namespace: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """``Tuner.lr_find`` swaps the Trainer's callbacks for its own and raises with a model
+    of two optimizers: neither ``on_exception`` nor ``teardown`` reaches the callback."""
+    ns, integ = namespace
+
+    class TwoOptimizers(module_class(ns)):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.lr = 0.1
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.parameters(), lr=0.1) for _ in range(2)]
+
+    skipped = integ.EnergyCallback(energy_config(tmp_path))
+    trainer = quiet_trainer(ns, skipped, tmp_path, 12)
+    with pytest.raises(ns.utilities.exceptions.MisconfigurationException, match="optimizer"):
+        ns.tuner.Tuner(trainer).lr_find(TwoOptimizers(), make_loader())
+    assert trainer.state.status == "interrupted"
+    after = integ.EnergyCallback(energy_config(tmp_path))
+    quiet_trainer(ns, after, tmp_path, 12).fit(module_class(ns)(), make_loader())
+    assert not skipped.running and skipped.summary is not None
+    assert after.summary is not None and not after.summary.observe_only
+
+
 # ---------------------------------------------------------------------- pickling
 def test_the_callback_pickles_before_during_and_after_a_fit(
     namespace: tuple[Any, Any], tmp_path: Path
