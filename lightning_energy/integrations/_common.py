@@ -349,6 +349,7 @@ class EnergyAdapter:
             # Loaded now: a run ended at interpreter exit may import nothing any more
             # (the report's imports register exit handlers of their own).
             importlib.import_module("lightning_energy.report")
+        self._end_abandoned_runs()
         controller.setup(collective=collective, observe=self._driven_elsewhere(controller))
         self._running = True
         self._run_pid = os.getpid()
@@ -358,6 +359,22 @@ class EnergyAdapter:
         if pending is not None:
             controller.handle(CheckpointLoad(pending))
         return controller
+
+    def _abandoned(self) -> str | None:
+        """Why the framework can no longer end this adapter's open run (None: it can)."""
+        return None
+
+    def _end_abandoned_runs(self) -> None:
+        """End the open runs of other adapters of this process that their framework can no
+        longer end (see :meth:`_abandoned`), so they leave the GPUs to this run."""
+        for other in list(self._open_runs):
+            if other is self or other._run_pid != os.getpid():
+                continue
+            reason = other._abandoned()
+            if reason is not None:
+                other._end_alone(
+                    f"the {type(other).__name__} run {reason}; it ended now (GPU settings restored)"
+                )
 
     def _driven_elsewhere(self, controller: EnergyController) -> str | None:
         """Why ``controller`` may only observe: a GPU of it that an open run of another

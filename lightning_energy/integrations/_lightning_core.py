@@ -8,8 +8,10 @@ imports neither: it only translates trainer hooks into controller calls.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -44,6 +46,8 @@ __all__ = [
     "EnergyStrategyCore",
     "register_energy_strategies",
 ]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -105,6 +109,9 @@ class _Trainer(Protocol):
     @property
     def progress_bar_callback(self) -> object: ...
 
+    @property
+    def state(self) -> Any: ...
+
 
 class _Module(Protocol):
     """What the callback uses of a ``LightningModule`` (either namespace)."""
@@ -146,6 +153,8 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     #: Under gradient accumulation a step ends at the batch whose optimizer step moves
     #: ``global_step``: one step per optimizer step, as ``estimated_stepping_batches``.
     _step_opened_at: int | None = None
+    # The Trainer of the open run (held weakly), to tell a fit ended without our hooks.
+    _trainer: weakref.ref[_Trainer] | None = None
 
     @property
     @override
@@ -188,7 +197,26 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             install_signal_handlers=False,
         )
         self._step_opened_at = None
+        self._trainer = weakref.ref(trainer)
         self._begin_run(controller, main_process=trainer.is_global_zero, collective=collective)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy gets (see :class:`EnergyAdapter`), without the Trainer's reference."""
+        state = super().__getstate__()
+        state.pop("_trainer", None)
+        return state
+
+    def _abandoned(self) -> str | None:
+        """The fit of this run's Trainer ended without calling ``on_exception`` or
+        ``teardown`` on this callback (``Tuner.lr_find`` raising while it has swapped the
+        Trainer's callbacks for its own), or the Trainer is gone."""
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            return "outlived its Trainer"
+        status = str(getattr(trainer.state.status, "value", trainer.state.status))
+        if status == "running":
+            return None
+        return f"was left open by a fit that ended ({status}) without the callback's hooks"
 
     @override
     def on_train_start(self, trainer: _Trainer, pl_module: _Module) -> None:
@@ -284,11 +312,21 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             self._finish_run(trainer)
 
     def _finish_run(self, trainer: _Trainer) -> None:
+        """End the run and log its summary to every logger; a logger that refuses the
+        values (a fixed schema) is warned about, and the fit ends as it would without us."""
         summary = self._finish()
         if summary is None:
             return
         for logger in trainer.loggers:
-            logger.log_metrics(summary_values(summary), step=trainer.global_step)
+            try:
+                logger.log_metrics(summary_values(summary), step=trainer.global_step)
+            except Exception as exc:
+                log.warning(
+                    "The %s logger refused the energy summary (%s: %s); training is unaffected.",
+                    type(logger).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
 
     # ----------------------------------------------------------------- helpers
     def _declare_workload(self, trainer: _Trainer, pl_module: _Module) -> None:

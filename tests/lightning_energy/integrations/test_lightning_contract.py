@@ -11,6 +11,7 @@ real Trainers on CPU, a simulated A40.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,36 @@ def test_a_training_step_taking_the_dataloader_iterator_gets_energy_values_logge
     assert "energy/total_j" in trainer.callback_metrics
 
 
+def test_a_logger_refusing_the_energy_summary_leaves_the_fit_as_it_was(
+    namespace: tuple[Any, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ns, integ = namespace
+
+    class OnlyItsOwnKeys(_recording_logger(ns).__class__):  # type: ignore[misc]
+        """Rejects a dictionary without its own key, as a logger with a schema does."""
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            if not any(key.startswith("loss") for key in metrics):
+                raise ValueError(f"unexpected keys {sorted(metrics)}")
+            super().log_metrics(metrics, step)
+
+    class LoggingLoss(module_class(ns)):  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = super().training_step(batch, batch_idx)
+            self.log("loss", loss)
+            return loss
+
+    logger = OnlyItsOwnKeys()
+    callback = integ.EnergyCallback(energy_config(tmp_path))
+    trainer = quiet_trainer(ns, callback, tmp_path, 12, logger=logger, log_every_n_steps=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_energy"):
+        trainer.fit(LoggingLoss(), make_loader())
+    assert trainer.global_step == 12 and callback.summary is not None and not callback.running
+    assert "loss" in logger.logged
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "OnlyItsOwnKeys" in warning and "unexpected keys" in warning
+
+
 # ---------------------------------------------------------------------- unchanged outcomes
 def _outcome(ns: Any, callback: Any, tmp_path: Path, **trainer_kw: Any) -> dict[str, Any]:
     """Fit, validate and test one seeded model; what Lightning returns and keeps."""
@@ -235,6 +266,33 @@ def test_an_exception_in_training_reaches_the_caller_as_it_was_raised(
         quiet_trainer(ns, callback, tmp_path, 12).fit(Failing(), make_loader())
     assert raised.value is error
     assert callback.summary is not None and not callback.running
+
+
+def test_a_fit_whose_exception_skips_the_callback_leaves_no_run_open_for_the_next(
+    namespace: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """``Tuner.lr_find`` swaps the Trainer's callbacks for its own and raises with a model
+    of two optimizers: neither ``on_exception`` nor ``teardown`` reaches the callback."""
+    ns, integ = namespace
+
+    class TwoOptimizers(module_class(ns)):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.lr = 0.1
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.parameters(), lr=0.1) for _ in range(2)]
+
+    skipped = integ.EnergyCallback(energy_config(tmp_path))
+    trainer = quiet_trainer(ns, skipped, tmp_path, 12)
+    with pytest.raises(ns.utilities.exceptions.MisconfigurationException, match="optimizer"):
+        ns.tuner.Tuner(trainer).lr_find(TwoOptimizers(), make_loader())
+    assert trainer.state.status == "interrupted"
+    after = integ.EnergyCallback(energy_config(tmp_path))
+    quiet_trainer(ns, after, tmp_path, 12).fit(module_class(ns)(), make_loader())
+    assert not skipped.running and skipped.summary is not None
+    assert after.summary is not None and not after.summary.observe_only
 
 
 # ---------------------------------------------------------------------- pickling
