@@ -699,6 +699,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The last second of the year 9999, the end of Python's calendar, in Unix seconds.
+_LAST_TIME_S = 253_402_300_799
+
+
+def _is_time(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return 0 <= value <= _LAST_TIME_S
+
+
 #: Each stored trial field: its check and what it must hold (for the error).
 _TRIAL_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "run_id": (lambda v: isinstance(v, str) and bool(v), "a run id"),
@@ -714,8 +724,8 @@ _TRIAL_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "eta": (_is_number, "a finite number"),
     "converged": (lambda v: v in (0, 1) and not isinstance(v, float), "true or false"),
     "metric": (lambda v: v is None or _is_number(v), "a number or null"),
-    "started_at": (_is_number, "a time (Unix seconds)"),
-    "finished_at": (_is_number, "a time (Unix seconds)"),
+    "started_at": (_is_time, "a time (Unix seconds from 1970 to 9999)"),
+    "finished_at": (_is_time, "a time (Unix seconds from 1970 to 9999)"),
 }
 
 

@@ -142,6 +142,26 @@ def test_any_stored_trial_field_is_read_or_refused_by_history(
         assert err.startswith("error: trial 1") and f"{column} holds" in err
 
 
+@pytest.mark.parametrize("column", ["started_at", "finished_at"])
+@pytest.mark.parametrize("value", [-62_135_596_801, 6.77680361916768e16])
+def test_history_refuses_a_time_no_calendar_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], column: str, value: float
+) -> None:
+    from lightning_energy.cli import EXIT_FAILURE, main
+
+    path = _fresh(tmp_path)
+    with Store.open(f"sqlite:///{path}") as store:
+        store.add_trial(
+            TrialRecord(JOB, 32, 250.0, 3, 4.2e6, 3600.0, 5e6, 0.5, True, 1.7e9, 1.7e9 + 3600)
+        )
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"UPDATE le_trials SET {column} = ?", (value,))
+    capsys.readouterr()
+    assert main(["history", "--store", f"sqlite:///{path}"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err.startswith("error: trial 1") and f"{column} holds" in err and "1970" in err
+
+
 def test_history_names_the_field_that_holds_text(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
