@@ -48,16 +48,18 @@ import importlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError, StoreError
 from lightning_energy.integrations._common import build_config
 from lightning_energy.integrations._lightning_core import EnergyCallbackCore
 from lightning_energy.measure import EnergyMeter
-from lightning_energy.optimize.batch_size import Trial
-from lightning_energy.recurring import Choice, RecurringRun, Verdict
-from lightning_energy.store import Store
+
+if TYPE_CHECKING:
+    from lightning_energy.optimize.batch_size import Trial
+    from lightning_energy.recurring import Choice, RecurringRun, Verdict
+    from lightning_energy.store import Store
 
 # ``BatchSizeCallback`` (lightning.pytorch) and ``PLBatchSizeCallback`` (pytorch_lightning)
 # are the namespaces' own classes, imported on first access by ``__getattr__`` below.
@@ -151,6 +153,10 @@ class BatchSizeCallbackCore:
         self.settings = energy.batch_size
         self.strict = energy.strict
         self._store_arg = store
+        # The store and its database drivers load only once a callback is built: importing
+        # the Lightning module (for the energy callback alone) does not load them.
+        from lightning_energy.recurring import RecurringRun
+
         RecurringRun(self.settings)  # every required setting is there, before training
         self.batch_size: int | None = None
         self.recorded: Trial | None = None
@@ -179,6 +185,8 @@ class BatchSizeCallbackCore:
         controller = energy_cb.controller
         assert controller is not None
         self.recorded = None
+        from lightning_energy.recurring import RecurringRun
+
         self.run = RecurringRun(self.settings, store=self._store_arg, strict=self.strict)
         gpus = controller.devices.gpus
         # Every rank builds the spec: invalid settings fail everywhere.

@@ -282,6 +282,33 @@ def test_importing_one_namespace_does_not_import_the_other(module: str, other: s
     assert json.loads(out.stdout) == []
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["lightning_energy.integrations.lightning", "lightning_energy.integrations.pytorch_lightning"],
+)
+def test_importing_a_namespace_loads_no_store_until_a_batch_size_callback_is_built(
+    module: str,
+) -> None:
+    """The module defines the batch-size callback beside the energy callback, but a job
+    using the energy callback alone loads no store or database driver (GPU machines
+    calibrating without them, and import time)."""
+    prefixes = [
+        "lightning_energy.store",
+        "lightning_energy.recurring",
+        "sqlalchemy",
+        "platformdirs",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.import_probe", *(f"--prefix={p}" for p in prefixes), module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
 def test_fabric_loop(tmp_path: Path) -> None:
     from lightning.fabric import Fabric
 
