@@ -16,23 +16,23 @@ from typing import Any
 
 import lightning.pytorch as ns
 
-from lightning_energy.integrations import batch_size as module
-from lightning_energy.integrations.lightning import EnergyCallback
+from lightning_energy.integrations.lightning import BatchSizeCallback, EnergyCallback
+from lightning_energy.store import Store
 from tests.lightning_energy.integrations.test_batch_size_callback import _classes
 
 
 def main() -> None:
     out_dir = Path(os.environ["OUT_DIR"])
     opened: list[tuple[Any, ...]] = []
-    real_open = module.Store.open
+    real_open = Store.open
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         opened.append(args)
         return real_open(*args, **kwargs)
 
-    module.Store.open = spy  # type: ignore[method-assign]
+    Store.open = spy  # type: ignore[method-assign]
     energy_cb = EnergyCallback(json.loads(os.environ["ENERGY_CFG"]))
-    batch_cb = module.BatchSizeCallback(
+    batch_cb = BatchSizeCallback(
         "toy-ddp",
         monitor="val_score",
         target=1.0,
