@@ -85,7 +85,7 @@ _QUIET_LOGGERS = (
     "lightning.pytorch.utilities.rank_zero",
     "lightning.fabric.utilities.rank_zero",
     "lightning_energy.integrations._lightning_core",
-    "lightning_energy.integrations._common",
+    "lightning_energy.integrations.adapter",
 )
 
 

@@ -31,7 +31,7 @@ Inside, one concern per module:
 * :mod:`.agreement`: who drives what across ranks, and whether the job optimises.
 * :mod:`.carbon_pace` (:class:`CarbonPacing`): the grid's pace, applied to the paced
   knob, and pauses.
-* :mod:`.ledger` (:class:`RunLedger`) and :mod:`.readings`: every number of a run.
+* :mod:`.ledger` (:class:`RunLedger`) and :mod:`.windows`: every number of a run.
 
 docs/adapters.md describes the contract adapters follow; docs/knobs.md how to add a knob.
 """

@@ -521,7 +521,7 @@ class EnergyController:
         A new key starts a new profile (or resumes the one saved for it), so a change of
         batch size or model is profiled again; returning to a known key reuses its profile.
         Adapters build the key with
-        :func:`~lightning_energy.integrations._common.workload_key`.
+        :func:`~lightning_energy.integrations.adapter.workload_key`.
         """
         self.setting.set_workload(key)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning_energy.controller.readings import AFTER_PROFILE, INTERVAL, Readings
 from lightning_energy.controller.records import Decision, Profile, RunSummary
+from lightning_energy.controller.windows import AFTER_PROFILE, INTERVAL, Readings
 from lightning_energy.pacing import utc_now
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_energy.controller.knobs import ControllerRun, KnobDecision
-from lightning_energy.controller.readings import WINDOW
 from lightning_energy.controller.session import ProfilingSession, WindowProgress
+from lightning_energy.controller.windows import WINDOW
 from lightning_energy.errors import DeviceError
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
 from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
-from lightning_energy.integrations._common import (
+from lightning_energy.integrations.adapter import (
     EnergyAdapter,
     count_parameters,
     summary_values,
@@ -145,7 +145,7 @@ class _Module(Protocol):
 class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     """Power-limit optimisation for a Lightning ``Trainer``; see :class:`.lightning.EnergyCallback`.
 
-    Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`.
+    Takes the arguments of :class:`~lightning_energy.integrations.adapter.EnergyAdapter`.
     """
 
     applied_sections = frozenset({"perseus", "batch_size"})

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_energy.config import DeviceConfig, EnergyConfig, load_config
 from lightning_energy.errors import ConfigError
-from lightning_energy.integrations._common import EnergyAdapter, build_config
+from lightning_energy.integrations.adapter import EnergyAdapter, build_config
 from lightning_energy.perseus.data_parallel import StragglerClocks, StragglerRun
 from lightning_energy.perseus.pipeline_run import (
     PipelineModule,

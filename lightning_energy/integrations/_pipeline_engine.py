@@ -34,7 +34,7 @@ from lightning_energy.controller import (
 )
 from lightning_energy.device import DeviceSet, open_devices
 from lightning_energy.errors import EnergyError
-from lightning_energy.integrations._common import EnergyAdapter
+from lightning_energy.integrations.adapter import EnergyAdapter
 from lightning_energy.perseus.pipeline_run import PipelinePace, RankPipeline
 from lightning_energy.perseus.rank_gpu import open_rank_gpu
 
@@ -124,7 +124,7 @@ class PipelineEngineAdapter(EnergyAdapter):
             world_size: the number of processes.
             local_rank: this process's rank on its node.
             device: the engine's device (a CUDA device picks the GPU by UUID).
-            workload: the workload key (:func:`~._common.workload_key`).
+            workload: the workload key (:func:`~.adapter.workload_key`).
             total_steps: the training steps the job will run (carbon pacing needs it).
             stage_times_s: simulated GPUs: ``[forward, backward]`` seconds of one
                 microbatch on each stage at the maximum clock.

@@ -72,7 +72,7 @@ from lightning_energy.controller import (
     StepStart,
 )
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.integrations._common import (
+from lightning_energy.integrations.adapter import (
     EnergyAdapter,
     build_config,
     summary_values,
@@ -379,7 +379,7 @@ class AcceleratorEnergy(EnergyAdapter):
         """Declare a new workload (batch size or model change): it is profiled again.
 
         It replaces the workload declared for the current training. Build the key with
-        :func:`~lightning_energy.integrations._common.workload_key`.
+        :func:`~lightning_energy.integrations.adapter.workload_key`.
         """
         self._workload_pending = False
         if self.controller is not None:

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError, StoreError
-from lightning_energy.integrations._common import build_config
 from lightning_energy.integrations._lightning_core import EnergyCallbackCore
+from lightning_energy.integrations.adapter import build_config
 from lightning_energy.measure import EnergyMeter
 
 if TYPE_CHECKING:

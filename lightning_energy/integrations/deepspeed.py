@@ -44,8 +44,8 @@ from typing_extensions import override
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError
-from lightning_energy.integrations._common import count_parameters, workload_key
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
+from lightning_energy.integrations.adapter import count_parameters, workload_key
 from lightning_energy.perseus.pipeline_run import schedule_from_orders
 from lightning_energy.perseus.profile import BACKWARD, FORWARD
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule

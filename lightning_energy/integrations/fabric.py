@@ -42,7 +42,7 @@ from lightning_energy.controller import (
     StepResult,
     StepStart,
 )
-from lightning_energy.integrations._common import EnergyAdapter, tensor_collective
+from lightning_energy.integrations.adapter import EnergyAdapter, tensor_collective
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class _Fabric(Protocol):
 class EnergyFabricCallback(EnergyAdapter):
     """Power-limit optimisation driven from a Fabric loop.
 
-    Takes the arguments of :class:`~lightning_energy.integrations._common.EnergyAdapter`
+    Takes the arguments of :class:`~lightning_energy.integrations.adapter.EnergyAdapter`
     (``config``, ``device``, ``power_limit``, ``carbon``, ``strict``, ``report``); the
     report is written when the run ends (:meth:`teardown`, or the ``with`` block).
 
@@ -159,7 +159,7 @@ class EnergyFabricCallback(EnergyAdapter):
     def set_workload(self, key: str) -> None:
         """Declare a new workload (batch size or model change): it is profiled again.
 
-        Build the key with :func:`~lightning_energy.integrations._common.workload_key`.
+        Build the key with :func:`~lightning_energy.integrations.adapter.workload_key`.
 
         Raises:
             EnergyError: before :meth:`setup` (the declaration would be lost).

@@ -46,8 +46,8 @@ from lightning_energy.collectives import replicate_group
 from lightning_energy.config import EnergyConfig
 from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
-from lightning_energy.integrations._common import workload_key
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
+from lightning_energy.integrations.adapter import workload_key
 from lightning_energy.perseus.pipeline_run import schedule_from_orders
 from lightning_energy.perseus.profile import BACKWARD, FORWARD
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule

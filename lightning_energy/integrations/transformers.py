@@ -41,7 +41,7 @@ from transformers.trainer_callback import ExportableState
 from typing_extensions import override
 
 from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
-from lightning_energy.integrations._common import (
+from lightning_energy.integrations.adapter import (
     EnergyAdapter,
     count_parameters,
     workload_key,

@@ -5,10 +5,10 @@ one clock at a time, and measures each instruction's time and energy (and the po
 GPU draws while blocked, at each clock: a GPU blocked in NCCL spins at the locked clock).
 The first iteration at each clock only lets the change land (a clock set takes tens of ms
 to govern the work); the following ones are measured, for
-``iterations_per_clock`` iterations and at least :func:`~.counter.min_profile_s` seconds
+``iterations_per_clock`` iterations and at least :func:`~.attribution.min_profile_s` seconds
 (many periods of the GPU's energy counter). Energy is not read per instruction: the
 counter marks at every instruction's start and end go to an
-:class:`~.counter.EnergyTimeline`, which splits the counter's updates between the
+:class:`~.attribution.EnergyTimeline`, which splits the counter's updates between the
 instructions and the waits. Then every rank fits, per ``(stage, instruction)``, a model of
 time and power against the clock, rank 0 gathers the fits, predicts the profile at every
 supported clock in the profiled range, plans, and broadcasts the plan; all ranks switch to
@@ -50,7 +50,7 @@ from numpy.typing import NDArray
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.planner import PerseusPlanner
 from lightning_energy.perseus.profile import BlockedPower, PipelineProfile
@@ -334,7 +334,7 @@ class OnlinePerseus:
             compilation and caches make the first ones unrepresentative).
         iterations_per_clock: measured iterations per clock, at least (each clock also
             gets one unmeasured iteration for the change to land, and is measured for at
-            least :func:`~.counter.min_profile_s` of the GPU's counter period).
+            least :func:`~.attribution.min_profile_s` of the GPU's counter period).
         target_time_s: iteration time to plan for (None: no slowdown).
         replan_every_iterations: after planning, how often (in iterations) the ranks
             check whether rank 0's target time changed; a new target takes effect at the

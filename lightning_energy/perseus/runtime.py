@@ -55,7 +55,7 @@ from lightning_energy.device.base import GPU
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import PhysicsModel, SimulatedGPU
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.perseus.counter import EnergyTimeline
+from lightning_energy.perseus.attribution import EnergyTimeline
 from lightning_energy.perseus.plan import Plan
 from lightning_energy.perseus.profile import BACKWARD, FORWARD, PipelineProfile
 from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
@@ -369,7 +369,7 @@ class ExecutedInstruction:
         time_s: its GPU time, when measured (simulated, or while profiling).
         energy_j: how far the energy counter moved over it, when measured (on a counter
             that moves every ~100 ms, mostly 0 J; see
-            :class:`~lightning_energy.perseus.counter.EnergyTimeline`).
+            :class:`~lightning_energy.perseus.attribution.EnergyTimeline`).
     """
 
     instruction: Instruction
@@ -776,7 +776,7 @@ class PipelineRuntime:
 class InstructionMeter:
     """Marks the energy counter at the start and end of every measured instruction
     (waiting for the GPU, so only while profiling), for an
-    :class:`~lightning_energy.perseus.counter.EnergyTimeline` to split the counter's
+    :class:`~lightning_energy.perseus.attribution.EnergyTimeline` to split the counter's
     updates between instructions and the waits between them.
 
     The counter is for energy only. On CUDA, times are those at which the GPU reached CUDA

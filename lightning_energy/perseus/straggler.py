@@ -10,9 +10,9 @@ energy (SOSP'24, section 3, "extrinsic energy bloat").
 
 1. *profile*: a few steps at each of a few clocks (the first step at each only lets the
    change land; then ``steps_per_clock`` steps and at least
-   :func:`~lightning_energy.perseus.counter.min_profile_s`), marking the energy counter at
+   :func:`~lightning_energy.perseus.attribution.min_profile_s`), marking the energy counter at
    each step's start, compute end and end; an
-   :class:`~lightning_energy.perseus.counter.EnergyTimeline` splits the counter's updates
+   :class:`~lightning_energy.perseus.attribution.EnergyTimeline` splits the counter's updates
    into the compute power and the power while blocked, both at each clock (a GPU blocked
    in the all-reduce spins at the locked clock); fit
    :class:`~lightning_energy.perseus.online.ClockModel` and the blocked
@@ -49,7 +49,7 @@ from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.online import (
     ClockModel,
     PowerCurve,
@@ -83,7 +83,7 @@ class StragglerEqualizer:
         profile_clocks_mhz: clocks to profile (default: 3 from the maximum to 60 % of it).
         steps_per_clock: measured steps per clock, at least (each clock also gets one
             unmeasured step for the change to land, and is measured for at least
-            :func:`~lightning_energy.perseus.counter.min_profile_s`).
+            :func:`~lightning_energy.perseus.attribution.min_profile_s`).
         counter_period_s: how often the GPU's energy counter moves (0: continuously).
         window_steps: steps between re-evaluations.
         margin: finish this much (relative) before the straggler, to absorb noise.

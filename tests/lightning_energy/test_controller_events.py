@@ -17,7 +17,7 @@ from lightning_energy.controller import (
     StepResult,
     StepStart,
 )
-from lightning_energy.controller.readings import WINDOW
+from lightning_energy.controller.windows import WINDOW
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.errors import CheckpointMismatchError
 

@@ -385,7 +385,7 @@ def test_a_throttled_lock_is_flagged_and_never_chosen(tmp_path: Path) -> None:
 def test_the_report_summary_and_figures_name_the_knob_and_the_chosen_clock(
     tmp_path: Path,
 ) -> None:
-    from lightning_energy.integrations._common import format_summary
+    from lightning_energy.integrations.adapter import format_summary
     from lightning_energy.plots import render_plots
     from lightning_energy.report import format_report, load_report, write_report
 

@@ -12,7 +12,7 @@ import pytest
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
-from lightning_energy.integrations._common import format_summary
+from lightning_energy.integrations.adapter import format_summary
 from lightning_energy.report import build_report, format_report
 from tests.lightning_energy.integrations._models import make_loader, module_class, quiet_trainer
 

@@ -16,7 +16,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import SimulatedSpec, open_devices
 from lightning_energy.errors import EnergyError, GPULostError
-from lightning_energy.integrations._common import format_summary
+from lightning_energy.integrations.adapter import format_summary
 from lightning_energy.plots import render_plots
 from lightning_energy.report import (
     REPORT_VERSION,

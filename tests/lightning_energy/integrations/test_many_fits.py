@@ -15,7 +15,7 @@ import pytest
 
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import GPU
-from lightning_energy.integrations._common import EnergyAdapter
+from lightning_energy.integrations.adapter import EnergyAdapter
 from tests.lightning_energy.integrations._models import (
     energy_config,
     make_loader,

@@ -21,7 +21,7 @@ from lightning_energy.controller import EnergyController
 from lightning_energy.device import DEVICE_ENV_VAR
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations import _lightning_core
-from lightning_energy.integrations._common import EnergyAdapter
+from lightning_energy.integrations.adapter import EnergyAdapter
 from lightning_energy.integrations.lightning import EnergyCallback
 from tests.lightning_energy.device.fake_cuda import FakeCuda
 from tests.lightning_energy.device.fake_pynvml import FakeNVML, a100, make_module

@@ -13,7 +13,7 @@ from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
-from lightning_energy.perseus.counter import EnergyTimeline
+from lightning_energy.perseus.attribution import EnergyTimeline
 from lightning_energy.perseus.runtime import (
     BLOCKED_LABEL,
     ClockController,
@@ -218,7 +218,7 @@ def check_online(ranks: list[dict[str, Any]]) -> None:
     assert time_s[1] == pytest.approx(baseline.iteration_time_s)
     assert per_iteration_j(1, k - 1) == pytest.approx(baseline.energy_j, rel=0.01)
     # Planned from the online fit: no slowdown, within 1 % of the offline plan's energy
-    # (over the same clocks; see test_counter.py).
+    # (over the same clocks; see test_attribution.py).
     first_plan = evaluate(Plan.from_dict(ranks[0]["online"]["first_plan"]), truth)
     assert first_plan.iteration_time_s <= baseline.iteration_time_s * (1 + 1e-9)
     assert first_plan.energy_j <= planner.plan_no_slowdown().energy_j * 1.01

@@ -10,7 +10,7 @@ from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.simulated import SimulatedGPU, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import PerseusPlanner, one_f_one_b
-from lightning_energy.perseus.counter import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.online import Sample, fit_profile
 from lightning_energy.perseus.plan import evaluate
 from lightning_energy.perseus.runtime import (

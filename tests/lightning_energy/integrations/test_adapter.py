@@ -11,7 +11,7 @@ import torch
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError
-from lightning_energy.integrations._common import (
+from lightning_energy.integrations.adapter import (
     EnergyAdapter,
     count_parameters,
     tensor_collective,
