@@ -113,6 +113,9 @@ def main() -> None:
         if accelerator.is_main_process
         else [],
     )
+    # No rank tears its process group down while another still uses it: a gloo group
+    # destroyed as its peer exits can abort the process.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
