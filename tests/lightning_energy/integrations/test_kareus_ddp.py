@@ -1,17 +1,29 @@
 """Kareus' data-parallel setting applied by the energy DDP strategy of both Lightning
-namespaces when it wraps the model."""
+namespaces when it wraps the model, and by Accelerate's attachment when it prepares one."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations import lightning, pytorch_lightning
+from lightning_energy.integrations.accelerate import attach_energy
 from lightning_energy.kareus.data_parallel import DataParallelSetting
+from tests.lightning_energy.integrations._accelerate import (
+    fresh_accelerate_state,  # noqa: F401 - the autouse fixture
+)
+from tests.lightning_energy.processes import ROOT, free_port, run_ranks
 
 NAMESPACES = [lightning.EnergyDDPStrategy, pytorch_lightning.EnergyDDPStrategy]
 
@@ -65,3 +77,93 @@ def test_a_setting_with_ddps_bucket_size_is_refused(strategy_class: Any) -> None
         strategy_class(data_parallel=DataParallelSetting(), bucket_cap_mb=5)
     with pytest.raises(ConfigError, match="process_group come from the data-parallel setting"):
         strategy_class(energy={"kareus": {"data_parallel_ctas": 4}}, process_group=None)
+
+
+def accelerate_config(tmp_path: Path, **kareus: Any) -> dict[str, Any]:
+    """A simulated GPU and the ``kareus`` section ``kareus``; leases in ``tmp_path``."""
+    return {
+        "device": {"backend": "simulated", "gpu": "a40", "lease_dir": str(tmp_path / "leases")},
+        "kareus": kareus,
+    }
+
+
+@pytest.mark.parametrize(
+    ("handler", "kareus", "message"),
+    [
+        (
+            DistributedDataParallelKwargs(bucket_cap_mb=10),
+            {"data_parallel_bucket_cap_mb": 5},
+            r"bucket_cap_mb=10\) conflicts with the setting's 5 MB",
+        ),
+        (
+            DistributedDataParallelKwargs(comm_hook="fp16"),
+            {"data_parallel_ctas": 4},
+            "comm_hook='fp16'.*drop it or kareus.data_parallel_ctas",
+        ),
+        (
+            DistributedDataParallelKwargs(comm_wrapper="bf16"),
+            {"data_parallel_ctas": 4},
+            "comm_wrapper='bf16'",
+        ),
+    ],
+)
+def test_accelerate_refuses_ddp_arguments_the_setting_decides(
+    tmp_path: Path, handler: DistributedDataParallelKwargs, kareus: dict[str, Any], message: str
+) -> None:
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+    with pytest.raises(ConfigError, match=message):
+        attach_energy(accelerator, accelerate_config(tmp_path, **kareus))
+    assert accelerator.ddp_handler is handler  # nothing was changed
+
+
+def test_accelerate_keeps_the_users_ddp_arguments_the_setting_does_not_decide(
+    tmp_path: Path,
+) -> None:
+    handler = DistributedDataParallelKwargs(
+        bucket_cap_mb=5, comm_hook="fp16", find_unused_parameters=True
+    )
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+    energy = attach_energy(accelerator, accelerate_config(tmp_path, data_parallel_bucket_cap_mb=5))
+    applied = accelerator.ddp_handler
+    assert applied is not None and applied is not handler
+    assert applied.to_kwargs() == {"bucket_cap_mb": 5, "find_unused_parameters": True}
+    energy.close()
+    assert accelerator.ddp_handler is handler  # the user's own again
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_accelerate_refuses_a_setting_after_a_model_was_prepared_in_ddp(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    accelerator._models.append(DistributedDataParallel(torch.nn.Linear(4, 4)))  # as prepare does
+    with pytest.raises(ConfigError, match=r"call attach_energy\(accelerator\) before"):
+        attach_energy(accelerator, accelerate_config(tmp_path, data_parallel_ctas=2))
+
+
+@pytest.mark.slow
+def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) -> None:
+    config = accelerate_config(tmp_path, data_parallel_ctas=4, data_parallel_bucket_cap_mb=0.001)
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        ENERGY_CFG=json.dumps(config),
+        OUT_DIR=str(tmp_path),
+    )
+    envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
+    module = "tests.lightning_energy.integrations.accelerate_kareus_worker"
+    run_ranks([[sys.executable, "-m", module]] * 2, tmp_path, envs=envs, timeout_s=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["bucket_bytes_cap"] == int(0.001 * 1024 * 1024)
+        # The CTA-limited copy of the DDP model's group, all of its ranks: averaged over both.
+        assert rank["hooks"] == [{"hook": "allreduce_hook", "ranks": [0, 1]}]
+        assert rank["hook_group_is_world"] == [False]
+        for name, local in ranks[0]["local"].items():
+            mean = [sum(v) / 2 for v in zip(local, ranks[1]["local"][name], strict=True)]
+            assert rank["plain"][name] == pytest.approx(mean, rel=1e-5, abs=1e-7), name
+            assert rank["prepared"][name] == pytest.approx(rank["plain"][name], rel=1e-6), name
+        # Closed: Accelerate's own DDP arguments and prepare_model again.
+        assert rank["after_end"] == {"ddp_handler": "None", "prepare_model_replaced": False}
