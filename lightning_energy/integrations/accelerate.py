@@ -30,7 +30,8 @@ What :func:`attach_energy` wires up (nothing at all when inactive):
   docs/kareus.md): the bucket size goes into Accelerate's DDP arguments before a model is
   prepared, and the CTA-limited gradient group into a DDP communication hook
   (``allreduce_hook``, averaging over the DDP model's own group) registered on the DDP
-  model as Accelerate wraps it. Attach before ``prepare`` then.
+  model as Accelerate wraps it (attach before ``prepare`` then); its clock is locked
+  through the run's guard from ``attach_energy`` until the run ends.
 * checkpoints: ``save_state`` writes the power-limit profile and choice to a file of its
   own (:data:`CHECKPOINT_FILE`) and ``load_state`` reads it when it is there (no profiling
   again after a restart); Accelerate's own files and custom objects are left as they are.
@@ -136,7 +137,8 @@ def attach_energy(
             missing or invalid, or candidate power limits are outside the GPU's range; a
             Kareus data-parallel setting with a model already prepared in DDP, with a
             ``DistributedDataParallelKwargs`` whose ``bucket_cap_mb`` differs from the
-            setting's, or with one that sets ``comm_hook`` or ``comm_wrapper``.
+            setting's, or with one that sets ``comm_hook`` or ``comm_wrapper``; a setting's
+            clock the GPUs do not support or this job may not lock (the run is ended).
         EnergyError: energy optimisation is already attached to ``accelerator``; in strict
             mode, the GPUs cannot be controlled.
 
@@ -255,6 +257,21 @@ class AcceleratorEnergy(EnergyAdapter):
         )
         self._begin_run(controller, main_process=accelerator.is_main_process)
         self._hook(accelerator)
+        self._hold_clock(controller)
+
+    def _hold_clock(self, controller: EnergyController) -> None:
+        """Lock the data-parallel setting's clock for the run; when it cannot be, end the
+        run (every GPU restored) and raise."""
+        setting = self.data_parallel
+        if setting is None or setting.clock_mhz is None:
+            return
+        from lightning_energy.kareus.data_parallel import hold_clock
+
+        try:
+            hold_clock(controller, setting.clock_mhz)
+        except BaseException as exc:
+            self._abort(type(exc).__name__)
+            raise
 
     def _hook(self, accelerator: Accelerator) -> None:
         """Replace ``end_training`` and ``prepare_optimizer`` (with a data-parallel setting,

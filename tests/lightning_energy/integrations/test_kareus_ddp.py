@@ -9,20 +9,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as lightning_ns
 import pytest
+import pytorch_lightning as pytorch_lightning_ns
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_energy.config import EnergyConfig
+from lightning_energy.device.simulated import SimulatedSpec, simulated_gpus
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations import lightning, pytorch_lightning
-from lightning_energy.integrations.accelerate import attach_energy
+from lightning_energy.integrations.accelerate import AcceleratorEnergy, attach_energy
 from lightning_energy.kareus.data_parallel import DataParallelSetting
 from tests.lightning_energy.integrations._accelerate import (
     fresh_accelerate_state,  # noqa: F401 - the autouse fixture
+    training_parts,
 )
+from tests.lightning_energy.integrations._models import make_loader, module_class
 from tests.lightning_energy.processes import ROOT, free_port, run_ranks
 
 NAMESPACES = [lightning.EnergyDDPStrategy, pytorch_lightning.EnergyDDPStrategy]
@@ -167,3 +173,119 @@ def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) 
             assert rank["prepared"][name] == pytest.approx(rank["plain"][name], rel=1e-6), name
         # Closed: Accelerate's own DDP arguments and prepare_model again.
         assert rank["after_end"] == {"ddp_handler": "None", "prepare_model_replaced": False}
+
+
+def a100_clocks() -> list[int]:
+    """The simulated A100's supported SM clocks, highest first."""
+    return simulated_gpus(SimulatedSpec(gpu="a100"))[0].supported_sm_clocks_mhz()
+
+
+def clock_config(tmp_path: Path, clock_mhz: int) -> dict[str, Any]:
+    """A simulated A100 whose data-parallel setting locks ``clock_mhz``."""
+    config = accelerate_config(tmp_path, data_parallel_clock_mhz=clock_mhz)
+    config["device"]["gpu"] = "a100"
+    return config
+
+
+def step_clocks(energy: Any, steps: int) -> list[tuple[int, int] | None]:
+    """The clock lock of this rank's simulated GPU at each of ``steps`` training steps."""
+    accelerator = energy._accelerator()
+    model, optimizer, loader = accelerator.prepare(*training_parts(micro_batches=steps))
+    gpu = energy.controller.devices.gpus[0]
+    seen = []
+    for x, y in loader:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(gpu.locked_clocks_mhz())
+    return seen
+
+
+def test_accelerate_locks_the_settings_clock_for_training_and_releases_it(
+    tmp_path: Path,
+) -> None:
+    clock = a100_clocks()[20]
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator, clock_config(tmp_path, clock))
+    assert energy.controller is not None
+    gpu = energy.controller.devices.gpus[0]
+    assert step_clocks(energy, 6) == [(clock, clock)] * 6
+    # The knob holds the clocks: no power limit nor locked clock is profiled under it.
+    limits = energy.controller.power_limit
+    assert limits.profiling_off == "kareus_data_parallel_clock holds the clocks"
+    assert not energy.controller.locked_clock.active
+    accelerator.end_training()
+    assert gpu.locked_clocks_mhz() is None
+
+
+def test_accelerate_releases_the_settings_clock_on_an_exception(tmp_path: Path) -> None:
+    clock = a100_clocks()[-1]
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator, clock_config(tmp_path, clock))
+    assert energy.controller is not None
+    gpu = energy.controller.devices.gpus[0]
+    with pytest.raises(RuntimeError, match="boom"), energy:
+        assert step_clocks(energy, 2) == [(clock, clock)] * 2
+        raise RuntimeError("boom")
+    assert gpu.locked_clocks_mhz() is None
+    assert not energy.running
+
+
+def test_accelerate_refuses_a_clock_the_gpu_does_not_support(tmp_path: Path) -> None:
+    clocks = a100_clocks()
+    between = clocks[0] - 1  # the supported clocks are 15 MHz apart
+    accelerator = Accelerator(cpu=True)
+    energy = AcceleratorEnergy(
+        accelerator, EnergyConfig.from_mapping(clock_config(tmp_path, between))
+    )
+    with pytest.raises(
+        ConfigError,
+        match=f"{between} MHz is not a supported SM clock; use one of {clocks[0]}, {clocks[1]}",
+    ):
+        energy.start()
+    assert not energy.running  # the run ended: nothing locked, the lease dropped
+    assert energy.controller is not None
+    assert energy.controller.devices.gpus[0].locked_clocks_mhz() is None
+    assert "end_training" not in vars(accelerator)  # unhooked
+
+
+@pytest.mark.parametrize(
+    ("strategy_class", "ns"),
+    [
+        (lightning.EnergyDDPStrategy, lightning_ns),
+        (pytorch_lightning.EnergyDDPStrategy, pytorch_lightning_ns),
+    ],
+)
+def test_lightning_locks_the_settings_clock_for_training_and_releases_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy_class: Any, ns: Any
+) -> None:
+    # Lightning's DDP sets these for the process: put back as they were after the test.
+    for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # recorded, even if unset
+        monkeypatch.delenv(name)
+    clock = a100_clocks()[10]
+    strategy = strategy_class(energy=clock_config(tmp_path, clock))
+    seen: list[tuple[int, int] | None] = []
+    gpus: list[Any] = []
+
+    class Clocks(ns.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            gpu = strategy.energy_callback.controller.devices.gpus[0]
+            gpus.append(gpu)
+            seen.append(gpu.locked_clocks_mhz())
+
+    trainer = ns.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        callbacks=[Clocks()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module_class(ns)(), make_loader())
+    assert seen == [(clock, clock)] * 4
+    assert gpus[0].locked_clocks_mhz() is None  # released at the end of the fit
