@@ -241,15 +241,25 @@ def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelCloc
         The knob registered.
 
     Raises:
-        ConfigError: on every rank, when a rank's GPUs do not support ``clock_mhz`` (the
-            message lists the clocks they do) or this job may not lock them (observe-only,
-            no permission, no clock locking, an administrator's lock), naming why.
+        ConfigError: another knob of the job holds the clocks (Perseus' straggler
+            equaliser, a plan's clocks); on every rank, when a rank's GPUs do not support
+            ``clock_mhz`` (the message lists the clocks they do) or this job may not lock
+            them (observe-only, no permission, no clock locking, an administrator's lock),
+            naming why.
     """
     guard = controller.run_guard
     if guard is None:
         raise ConfigError(
             "kareus.data_parallel_clock_mhz: the energy run is not set up; lock the clock "
             "after it starts"
+        )
+    owners = [
+        k.name for k in controller.knobs if k.holds_clocks and k is not controller.locked_clock
+    ]
+    if owners:
+        raise ConfigError(
+            f"kareus.data_parallel_clock_mhz: {', '.join(owners)} already holds the clocks (one "
+            "owner of the clocks at a time); use null here, or run without it"
         )
     knob = DataParallelClock(clock_mhz)
     _agree(controller, _unsupported(controller, clock_mhz))

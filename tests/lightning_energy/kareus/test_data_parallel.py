@@ -28,6 +28,7 @@ from lightning_energy.kareus.data_parallel import (
     wrap_ddp,
 )
 from lightning_energy.kareus.runtime import NCCL_MAX_CTAS
+from lightning_energy.perseus.data_parallel import StragglerClocks
 
 from .. import processes
 from ..processes import ROOT, free_port
@@ -189,3 +190,13 @@ def test_a_clock_before_the_run_is_set_up_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="the energy run is not set up"):
         hold_clock(controller, 1410)
     assert gpus[0].locked_clocks_mhz() is None
+
+
+def test_a_clock_beside_another_owner_of_the_clocks_is_refused(tmp_path: Path) -> None:
+    controller = a100_controller(tmp_path)
+    gpu = controller.devices.gpus[0]
+    controller.add_knob(StragglerClocks())
+    with pytest.raises(ConfigError, match="straggler_clocks already holds the clocks"):
+        hold_clock(controller, gpu.supported_sm_clocks_mhz()[0])
+    assert gpu.locked_clocks_mhz() is None
+    controller.teardown()
