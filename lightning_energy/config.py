@@ -289,9 +289,14 @@ class KareusConfig:
         tp_size: the tensor-parallel size the partitions were measured at, >= 2 (None:
             not recorded); the plan records it and the runtime refuses another.
         data_parallel_ctas: data-parallel training: the CTAs of the gradient all-reduce,
-            1 to 32 (None: NCCL's own); applied by the Lightning energy DDP strategy.
+            1 to 32 (None: NCCL's own).
         data_parallel_bucket_cap_mb: data-parallel training: DDP's bucket size in MB
-            (None: DDP's 25 MB); applied by the Lightning energy DDP strategy.
+            (None: DDP's 25 MB).
+        data_parallel_clock_mhz: data-parallel training: the SM clock locked for training,
+            one the GPUs support (None: left as it is).
+
+    The ``data_parallel_*`` keys are applied by the Lightning energy DDP strategy and by
+    Accelerate's ``attach_energy``.
     """
 
     enabled: bool = False
@@ -301,25 +306,35 @@ class KareusConfig:
     tp_size: int | None = None
     data_parallel_ctas: int | None = None
     data_parallel_bucket_cap_mb: float | None = None
+    data_parallel_clock_mhz: int | None = None
 
     def data_parallel(self) -> DataParallelSetting | None:
-        """The data-parallel setting of the section (None: neither key set)."""
+        """The data-parallel setting of the section (None: no such key set)."""
         values = self.data_parallel_values()
         if values is None:
             return None
         from lightning_energy.kareus.data_parallel import DataParallelSetting
 
-        return DataParallelSetting(ctas=values[0], bucket_cap_mb=values[1])
+        return DataParallelSetting(ctas=values[0], bucket_cap_mb=values[1], clock_mhz=values[2])
 
-    def data_parallel_values(self) -> tuple[int | None, float] | None:
-        """The data-parallel CTAs and bucket size, DDP's bucket size where none is given
-        (None: neither key set)."""
-        if self.data_parallel_ctas is None and self.data_parallel_bucket_cap_mb is None:
+    def data_parallel_values(self) -> tuple[int | None, float, int | None] | None:
+        """The data-parallel CTAs, bucket size and clock, DDP's bucket size where none is
+        given (None: no such key set)."""
+        keys = (
+            self.data_parallel_ctas,
+            self.data_parallel_bucket_cap_mb,
+            self.data_parallel_clock_mhz,
+        )
+        if all(value is None for value in keys):
             return None
         from lightning_energy.kareus.data_parallel import DDP_DEFAULT_BUCKET_CAP_MB
 
         cap = self.data_parallel_bucket_cap_mb
-        return self.data_parallel_ctas, DDP_DEFAULT_BUCKET_CAP_MB if cap is None else cap
+        return (
+            self.data_parallel_ctas,
+            DDP_DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+            self.data_parallel_clock_mhz,
+        )
 
 
 @dataclass(frozen=True)
@@ -805,7 +820,7 @@ def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: lis
     if values is not None:
         from lightning_energy.kareus.data_parallel import setting_problems
 
-        problems.extend(setting_problems(*values, None, "kareus.data_parallel_"))
+        problems.extend(setting_problems(*values, "kareus.data_parallel_"))
     if section.enabled:
         # A key given with a bad value is reported as such, not as missing.
         missing = [

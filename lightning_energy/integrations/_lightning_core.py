@@ -389,19 +389,23 @@ class KareusDDPCore:
     DDP takes its process group and bucket size only at construction, so the setting
     (:class:`~lightning_energy.kareus.data_parallel.DataParallelSetting`) goes into the
     strategy's DDP arguments as it wraps the model, after the process group exists: every
-    rank wraps at the same point, as the CTA-limited gradient group needs. Subclasses list
-    it before :class:`EnergyStrategyCore` and the DDP strategy.
+    rank wraps at the same point, as the CTA-limited gradient group needs. DDP reduces and
+    averages in that group, a copy of its own: the same ranks. The setting's clock is
+    locked when training starts, through the energy run's guard
+    (:func:`~lightning_energy.kareus.data_parallel.hold_clock`), and released when the
+    run ends. Subclasses list it before :class:`EnergyStrategyCore` and the DDP strategy.
 
     Args:
         *args: passed to the base strategy.
         data_parallel: the setting (None: that of the energy configuration's ``kareus``
-            section, ``data_parallel_ctas`` and ``data_parallel_bucket_cap_mb``; without
-            those, DDP's own group and buckets).
+            section, ``data_parallel_ctas``, ``data_parallel_bucket_cap_mb`` and
+            ``data_parallel_clock_mhz``; without those, DDP's own group and buckets).
         **kwargs: passed to the base strategy (DDP's own arguments among them).
 
     Raises:
         ConfigError: a setting together with DDP's ``bucket_cap_mb`` or ``process_group``
-            (the setting decides them).
+            (the setting decides them); at train start, a clock the GPUs do not support or
+            may not be locked at, or a clock without an energy run to hold it.
     """
 
     _ddp_kwargs: dict[str, Any]  # the DDP strategy's own DDP arguments
@@ -426,6 +430,27 @@ class KareusDDPCore:
 
             self._ddp_kwargs = {**self._ddp_kwargs, **ddp_kwargs(self.data_parallel)}
         return super()._setup_model(model)  # type: ignore[misc]
+
+    def on_train_start(self) -> None:
+        """Lock the setting's clock (the energy run is set up, no step has run)."""
+        super().on_train_start()  # type: ignore[misc]
+        clock_mhz = self.data_parallel.clock_mhz if self.data_parallel is not None else None
+        if clock_mhz is None:
+            return
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        runs = [
+            cb.controller
+            for cb in trainer.callbacks
+            if isinstance(cb, EnergyCallbackCore) and cb.running and cb.controller is not None
+        ]
+        if not runs:
+            raise ConfigError(
+                "kareus.data_parallel_clock_mhz: no energy run holds the GPUs to lock the "
+                "clock through; keep the energy callback in the Trainer's callbacks"
+            )
+        from lightning_energy.kareus.data_parallel import hold_clock
+
+        hold_clock(runs[0], clock_mhz)
 
 
 class EnergySingleDeviceCore(EnergyStrategyCore):

@@ -26,6 +26,12 @@ What :func:`attach_energy` wires up (nothing at all when inactive):
   synchronising micro-batches, so one energy step is one real optimizer step. It works
   whether called before or after ``prepare``; after ``free_memory()`` the next optimizer
   prepared starts a new training, declared as its own workload.
+* Kareus' data-parallel setting (the ``kareus`` section's ``data_parallel_*`` keys, see
+  docs/kareus.md): the bucket size goes into Accelerate's DDP arguments before a model is
+  prepared, and the CTA-limited gradient group into a DDP communication hook
+  (``allreduce_hook``, averaging over the DDP model's own group) registered on the DDP
+  model as Accelerate wraps it (attach before ``prepare`` then); its clock is locked
+  through the run's guard from ``attach_energy`` until the run ends.
 * checkpoints: ``save_state`` writes the power-limit profile and choice to a file of its
   own (:data:`CHECKPOINT_FILE`) and ``load_state`` reads it when it is there (no profiling
   again after a restart); Accelerate's own files and custom objects are left as they are.
@@ -45,6 +51,7 @@ as without it; a pickled copy of the Accelerator carries no energy optimisation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing.util
@@ -52,13 +59,20 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import broadcast_object_list, gather
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    broadcast_object_list,
+    gather,
+)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
@@ -79,6 +93,9 @@ from lightning_energy.integrations.adapter import (
     tensor_collective,
     workload_key,
 )
+
+if TYPE_CHECKING:
+    from lightning_energy.kareus.data_parallel import DataParallelSetting
 
 __all__ = ["CHECKPOINT_FILE", "AcceleratorEnergy", "EnergyTracker", "attach_energy"]
 
@@ -117,7 +134,11 @@ def attach_energy(
 
     Raises:
         ConfigError: the configuration (or the file ``LIGHTNING_ENERGY_CONFIG`` names) is
-            missing or invalid, or candidate power limits are outside the GPU's range.
+            missing or invalid, or candidate power limits are outside the GPU's range; a
+            Kareus data-parallel setting with a model already prepared in DDP, with a
+            ``DistributedDataParallelKwargs`` whose ``bucket_cap_mb`` differs from the
+            setting's, or with one that sets ``comm_hook`` or ``comm_wrapper``; a setting's
+            clock the GPUs do not support or this job may not lock (the run is ended).
         EnergyError: energy optimisation is already attached to ``accelerator``; in strict
             mode, the GPUs cannot be controlled.
 
@@ -156,6 +177,8 @@ class AcceleratorEnergy(EnergyAdapter):
     Attributes:
         controller: the energy controller (None when inactive).
         summary: the run summary once closed.
+        data_parallel: the Kareus data-parallel setting applied to the DDP models prepared
+            while the run is open (None: DDP's own; always None when inactive).
     """
 
     ended_by: ClassVar[str] = (
@@ -185,6 +208,8 @@ class AcceleratorEnergy(EnergyAdapter):
         self._refused: list[weakref.ref[GeneralTracker]] = []
         self._freed: weakref.finalize | None = None
         self._pid = os.getpid()
+        self.data_parallel = self.config.kareus.data_parallel() if self._active else None
+        self._ddp_handler: DistributedDataParallelKwargs | None = None  # the user's own
 
     @property
     def active(self) -> bool:
@@ -216,6 +241,8 @@ class AcceleratorEnergy(EnergyAdapter):
         accelerator = self._accelerator()
         if self.controller is not None or accelerator is None:
             return
+        if self.data_parallel is not None:
+            _refuse_ddp_conflicts(accelerator, self.data_parallel)
         controller = EnergyController(
             self.config,
             collective=tensor_collective(
@@ -230,13 +257,36 @@ class AcceleratorEnergy(EnergyAdapter):
         )
         self._begin_run(controller, main_process=accelerator.is_main_process)
         self._hook(accelerator)
+        self._hold_clock(controller)
+
+    def _hold_clock(self, controller: EnergyController) -> None:
+        """Lock the data-parallel setting's clock for the run; when it cannot be, end the
+        run (every GPU restored) and raise."""
+        setting = self.data_parallel
+        if setting is None or setting.clock_mhz is None:
+            return
+        from lightning_energy.kareus.data_parallel import hold_clock
+
+        try:
+            hold_clock(controller, setting.clock_mhz)
+        except BaseException as exc:
+            self._abort(type(exc).__name__)
+            raise
 
     def _hook(self, accelerator: Accelerator) -> None:
-        """Replace ``end_training`` and ``prepare_optimizer`` on this instance, add the
-        checkpoint hooks, hook the optimizers prepared so far, and set the last resorts
-        that restore the GPUs when the script never ends the run."""
+        """Replace ``end_training`` and ``prepare_optimizer`` (with a data-parallel setting,
+        ``prepare_model`` and the DDP arguments too) on this instance, add the checkpoint
+        hooks, hook the optimizers prepared so far, and set the last resorts that restore
+        the GPUs when the script never ends the run."""
         _EndTraining(accelerator, self)
         _PrepareOptimizer(accelerator, self)
+        if self.data_parallel is not None:
+            _PrepareModel(accelerator, self)
+            self._ddp_handler = accelerator.ddp_handler
+            accelerator.ddp_handler = dataclasses.replace(
+                self._ddp_handler or DistributedDataParallelKwargs(),
+                bucket_cap_mb=self.data_parallel.bucket_cap_mb,
+            )
         accelerator.register_save_state_pre_hook(_StateHook(self, save=True))
         accelerator.register_load_state_pre_hook(_StateHook(self, save=False))
         for prepared in accelerator._optimizers:
@@ -267,6 +317,27 @@ class AcceleratorEnergy(EnergyAdapter):
             optimizer.register_step_pre_hook(_StepHook(self, before=True)),
             optimizer.register_step_post_hook(_StepHook(self, before=False)),
         ]
+
+    def _hook_gradients(self, prepared: object) -> None:
+        """A model Accelerate just wrapped in DDP: its gradients are all-reduced in the
+        setting's CTA-limited copy of the DDP model's own group (a collective: every rank
+        prepares its models at the same point), averaged over that group's ranks."""
+        if (
+            not isinstance(prepared, DistributedDataParallel)
+            or self.data_parallel is None
+            or self.data_parallel.ctas is None
+        ):
+            return
+        if prepared._comm_hooks:
+            raise ConfigError(
+                "kareus.data_parallel_ctas: the DDP model Accelerate prepared already has a "
+                "communication hook; the setting's CTAs need their own: drop that hook or "
+                "kareus.data_parallel_ctas"
+            )
+        from lightning_energy.kareus.data_parallel import gradient_group
+
+        group = gradient_group(self.data_parallel, prepared.process_group)
+        prepared.register_comm_hook(group, allreduce_hook)
 
     def _prepared(self, optimizer: torch.optim.Optimizer) -> bool:
         accelerator = self._accelerator()
@@ -401,8 +472,10 @@ class AcceleratorEnergy(EnergyAdapter):
         self._hooked.clear()
         accelerator = self._accelerator()
         if accelerator is not None:
-            for override in (_EndTraining, _PrepareOptimizer):
+            for override in (_EndTraining, _PrepareOptimizer, _PrepareModel):
                 override.remove(accelerator, self)
+            if self.data_parallel is not None:
+                accelerator.ddp_handler = self._ddp_handler
         if self._freed is not None:
             self._freed.detach()
         self._step_open = False
@@ -606,6 +679,56 @@ class _PrepareOptimizer(_Override):
         prepared = self.original()(*args, **kwargs)
         self.energy._discover(prepared)
         return prepared
+
+
+class _PrepareModel(_Override):
+    """``accelerator.prepare_model`` (``prepare`` calls it too), with a data-parallel
+    setting: prepare as Accelerate does, then hook the DDP model's gradients."""
+
+    name = "prepare_model"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = self.original()(*args, **kwargs)
+        self.energy._hook_gradients(prepared)
+        return prepared
+
+
+def _refuse_ddp_conflicts(accelerator: Accelerator, setting: DataParallelSetting) -> None:
+    """Refuse what a data-parallel setting cannot be applied beside.
+
+    Raises:
+        ConfigError: a model already prepared in DDP (its buckets and group are fixed), or
+            the Accelerator's ``DistributedDataParallelKwargs`` sets another bucket size or,
+            with the setting's CTAs, a communication hook.
+    """
+    bucket_cap_mb = setting.bucket_cap_mb
+    where = "kareus.data_parallel_ctas / kareus.data_parallel_bucket_cap_mb"
+    if any(isinstance(model, DistributedDataParallel) for model in accelerator._models):
+        raise ConfigError(
+            f"{where}: a model was already prepared in DDP, whose buckets and gradient group "
+            "are fixed; call attach_energy(accelerator) before accelerator.prepare(...)"
+        )
+    handler = accelerator.ddp_handler
+    if handler is None:
+        return
+    default = DistributedDataParallelKwargs().bucket_cap_mb
+    if handler.bucket_cap_mb not in (default, bucket_cap_mb):
+        raise ConfigError(
+            f"{where}: DistributedDataParallelKwargs(bucket_cap_mb={handler.bucket_cap_mb}) "
+            f"conflicts with the setting's {bucket_cap_mb:g} MB; give the bucket size in "
+            "kareus.data_parallel_bucket_cap_mb only"
+        )
+    hooks = {  # a name or the enum, as the user gave it
+        "comm_hook": DDPCommunicationHookType(handler.comm_hook),
+        "comm_wrapper": DDPCommunicationHookType(handler.comm_wrapper),
+    }
+    given = [f"{k}={v.value!r}" for k, v in hooks.items() if v != DDPCommunicationHookType.NO]
+    if given and setting.ctas is not None:
+        raise ConfigError(
+            f"{where}: DistributedDataParallelKwargs({', '.join(given)}) replaces the "
+            "gradient all-reduce the setting's CTA-limited group runs in; drop it or "
+            "kareus.data_parallel_ctas"
+        )
 
 
 class _StateHook:

@@ -9,12 +9,12 @@ backward pass. Three knobs decide how it overlaps:
   communicator, never the process-wide ``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS``);
 * ``bucket_cap_mb``: DDP's bucket size, which decides when communication starts (a bucket
   is all-reduced as soon as its gradients are ready);
-* ``clock_mhz``: the GPU clock during the step.
+* ``clock_mhz``: the GPU's SM clock, locked for the whole training.
 
 DDP takes its process group and bucket size only when it wraps the model, so a setting
 is applied there: :func:`ddp_kwargs` gives the constructor's arguments and
-:func:`wrap_ddp` wraps a model. The clock is not set here; it is the GPU's clock for the
-step, set by the device layer like any other clock.
+:func:`wrap_ddp` wraps a model. The clock is locked by :func:`hold_clock` through the
+energy controller's guard, as a knob of the job (:class:`DataParallelClock`).
 
 Example::
 
@@ -27,20 +27,25 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, DeviceError
 from lightning_energy.kareus.runtime import NCCL_MAX_CTAS, cta_groups
+
+if TYPE_CHECKING:
+    from lightning_energy.controller import EnergyController
 
 __all__ = [
     "DDP_DEFAULT_BUCKET_CAP_MB",
+    "DataParallelClock",
     "DataParallelSetting",
     "ddp_kwargs",
     "gradient_group",
+    "hold_clock",
     "refuse_decided",
     "setting_problems",
     "wrap_ddp",
@@ -58,7 +63,8 @@ class DataParallelSetting:
         ctas: the CTAs the gradient all-reduce may use, 1 to :data:`~.runtime.NCCL_MAX_CTAS`
             (None: NCCL's own choice, the default process group).
         bucket_cap_mb: DDP's bucket size in MB, positive and finite.
-        clock_mhz: the GPU clock during the step (None: left as it is).
+        clock_mhz: the SM clock locked for training, a clock every GPU of the job
+            supports (None: left as it is); see :func:`hold_clock`.
 
     Raises:
         ConfigError: a value out of range, naming what is allowed.
@@ -191,3 +197,108 @@ def wrap_ddp(
     """
     refuse_decided(kwargs, "wrap_ddp")
     return DistributedDataParallel(model, **ddp_kwargs(setting, group), **kwargs)
+
+
+class DataParallelClock:
+    """The clock of a data-parallel setting as a knob of the job: it holds the clocks, so
+    the job profiles neither power limits nor locked clocks (one owner of the clocks at a
+    time), and it cannot be paced (the setting fixes the clock).
+
+    Args:
+        clock_mhz: the locked SM clock.
+    """
+
+    name = "kareus_data_parallel_clock"
+    holds_clocks = True
+
+    def __init__(self, clock_mhz: int) -> None:
+        self.clock_mhz = clock_mhz
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """None to pace: the setting fixes the clock."""
+        return []
+
+    def apply_pace(self, scale: float) -> None:
+        """Nothing: the setting fixes the clock."""
+        return None
+
+
+def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelClock:
+    """Lock every GPU of this rank at ``clock_mhz`` for the run of ``controller``.
+
+    Call it on every rank alike, after the run is set up and before its first step. The
+    clock knob is registered with the controller, then the clock is locked through the run's
+    guard: recorded in the lease first, and released when the run ends, on every path
+    (normal end, exception, signal, interpreter exit; ``lightning-energy recover`` after a
+    crash). Whether every rank may lock it is agreed across ranks, so either all lock it
+    or all raise.
+
+    Args:
+        controller: this rank's energy controller, its run set up.
+        clock_mhz: the SM clock, one every GPU of the job supports.
+
+    Returns:
+        The knob registered.
+
+    Raises:
+        ConfigError: another knob of the job holds the clocks (Perseus' straggler
+            equaliser, a plan's clocks); on every rank, when a rank's GPUs do not support
+            ``clock_mhz`` (the message lists the clocks they do) or this job may not lock
+            them (observe-only, no permission, no clock locking, an administrator's lock),
+            naming why.
+    """
+    guard = controller.run_guard
+    if guard is None:
+        raise ConfigError(
+            "kareus.data_parallel_clock_mhz: the energy run is not set up; lock the clock "
+            "after it starts"
+        )
+    owners = [
+        k.name for k in controller.knobs if k.holds_clocks and k is not controller.locked_clock
+    ]
+    if owners:
+        raise ConfigError(
+            f"kareus.data_parallel_clock_mhz: {', '.join(owners)} already holds the clocks (one "
+            "owner of the clocks at a time); use null here, or run without it"
+        )
+    knob = DataParallelClock(clock_mhz)
+    _agree(controller, _unsupported(controller, clock_mhz))
+    controller.add_knob(knob)
+    refusal = None
+    if guard.observe_only:
+        refusal = f"this job only observes its GPUs ({guard.observe_only_reason})"
+    elif guard.lock_clocks_mhz(clock_mhz, clock_mhz, refusal_stops_clocks=True) is None:
+        refusal = f"the GPUs' clocks may not be locked ({guard.clocks_off_reason})"
+    _agree(controller, refusal)
+    return knob
+
+
+def _unsupported(controller: EnergyController, clock_mhz: int) -> str | None:
+    """Why this rank's GPUs cannot run at ``clock_mhz`` (None: every one supports it)."""
+    try:
+        supported = [gpu.supported_sm_clocks_mhz() for gpu in controller.devices.gpus]
+    except DeviceError as exc:
+        return f"the supported SM clocks cannot be read ({exc})"
+    common = sorted(set.intersection(*(set(clocks) for clocks in supported)), reverse=True)
+    if clock_mhz in common:
+        return None
+    if not common:
+        return "the GPUs support no clock locking"
+    shown = ", ".join(str(c) for c in common[:8]) + (", ..." if len(common) > 8 else "")
+    return f"{clock_mhz} MHz is not a supported SM clock; use one of {shown}"
+
+
+def _agree(controller: EnergyController, refusal: str | None) -> None:
+    """Raise on every rank when ``refusal`` is set on any.
+
+    Raises:
+        ConfigError: some rank refused, naming this rank's reason (or that another rank
+            refused).
+    """
+    (refusals,), _ = controller.collective.sum_and_max([float(refusal is not None)], [])
+    if refusals > 0:
+        reason = refusal or "another rank of the job cannot lock its GPUs at this clock"
+        raise ConfigError(
+            f"kareus.data_parallel_clock_mhz: {reason}; use a clock the GPUs support where "
+            "the job may lock clocks, or null (the clock is left as it is)"
+        )

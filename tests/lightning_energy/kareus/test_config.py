@@ -56,7 +56,7 @@ def test_every_bad_value_is_reported_at_once() -> None:
     assert any(
         p.startswith(
             "kareus.nanobatches: unknown key; allowed keys: data_parallel_bucket_cap_mb, "
-            "data_parallel_ctas, enabled,"
+            "data_parallel_clock_mhz, data_parallel_ctas, enabled,"
         )
         for p in found
     )
@@ -82,13 +82,27 @@ def test_the_data_parallel_keys_give_a_setting() -> None:
     section = {"data_parallel_bucket_cap_mb": 100}
     setting = EnergyConfig.from_mapping({"kareus": section}).kareus.data_parallel()
     assert setting is not None and (setting.ctas, setting.bucket_cap_mb) == (None, 100.0)
+    assert setting.clock_mhz is None
+    section = {"data_parallel_clock_mhz": 1200}
+    setting = EnergyConfig.from_mapping({"kareus": section}).kareus.data_parallel()
+    assert setting is not None
+    assert (setting.ctas, setting.bucket_cap_mb, setting.clock_mhz) == (
+        None,
+        DDP_DEFAULT_BUCKET_CAP_MB,
+        1200,
+    )
     assert EnergyConfig.from_mapping({}).kareus.data_parallel() is None
 
 
 def test_bad_data_parallel_keys_are_named() -> None:
-    section = {"data_parallel_ctas": 33, "data_parallel_bucket_cap_mb": -1}
+    section = {
+        "data_parallel_ctas": 33,
+        "data_parallel_bucket_cap_mb": -1,
+        "data_parallel_clock_mhz": 0,
+    }
     with pytest.raises(ConfigError) as info:
         EnergyConfig.from_mapping({"kareus": section})
     found = str(info.value)
     assert "kareus.data_parallel_ctas: 33 is not allowed; use 1 to 32" in found
     assert "kareus.data_parallel_bucket_cap_mb: -1.0 is not allowed; use a positive" in found
+    assert "kareus.data_parallel_clock_mhz: 0 is not allowed; use a positive clock" in found

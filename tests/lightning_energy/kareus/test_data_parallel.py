@@ -13,6 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_energy.config import EnergyConfig
+from lightning_energy.controller import EnergyController, Knob
+from lightning_energy.device.base import DeviceSet
+from lightning_energy.device.simulated import SimulatedSpec, simulated_gpus
 from lightning_energy.errors import ConfigError
 from lightning_energy.kareus import data_parallel
 from lightning_energy.kareus.data_parallel import (
@@ -20,9 +24,11 @@ from lightning_energy.kareus.data_parallel import (
     DataParallelSetting,
     ddp_kwargs,
     gradient_group,
+    hold_clock,
     wrap_ddp,
 )
 from lightning_energy.kareus.runtime import NCCL_MAX_CTAS
+from lightning_energy.perseus.data_parallel import StragglerClocks
 
 from .. import processes
 from ..processes import ROOT, free_port
@@ -142,3 +148,55 @@ def test_ddp_gradients_do_not_depend_on_the_buckets_or_the_group(tmp_path: Path)
             mean = [sum(values) / WORLD for values in zip(*(g[name] for g in local), strict=True)]
             for run in ("default", "tiny_buckets"):
                 assert rank[run]["grads"][name] == pytest.approx(mean, rel=1e-5, abs=1e-7), name
+
+
+def a100_controller(tmp_path: Path, **spec: Any) -> EnergyController:
+    """An energy controller over one simulated A100, its run set up."""
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100", **spec))
+    devices = DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated")
+    config = EnergyConfig.from_mapping({"device": {"lease_dir": str(tmp_path / "leases")}})
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    controller.setup()
+    return controller
+
+
+def test_the_clock_is_held_as_a_knob_that_owns_the_clocks(tmp_path: Path) -> None:
+    controller = a100_controller(tmp_path)
+    gpu = controller.devices.gpus[0]
+    clock = gpu.supported_sm_clocks_mhz()[-1]
+    knob = hold_clock(controller, clock)
+    assert isinstance(knob, Knob) and knob.holds_clocks
+    assert controller.knobs[-1] is knob
+    assert knob.pace_frontier() == []  # the setting fixes the clock: nothing to pace
+    assert gpu.locked_clocks_mhz() == (clock, clock)
+    controller.teardown()
+    assert gpu.locked_clocks_mhz() is None
+
+
+def test_a_job_that_may_not_lock_clocks_is_refused_clearly(tmp_path: Path) -> None:
+    controller = a100_controller(tmp_path, permission_denied=True)  # observe-only
+    gpu = controller.devices.gpus[0]
+    clock = gpu.supported_sm_clocks_mhz()[0]
+    with pytest.raises(ConfigError, match="data_parallel_clock_mhz: this job only observes"):
+        hold_clock(controller, clock)
+    assert gpu.locked_clocks_mhz() is None
+    controller.teardown()
+
+
+def test_a_clock_before_the_run_is_set_up_is_refused(tmp_path: Path) -> None:
+    gpus = simulated_gpus(SimulatedSpec(gpu="a100"))
+    devices = DeviceSet(gpus=gpus, clock=gpus[0].clock.now, backend="simulated")
+    controller = EnergyController(EnergyConfig(), devices=devices, install_signal_handlers=False)
+    with pytest.raises(ConfigError, match="the energy run is not set up"):
+        hold_clock(controller, 1410)
+    assert gpus[0].locked_clocks_mhz() is None
+
+
+def test_a_clock_beside_another_owner_of_the_clocks_is_refused(tmp_path: Path) -> None:
+    controller = a100_controller(tmp_path)
+    gpu = controller.devices.gpus[0]
+    controller.add_knob(StragglerClocks())
+    with pytest.raises(ConfigError, match="straggler_clocks already holds the clocks"):
+        hold_clock(controller, gpu.supported_sm_clocks_mhz()[0])
+    assert gpu.locked_clocks_mhz() is None
+    controller.teardown()
