@@ -30,9 +30,9 @@ else ``LIGHTNING_ENERGY_CONFIG``); an argument overrides the key it names. With
 ``batch_size: {enabled: true}`` in the file named by ``LIGHTNING_ENERGY_CONFIG``, the
 Lightning entry point adds the callback by itself.
 
-The callback only translates hooks; :class:`~lightning_energy.recurring.RecurringRun`
+The callback only translates hooks; :class:`~lightning_energy.optimize.recurring.RecurringRun`
 does the work. What happens in a run: at ``setup`` (before the dataloaders are built) rank
-0 opens the store, asks :class:`~lightning_energy.recurring.BatchSizeOptimizer`
+0 opens the store, asks :class:`~lightning_energy.optimize.recurring.BatchSizeOptimizer`
 for the batch size and loads the power-limit profile saved for it; both are broadcast with
 the strategy's collectives and every rank sets ``batch_size`` on the datamodule, the module
 or its ``hparams``. After each validation, the job-wide energy (summed over ranks) and time (the
@@ -58,7 +58,7 @@ from lightning_energy.measure import EnergyMeter
 
 if TYPE_CHECKING:
     from lightning_energy.optimize.batch_size import Trial
-    from lightning_energy.recurring import Choice, RecurringRun, Verdict
+    from lightning_energy.optimize.recurring import Choice, RecurringRun, Verdict
     from lightning_energy.store import Store
 
 # ``BatchSizeCallback`` (lightning.pytorch) and ``PLBatchSizeCallback`` (pytorch_lightning)
@@ -155,7 +155,7 @@ class BatchSizeCallbackCore:
         self._store_arg = store
         # The store and its database drivers load only once a callback is built: importing
         # the Lightning module (for the energy callback alone) does not load them.
-        from lightning_energy.recurring import RecurringRun
+        from lightning_energy.optimize.recurring import RecurringRun
 
         RecurringRun(self.settings)  # every required setting is there, before training
         self.batch_size: int | None = None
@@ -185,7 +185,7 @@ class BatchSizeCallbackCore:
         controller = energy_cb.controller
         assert controller is not None
         self.recorded = None
-        from lightning_energy.recurring import RecurringRun
+        from lightning_energy.optimize.recurring import RecurringRun
 
         self.run = RecurringRun(self.settings, store=self._store_arg, strict=self.strict)
         gpus = controller.devices.gpus
