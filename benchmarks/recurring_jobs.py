@@ -15,7 +15,8 @@ as in Zeus). For a run with batch size ``b``:
   profiling) and the ``cost`` selector of :mod:`lightning_energy.optimize.selectors` picks
   the limit from the (noiseless) per-limit profile; the choice is saved as the batch size's
   power profile in the store and reused by later runs with that batch size.
-- **Batch size and early stopping**: :class:`~lightning_energy.recurring.BatchSizeOptimizer`
+- **Batch size and early stopping**:
+  :class:`~lightning_energy.optimize.recurring.BatchSizeOptimizer`
   on an in-memory store (pruning, then Gaussian Thompson sampling;
   a run stops after the first epoch whose cost exceeds ``beta`` x the best run, or at
   ``max_epochs``).
@@ -63,8 +64,8 @@ import numpy as np
 from lightning_energy.device.simulated import PowerTrace
 from lightning_energy.optimize.batch_size import JobSpec, Trial
 from lightning_energy.optimize.cost import zeus_cost
+from lightning_energy.optimize.recurring import BatchSizeOptimizer
 from lightning_energy.optimize.selectors import Measurement, make_selector
-from lightning_energy.recurring import BatchSizeOptimizer
 from lightning_energy.store import Store
 
 MAX_TRIES = 20  # retries per recurrence before the target is declared unreachable (Zeus)

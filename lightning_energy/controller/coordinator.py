@@ -34,7 +34,7 @@ from lightning_energy.controller.events import (
     StepEnd,
     StepStart,
 )
-from lightning_energy.controller.knobs import Knob
+from lightning_energy.controller.knobs import Knob, KnobDecision
 from lightning_energy.controller.ledger import RunLedger
 from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
 from lightning_energy.controller.power_limits import PowerLimitKnob
@@ -193,10 +193,11 @@ class EnergyController:
     def add_knob(self, knob: Knob) -> None:
         """Coordinate ``knob`` in this job from now on (every rank alike, before training).
 
-        The carbon pace moves the knob registered last (the setting knob when none is); a
-        knob that holds the clocks switches power-limit profiling off (limits measured while
-        clocks move say nothing), saying so once at INFO, and switches the locked-clock knob
-        off (one owner of the clocks at a time: its lock is released).
+        The carbon pace moves the knob holding the clocks registered last (the setting knob
+        when none is); a knob that holds the clocks switches power-limit profiling off
+        (limits measured while clocks move say nothing), saying so once at INFO, and
+        switches the locked-clock knob off (one owner of the clocks at a time: its lock is
+        released). A knob that leaves the clocks alone (the batch size) changes neither.
 
         Raises:
             EnergyError: training has started (its steps were profiled or paced already).
@@ -215,9 +216,22 @@ class EnergyController:
         if knob.holds_clocks:
             self.locked_clock.yield_clocks(knob.name)
 
+    def record(self, knob: Knob, decision: KnobDecision, reason: str) -> None:
+        """Record what ``knob`` set outside the carbon pace (the batch size a run chose) as a
+        decision of the run: reports list it with the others.
+
+        Raises:
+            EnergyError: ``knob`` is not registered (:meth:`add_knob`).
+        """
+        if not any(k is knob for k in self._knobs):
+            raise EnergyError(f"record({knob.name!r}): register the knob first (add_knob)")
+        self._ledger.decide(decision.kind, decision.value, reason, decision.purpose)
+
     def paced_knob(self) -> Knob:
-        """The knob the carbon pace moves: the one registered last, else the setting knob."""
-        return self._knobs[-1] if self._knobs else self.setting
+        """The knob the carbon pace moves: the one holding the clocks registered last, else
+        the setting knob (a knob that leaves the clocks alone leaves the GPU's pace to it)."""
+        holding = [knob for knob in self._knobs if knob.holds_clocks]
+        return holding[-1] if holding else self.setting
 
     @property
     def setting(self) -> SettingKnob:

@@ -27,9 +27,9 @@ class Decision(TypedDict):
 
     Keys: ``step`` (training steps seen), ``time_s`` (device-clock seconds since setup),
     ``kind`` (``power_limit``, ``observe-only``, ``enforced_power_limit``,
-    ``target_time_s``), ``purpose`` (``profile``, ``choice``, ``pause``, ``resume``,
-    ``pace`` or None), ``value`` (watts; seconds per step for ``target_time_s``; or None)
-    and ``reason``.
+    ``target_time_s``, ``batch_size``), ``purpose`` (``profile``, ``choice``, ``pause``,
+    ``resume``, ``pace`` or None), ``value`` (watts; seconds per step for
+    ``target_time_s``; samples for ``batch_size``; or None) and ``reason``.
     """
 
     step: int

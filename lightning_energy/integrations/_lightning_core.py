@@ -12,8 +12,8 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
@@ -21,6 +21,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController, Interruption, StepEnd, StepStart
 from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
+from lightning_energy.integrations._lightning_types import Module, Trainer
 from lightning_energy.integrations.adapter import (
     EnergyAdapter,
     count_parameters,
@@ -49,98 +50,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-class _Strategy(Protocol):
-    """What the callback uses of a Lightning strategy."""
-
-    @property
-    def root_device(self) -> torch.device: ...
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def broadcast(self, obj: T, src: int = 0) -> T: ...
-
-
-class _Logger(Protocol):
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
-
-
-class _Trainer(Protocol):
-    """What the callback uses of a Lightning ``Trainer`` (either namespace)."""
-
-    @property
-    def strategy(self) -> _Strategy: ...
-
-    @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def local_rank(self) -> int: ...
-
-    @property
-    def node_rank(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
-
-    @property
-    def global_step(self) -> int: ...
-
-    @property
-    def accumulate_grad_batches(self) -> int: ...
-
-    @property
-    def training(self) -> bool: ...
-
-    @property
-    def estimated_stepping_batches(self) -> int | float: ...
-
-    @property
-    def train_dataloader(self) -> object: ...
-
-    @property
-    def loggers(self) -> Sequence[_Logger]: ...
-
-    @property
-    def progress_bar_callback(self) -> object: ...
-
-    @property
-    def state(self) -> Any: ...
-
-
-class _Module(Protocol):
-    """What the callback uses of a ``LightningModule`` (either namespace)."""
-
-    def parameters(self, recurse: bool = True) -> Iterable[torch.nn.Parameter]: ...
-
-    def log_dict(
-        self,
-        dictionary: Any,
-        *,
-        on_step: bool,
-        on_epoch: bool,
-        prog_bar: bool,
-        logger: bool,
-        batch_size: int,
-    ) -> None: ...
-
-    def log(
-        self,
-        name: str,
-        value: Any,
-        *,
-        on_step: bool,
-        on_epoch: bool,
-        prog_bar: bool,
-        logger: bool,
-        batch_size: int,
-    ) -> None: ...
-
 
 class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     """Power-limit optimisation for a Lightning ``Trainer``; see :class:`.lightning.EnergyCallback`.
@@ -154,7 +63,9 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
     #: ``global_step``: one step per optimizer step, as ``estimated_stepping_batches``.
     _step_opened_at: int | None = None
     # The Trainer of the open run (held weakly), to tell a fit ended without our hooks.
-    _trainer: weakref.ref[_Trainer] | None = None
+    _trainer: weakref.ref[Trainer] | None = None
+    # Whether the open run's training started (``on_train_start``).
+    _training_started = False
 
     @property
     @override
@@ -165,18 +76,22 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
 
     # ----------------------------------------------------------------- hooks
     @override
-    def setup(self, trainer: _Trainer, pl_module: _Module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         """Start a run for this fit once the strategy (and its process group) exists.
 
         Every ``fit`` (also the one ``Tuner.lr_find`` runs, or a notebook cell run again
         with a new ``Trainer``) is a run of its own: set up, optimised (a workload
         profiled by an earlier fit reuses its profile), restored, summarised, reported.
         Other stages (validate, test, predict) change nothing. A checkpoint's state
-        loaded before this hook is resumed right after setup.
+        loaded before this hook is resumed right after setup. Called again before
+        training starts, by the same running ``Trainer`` (the batch-size callback sets
+        the run up first when it comes first), it changes nothing.
         """
         if stage != "fit":
             return
         if self.running:
+            if self._set_up_for(trainer):
+                return
             self._finish_run(trainer)  # a fit that ended without its teardown hook
         strategy = trainer.strategy
         collective = tensor_collective(
@@ -197,6 +112,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             install_signal_handlers=False,
         )
         self._step_opened_at = None
+        self._training_started = False
         self._trainer = weakref.ref(trainer)
         self._begin_run(controller, main_process=trainer.is_global_zero, collective=collective)
 
@@ -205,6 +121,12 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
         state = super().__getstate__()
         state.pop("_trainer", None)
         return state
+
+    def _set_up_for(self, trainer: Trainer) -> bool:
+        """Whether the open run was set up for the fit ``trainer`` is starting (its
+        training has not started)."""
+        mine = self._trainer() if self._trainer is not None else None
+        return mine is trainer and not self._training_started and self._abandoned() is None
 
     def _abandoned(self) -> str | None:
         """The fit of this run's Trainer ended without calling ``on_exception`` or
@@ -219,7 +141,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
         return f"was left open by a fit that ended ({status}) without the callback's hooks"
 
     @override
-    def on_train_start(self, trainer: _Trainer, pl_module: _Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         """Declare the workload and the job's length (carbon pacing plans to the end).
 
         Installs the guard's SIGTERM/SIGINT handler on top of Lightning's: a signal
@@ -228,19 +150,20 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
         """
         if not self.running or self.controller is None:
             return
+        self._training_started = True
         self.controller.handle_signals()
         self._declare_workload(trainer, pl_module)
         total = trainer.estimated_stepping_batches
         self.controller.set_total_steps(int(total) if math.isfinite(total) else None)
 
     @override
-    def on_train_epoch_start(self, trainer: _Trainer, pl_module: _Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         """Re-check the workload at every epoch (a datamodule may change its batch size)."""
         self._declare_workload(trainer, pl_module)
 
     @override
     def on_train_batch_start(
-        self, trainer: _Trainer, pl_module: _Module, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int
     ) -> None:
         """Open a step, unless one is open (gradient accumulation: its first micro-batch
         opened it)."""
@@ -250,7 +173,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
 
     @override
     def on_train_batch_end(
-        self, trainer: _Trainer, pl_module: _Module, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Close the step, unless the batch only accumulated gradients (the optimizer did
         not step); log fresh metrics to the loggers and the progress bar.
@@ -289,29 +212,29 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
             )
 
     @override
-    def on_train_epoch_end(self, trainer: _Trainer, pl_module: _Module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         """A profiling window must not span an epoch boundary."""
         if self.running and self.controller is not None:
             self.controller.handle(Interruption("epoch end"))
 
     @override
-    def on_validation_start(self, trainer: _Trainer, pl_module: _Module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         """Leave validation out of the profiling window in progress."""
         if self.running and self.controller is not None and trainer.training:
             self.controller.handle(Interruption("validation"))
 
     @override
-    def on_exception(self, trainer: _Trainer, pl_module: _Module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
         """Restore every GPU before the exception propagates, then write the report."""
         self._abort(type(exception).__name__)
 
     @override
-    def teardown(self, trainer: _Trainer, pl_module: _Module, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         """Restore every GPU, then print and log the run summary (and write the report)."""
         if stage == "fit" and self.running:
             self._finish_run(trainer)
 
-    def _finish_run(self, trainer: _Trainer) -> None:
+    def _finish_run(self, trainer: Trainer) -> None:
         """End the run and log its summary to every logger; a logger that refuses the
         values (a fixed schema) is warned about, and the fit ends as it would without us."""
         summary = self._finish()
@@ -329,7 +252,7 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
                 )
 
     # ----------------------------------------------------------------- helpers
-    def _declare_workload(self, trainer: _Trainer, pl_module: _Module) -> None:
+    def _declare_workload(self, trainer: Trainer, pl_module: Module) -> None:
         if not self.running or self.controller is None:
             return
         batch_size = getattr(trainer.train_dataloader, "batch_size", None)

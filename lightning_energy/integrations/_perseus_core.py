@@ -21,8 +21,11 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from lightning_energy.config import DeviceConfig, EnergyConfig, load_config
 from lightning_energy.errors import ConfigError
+from lightning_energy.integrations._lightning_types import Module, Trainer, trainer_callbacks
 from lightning_energy.integrations.adapter import EnergyAdapter, build_config
 from lightning_energy.perseus.data_parallel import StragglerClocks, StragglerRun
 from lightning_energy.perseus.pipeline_run import (
@@ -34,11 +37,20 @@ from lightning_energy.perseus.pipeline_run import (
 from lightning_energy.perseus.rank_gpu import RankGPU, open_rank_gpu
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     import torch
+
+    # Type-checked as a Lightning callback, so ``@override`` is checked against its hooks;
+    # at run time the core imports neither namespace (each subclass adds its own base).
+    from lightning.pytorch.callbacks import Callback as _CallbackBase
+    from lightning.pytorch.strategies import DDPStrategy as _DDPStrategyBase
 
     from lightning_energy.controller import EnergyController
     from lightning_energy.device.base import DeviceSet
     from lightning_energy.device.guard import GPUGuard
+else:
+    _CallbackBase = object
+    _DDPStrategyBase = object
 
 __all__ = [
     "PerseusCallbackCore",
@@ -97,16 +109,25 @@ def strategy_config(
     return EnergyConfig.from_mapping(data, source=f"{owner} arguments over {base.source}")
 
 
-def energy_controller(trainer: Any) -> EnergyController | None:
-    """The controller of the energy callback of ``trainer`` during its run, if any."""
-    for callback in trainer.callbacks:
-        controller = callback.controller if isinstance(callback, EnergyAdapter) else None
-        if controller is not None and controller.guard is not None:
-            return controller
+def energy_owner(trainer: Trainer) -> EnergyAdapter | None:
+    """The energy callback of ``trainer`` during its run (the adapter that owns the run),
+    if any."""
+    for callback in trainer_callbacks(trainer):
+        if not isinstance(callback, EnergyAdapter) or not callback.owns_runs:
+            continue
+        controller = callback.controller
+        if callback.running and controller is not None and controller.guard is not None:
+            return callback
     return None
 
 
-def shared_gpus(trainer: Any) -> tuple[DeviceSet, GPUGuard] | None:
+def energy_controller(trainer: Trainer) -> EnergyController | None:
+    """The controller of the energy callback of ``trainer`` during its run, if any."""
+    owner = energy_owner(trainer)
+    return owner.controller if owner is not None else None
+
+
+def shared_gpus(trainer: Trainer) -> tuple[DeviceSet, GPUGuard] | None:
     """The GPUs and guard of the energy callback of ``trainer`` during its run, if any."""
     controller = energy_controller(trainer)
     if controller is None or controller.guard is None:
@@ -114,7 +135,7 @@ def shared_gpus(trainer: Any) -> tuple[DeviceSet, GPUGuard] | None:
     return controller.devices, controller.guard
 
 
-def _open(config: EnergyConfig, trainer: Any, local_rank: int, device: torch.device) -> RankGPU:
+def _open(config: EnergyConfig, trainer: Trainer, local_rank: int, device: torch.device) -> RankGPU:
     return open_rank_gpu(
         config,
         local_rank=local_rank,
@@ -124,19 +145,16 @@ def _open(config: EnergyConfig, trainer: Any, local_rank: int, device: torch.dev
     )
 
 
-class PerseusStrategyCore:
+class PerseusStrategyCore(_DDPStrategyBase):
     """A Perseus run over this rank's GPU, closed at teardown and on exceptions.
 
-    Subclasses set ``self.config`` in ``__init__`` and ``self._run`` in ``setup``.
+    A strategy, not an adapter: Lightning hands its strategy the model, the training step
+    and the backward pass, which Perseus' pipeline replaces, so the strategies run
+    Perseus themselves and register its clocks with the energy callback's controller as a
+    knob. Type-checked as ``lightning.pytorch``'s ``DDPStrategy`` (each namespace's
+    subclass adds its own at run time). Subclasses set ``self.config`` in ``__init__`` and
+    ``self._run`` in ``setup``.
     """
-
-    # Provided by the namespace's ``DDPStrategy``.
-    lightning_module: Any
-    model: Any
-    world_size: int
-    global_rank: int
-    local_rank: int
-    root_device: torch.device
 
     config: EnergyConfig
     _run: PipelineRun | StragglerRun | None = None
@@ -151,15 +169,17 @@ class PerseusStrategyCore:
         if run is not None:
             run.close()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Put the GPU back before the exception propagates."""
         self._close()
-        super().on_exception(exception)  # type: ignore[misc]
+        super().on_exception(exception)
 
+    @override
     def teardown(self) -> None:
         """Reset the clocks (and restore the GPU if Perseus opened it), then tear down."""
         self._close()
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
 
 class PerseusPipelineCore(PerseusStrategyCore):
@@ -228,13 +248,16 @@ class PerseusPipelineCore(PerseusStrategyCore):
         return self._run.online if isinstance(self._run, PipelineRun) else None
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every pipeline rank reads the same batches."""
         return {"num_replicas": 1, "rank": 0}
 
+    @override
     def configure_ddp(self) -> None:
         """Pipeline parallel: no DDP wrapper, each rank owns its stages' parameters."""
 
+    @override
     def model_to_device(self) -> None:
         """Place only this rank's stages on its device; the other ranks' stay on the CPU."""
         module = self.lightning_module
@@ -248,9 +271,10 @@ class PerseusPipelineCore(PerseusStrategyCore):
             if schedule.device_of(s) == self.global_rank:
                 stage.to(self.root_device)
 
-    def setup(self, trainer: Any) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
         """Set up as DDP does (process group, devices, optimizers), then the pipeline."""
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         rank = _open(self.config, trainer, self.local_rank, self.root_device)
         try:
             self._run = PipelineRun(
@@ -279,6 +303,7 @@ class PerseusPipelineCore(PerseusStrategyCore):
         if isinstance(self._run, PipelineRun):
             self._run.set_target_time(target_s)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step at the planned clocks; logs and returns the mean loss."""
         assert isinstance(self._run, PipelineRun)
@@ -289,9 +314,12 @@ class PerseusPipelineCore(PerseusStrategyCore):
             self._step_start_s = now_s
         inputs, target = args[0]
         loss = self._run.step(inputs, target)
-        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        module = self.lightning_module
+        assert module is not None  # set up with it
+        module.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def backward(self, closure_loss: Any, *args: Any, **kwargs: Any) -> Any:
         """Nothing to do: the pipeline schedule ran every backward in ``training_step``."""
         return closure_loss
@@ -350,9 +378,10 @@ class PerseusDDPCore(PerseusStrategyCore):
         """The straggler equalizer (None before ``setup``, or when clocks are fixed)."""
         return self._run.equalizer if isinstance(self._run, StragglerRun) else None
 
-    def setup(self, trainer: Any) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
         """Set up DDP, then this rank's straggler equalisation."""
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         rank = _open(self.config, trainer, self.local_rank, self.root_device)
         try:
             self._run = StragglerRun(
@@ -365,21 +394,23 @@ class PerseusDDPCore(PerseusStrategyCore):
         if controller is not None:
             controller.add_knob(StragglerClocks())
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Mark the step start, then the usual training step."""
         if isinstance(self._run, StragglerRun):
             self._run.step_start()
-        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        return super().training_step(*args, **kwargs)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         """The usual optimizer step, then report the step and re-evaluate the clock."""
-        out = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        out = super().optimizer_step(*args, **kwargs)
         if isinstance(self._run, StragglerRun):
             self._run.step_end()
         return out
 
 
-class PerseusCallbackCore:
+class PerseusCallbackCore(EnergyAdapter, _CallbackBase):
     """Perseus switched on by the configuration alone (``perseus: {enabled: true}``).
 
     The Lightning entry point adds it when ``LIGHTNING_ENERGY_CONFIG`` names such a file.
@@ -388,15 +419,24 @@ class PerseusCallbackCore:
     Trainer (the strategy runs the pipeline schedule), so unless the strategy is
     ``perseus_pipeline`` it warns once (strict mode raises) and changes nothing.
 
+    With an energy callback in the same Trainer it takes part in that callback's run
+    (:meth:`~lightning_energy.integrations.adapter.EnergyAdapter._join_run`): the
+    equaliser's clocks are a knob of its controller, changed through its guard. Alone, it
+    opens this rank's GPU itself and has no run of a controller to join.
+
     Args:
         config: the energy configuration.
     """
 
+    owns_runs = False
+    applied_sections = frozenset({"perseus", "batch_size"})
+
     def __init__(self, config: EnergyConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.run: StragglerRun | None = None
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         """Check that the strategy can do what the configuration asks."""
         if stage != "fit" or self.config.perseus.mode != "pipeline":
             return
@@ -412,7 +452,8 @@ class PerseusCallbackCore:
             raise ConfigError(message, self.config.source)
         log.warning("Perseus not applied: %s.", message)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         """Start equalising the ranks (the DDP model and the energy callback's GPUs exist)."""
         strategy = trainer.strategy
         if self.config.perseus.mode != "ddp" or isinstance(strategy, PerseusStrategyCore):
@@ -434,35 +475,41 @@ class PerseusCallbackCore:
         except BaseException:
             rank.close()
             raise
-        controller = energy_controller(trainer)
-        if controller is not None:
-            controller.add_knob(StragglerClocks())
+        owner = energy_owner(trainer)
+        if owner is not None:
+            self._join_run(owner).add_knob(StragglerClocks())
         if rank.owned:
             # Lightning installed its SIGTERM handler before this hook: restore first.
             rank.guard.handle_signals()
 
+    @override
     def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int
     ) -> None:
         """A step starts."""
         if self.run is not None:
             self.run.step_start()
 
+    @override
     def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """A step ended (after the optimizer step)."""
         if self.run is not None:
             self.run.step_end()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """Put the clocks back before the exception propagates."""
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
+        """Put the clocks back before the exception propagates; leave the run."""
         self._close()
+        self._abort(type(exception).__name__)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Put the clocks back at the end of fit."""
+    @override
+    def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """Put the clocks back at the end of fit; leave the run."""
         if stage == "fit":
             self._close()
+            self._finish()
 
     def _close(self) -> None:
         run, self.run = self.run, None

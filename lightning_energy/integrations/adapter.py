@@ -261,6 +261,10 @@ class EnergyAdapter:
     #: Lightning Trainer both, through its callbacks entry point and strategies; the
     #: pipeline engines ``perseus:``).
     applied_sections: ClassVar[frozenset[str]] = frozenset()
+    #: Whether the adapter's runs are its own (it sets them up and ends them), or it takes
+    #: part in the run of the energy adapter of the same framework object
+    #: (:meth:`_join_run`: the Lightning batch-size and Perseus callbacks).
+    owns_runs: ClassVar[bool] = True
     #: What the user writes to end a run of this adapter, for the messages about a run
     #: that did not end.
     ended_by: ClassVar[str] = "`with energy:`"
@@ -360,6 +364,29 @@ class EnergyAdapter:
             controller.handle(CheckpointLoad(pending))
         return controller
 
+    def _join_run(self, owner: EnergyAdapter) -> EnergyController:
+        """Take part in the open run of ``owner``, which set it up and ends it.
+
+        The run's controller is ``owner``'s: this adapter registers its knobs and reads
+        its GPUs there, and its own :meth:`_finish` and :meth:`_abort` only end its part
+        (``owner`` restores, summarises and reports). Its checkpoint entry is empty:
+        ``owner``'s carries the run's state.
+
+        Raises:
+            EnergyError: ``owner`` has no open run.
+        """
+        if not owner.running or owner.controller is None:
+            raise EnergyError(
+                f"{type(self).__name__} joins the run of {type(owner).__name__}, which has "
+                "not set one up"
+            )
+        self.controller = owner.controller
+        self.summary = None
+        self._main_process = owner._main_process
+        self._running = True
+        self._run_pid = os.getpid()
+        return owner.controller
+
     def _abandoned(self) -> str | None:
         """Why the framework can no longer end this adapter's open run (None: it can)."""
         return None
@@ -399,8 +426,9 @@ class EnergyAdapter:
         return None
 
     def _finish(self) -> RunSummary | None:
-        """End the run normally (every rank): see :func:`finish_run`."""
-        if not self._mark_ended():
+        """End the run normally (every rank): see :func:`finish_run`. An adapter that
+        joined the run (:meth:`_join_run`) only ends its part."""
+        if not self._mark_ended() or not self.owns_runs:
             return self.summary
         assert self.controller is not None
         self.summary = finish_run(
@@ -421,7 +449,7 @@ class EnergyAdapter:
         summarise, log ``message`` at ``level`` and, on the main process, write the
         report; no collective.
         """
-        if not self._mark_ended():
+        if not self._mark_ended() or not self.owns_runs:
             return self.summary
         assert self.controller is not None
         controller = self.controller
@@ -460,7 +488,10 @@ class EnergyAdapter:
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The controller's state, for the framework's checkpoints (JSON-serialisable)."""
+        """The controller's state, for the framework's checkpoints (JSON-serialisable);
+        empty for an adapter that joins another's runs (that one's entry carries it)."""
+        if not self.owns_runs:
+            return {}
         if self.controller is None:
             return dict(self._pending_state or {})
         return self.controller.handle(CheckpointSave()).state or {}

@@ -30,9 +30,9 @@ else ``LIGHTNING_ENERGY_CONFIG``); an argument overrides the key it names. With
 ``batch_size: {enabled: true}`` in the file named by ``LIGHTNING_ENERGY_CONFIG``, the
 Lightning entry point adds the callback by itself.
 
-The callback only translates hooks; :class:`~lightning_energy.recurring.RecurringRun`
+The callback only translates hooks; :class:`~lightning_energy.optimize.recurring.RecurringRun`
 does the work. What happens in a run: at ``setup`` (before the dataloaders are built) rank
-0 opens the store, asks :class:`~lightning_energy.recurring.BatchSizeOptimizer`
+0 opens the store, asks :class:`~lightning_energy.optimize.recurring.BatchSizeOptimizer`
 for the batch size and loads the power-limit profile saved for it; both are broadcast with
 the strategy's collectives and every rank sets ``batch_size`` on the datamodule, the module
 or its ``hparams``. After each validation, the job-wide energy (summed over ranks) and time (the
@@ -50,16 +50,36 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError, StoreError
 from lightning_energy.integrations._lightning_core import EnergyCallbackCore
-from lightning_energy.integrations.adapter import build_config
+from lightning_energy.integrations._lightning_types import (
+    Module,
+    Trainer,
+    trainer_callbacks,
+    trainer_datamodule,
+)
+from lightning_energy.integrations.adapter import EnergyAdapter
 from lightning_energy.measure import EnergyMeter
 
 if TYPE_CHECKING:
+    # Type-checked as a Lightning callback, so ``@override`` is checked against its hooks;
+    # at run time the core imports neither namespace (each subclass adds its own base).
+    from lightning.pytorch.callbacks import Callback as _CallbackBase
+
     from lightning_energy.optimize.batch_size import Trial
-    from lightning_energy.recurring import Choice, RecurringRun, Verdict
+    from lightning_energy.optimize.recurring import (
+        BatchSizeKnob,
+        BatchSizeOptimizer,
+        Choice,
+        RecurringRun,
+        Verdict,
+    )
     from lightning_energy.store import Store
+else:
+    _CallbackBase = object
 
 # ``BatchSizeCallback`` (lightning.pytorch) and ``PLBatchSizeCallback`` (pytorch_lightning)
 # are the namespaces' own classes, imported on first access by ``__getattr__`` below.
@@ -74,8 +94,14 @@ _NAMESPACES = {  # namespace: (the name here, the module defining its class)
 }
 
 
-class BatchSizeCallbackCore:
+class BatchSizeCallbackCore(EnergyAdapter, _CallbackBase):
     """Chooses each run's batch size from the job's history; see the module docstring.
+
+    An adapter that takes part in the run of the energy callback of the same ``Trainer``
+    (:meth:`~lightning_energy.integrations.adapter.EnergyAdapter._join_run`): the batch
+    size is a knob of that run's controller
+    (:class:`~lightning_energy.optimize.recurring.BatchSizeKnob`), recorded in its ledger
+    and listed in its report's decisions.
 
     Every argument but ``config``, ``store`` and ``strict`` overrides the ``batch_size:``
     key named after it (None: the configuration's value).
@@ -106,6 +132,9 @@ class BatchSizeCallbackCore:
         ConfigError: invalid or missing settings (checked again against the GPUs at
             ``setup``).
     """
+
+    owns_runs = False
+    applied_sections = frozenset({"perseus", "batch_size"})
 
     def __init__(
         self,
@@ -143,38 +172,42 @@ class BatchSizeCallbackCore:
             "allow_network_fs": allow_network_fs,
         }
         given = {k: v for k, v in overrides.items() if v is not None}
-        energy = build_config(config, {"strict": strict})
+        super().__init__(config, strict=strict)
         if given:
-            data = energy.to_mapping()
+            data = self.config.to_mapping()
             data["batch_size"].update(given)
-            energy = EnergyConfig.from_mapping(
-                data, source=f"{type(self).__name__} arguments over {energy.source}"
+            self.config = EnergyConfig.from_mapping(
+                data, source=f"{type(self).__name__} arguments over {self.config.source}"
             )
-        self.settings = energy.batch_size
-        self.strict = energy.strict
+        self.settings = self.config.batch_size
+        self.strict = self.config.strict
         self._store_arg = store
         # The store and its database drivers load only once a callback is built: importing
         # the Lightning module (for the energy callback alone) does not load them.
-        from lightning_energy.recurring import RecurringRun
+        from lightning_energy.optimize.recurring import RecurringRun
 
         RecurringRun(self.settings)  # every required setting is there, before training
         self.batch_size: int | None = None
         self.recorded: Trial | None = None
         self.run: RecurringRun | None = None
         self._energy_cb: EnergyCallbackCore | None = None
+        self._knob: BatchSizeKnob | None = None
         self._meter: EnergyMeter | None = None
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> BatchSizeOptimizer | None:
         """The batch-size optimizer of the run in progress (rank 0; None elsewhere)."""
         return self.run.optimizer if self.run is not None else None
 
     # ------------------------------------------------------------------ hooks
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Choose the batch size (rank 0), broadcast it and set it before dataloaders exist."""
+    @override
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """Choose the batch size (rank 0), broadcast it and set it before dataloaders exist;
+        record it as a decision of the energy callback's run."""
         if stage != "fit":
             return
-        energy_cb = next((c for c in trainer.callbacks if isinstance(c, EnergyCallbackCore)), None)
+        callbacks = trainer_callbacks(trainer)
+        energy_cb = next((c for c in callbacks if isinstance(c, EnergyCallbackCore)), None)
         if energy_cb is None:
             raise ConfigError(
                 "callbacks: BatchSizeCallback needs an EnergyCallback in the same Trainer "
@@ -182,10 +215,9 @@ class BatchSizeCallbackCore:
             )
         self._energy_cb = energy_cb
         energy_cb.setup(trainer, pl_module, stage)  # idempotent: makes sure the GPUs are open
-        controller = energy_cb.controller
-        assert controller is not None
+        controller = self._join_run(energy_cb)
         self.recorded = None
-        from lightning_energy.recurring import RecurringRun
+        from lightning_energy.optimize.recurring import RecurringRun
 
         self.run = RecurringRun(self.settings, store=self._store_arg, strict=self.strict)
         gpus = controller.devices.gpus
@@ -196,28 +228,42 @@ class BatchSizeCallbackCore:
             max_epochs=trainer.max_epochs,
             max_power_limit_w=max(g.power_limit_constraints_w()[1] for g in gpus),
         )
-        choice: Choice | None = self.run.choose(spec) if trainer.is_global_zero else None
-        batch_size, profile, error = trainer.strategy.broadcast(choice, src=0)
+        choice: tuple[Choice, str] | None = None
+        if trainer.is_global_zero:
+            choice = self.run.choose(spec), self.run.reason
+        chosen = trainer.strategy.broadcast(choice, src=0)
+        assert chosen is not None  # rank 0 chose
+        (batch_size, profile, error), reason = chosen
         if error is not None:  # raised on every rank, so no rank waits for the others
             kind, message = error
             raise ConfigError(message) if kind == "config" else StoreError(message)
         self.batch_size = batch_size
         self._set_batch_size(trainer, pl_module, batch_size)
+        from lightning_energy.optimize.recurring import BatchSizeKnob
+
+        knob = self._knob
+        if knob is None or all(k is not knob for k in controller.knobs):
+            knob = self._knob = BatchSizeKnob(batch_size)
+            controller.add_knob(knob)  # once per controller: a later fit reuses it
+        knob.batch_size = batch_size
+        controller.record(knob, knob.decision(), reason)
         if profile is not None:
             energy_cb.load_state_dict(profile)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         """Start measuring the run."""
-        if self._energy_cb is None or self._energy_cb.controller is None:
+        if self.controller is None:
             return
-        self._meter = EnergyMeter(self._energy_cb.controller.devices)
+        self._meter = EnergyMeter(self.controller.devices)
         self._meter.begin(_RUN)
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None:
         """After each validation: converged, too expensive, or go on (rank 0 decides)."""
-        if trainer.sanity_checking or self._meter is None or self._energy_cb is None:
+        if trainer.sanity_checking or self._meter is None:
             return
-        controller = self._energy_cb.controller
+        controller = self.controller
         assert controller is not None and self.run is not None
         window = self._meter.end(_RUN)
         self._meter.begin(_RUN)
@@ -226,6 +272,7 @@ class BatchSizeCallbackCore:
         )
         self.run.add(energy_j=energy_j, time_s=time_s, epochs=trainer.current_epoch + 1)
         monitor = self.settings.monitor
+        assert monitor is not None  # checked when the callback was built
         value = trainer.callback_metrics.get(monitor)
         if value is None:
             available = ", ".join(sorted(trainer.callback_metrics)) or "none"
@@ -234,10 +281,13 @@ class BatchSizeCallbackCore:
                 f"(logged: {available})"
             )
         verdict: Verdict | None = self.run.judge(float(value)) if trainer.is_global_zero else None
-        if self.run.accept(trainer.strategy.broadcast(verdict, src=0)):
+        agreed = trainer.strategy.broadcast(verdict, src=0)
+        assert agreed is not None  # rank 0 judged
+        if self.run.accept(agreed):
             trainer.should_stop = True
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: Module) -> None:
         """Record the run and save the power-limit profile for its batch size (rank 0)."""
         energy_cb = self._energy_cb
         if self._meter is None or energy_cb is None or self.batch_size is None:
@@ -245,15 +295,16 @@ class BatchSizeCallbackCore:
         assert self.run is not None
         self._meter.cancel(_RUN)
         self._meter = None
-        controller = energy_cb.controller
+        controller = self.controller
         power_limit_w = controller.current_power_limit_w() if controller is not None else None
         self.recorded = self.run.trial(self.batch_size, power_limit_w)
         profile = energy_cb.state_dict()
         if trainer.is_global_zero:
             self.run.record(self.recorded, profile)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Close the store this callback opened."""
+    @override
+    def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """Close the store this callback opened and leave the energy callback's run."""
         if stage != "fit":
             return
         if self._meter is not None:
@@ -261,13 +312,14 @@ class BatchSizeCallbackCore:
             self._meter = None
         if self.run is not None:
             self.run.close()
+        self._finish()
 
     # ------------------------------------------------------------------ helpers
-    def _set_batch_size(self, trainer: Any, pl_module: Any, batch_size: int) -> None:
+    def _set_batch_size(self, trainer: Trainer, pl_module: Module, batch_size: int) -> None:
         """Set the batch size wherever the user keeps it (datamodule, module, hparams)."""
         attribute = self.settings.attribute
         done = False
-        for obj in (trainer.datamodule, pl_module):
+        for obj in (trainer_datamodule(trainer), pl_module):
             if obj is not None and hasattr(obj, attribute):
                 setattr(obj, attribute, batch_size)
                 done = True

@@ -23,15 +23,17 @@ from lightning_energy.integrations._perseus_core import (
 __all__ = ["PerseusCallback", "PerseusDDPStrategy", "PerseusPipelineStrategy", "PipelineModule"]
 
 
-class PerseusPipelineStrategy(PerseusPipelineCore, DDPStrategy):
+# The cores are type-checked as ``lightning.pytorch``'s ``DDPStrategy`` and ``Callback``;
+# this namespace's classes name its own types, which the checker cannot match.
+class PerseusPipelineStrategy(PerseusPipelineCore, DDPStrategy):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``perseus_lightning.PerseusPipelineStrategy``."""
 
 
-class PerseusDDPStrategy(PerseusDDPCore, DDPStrategy):
+class PerseusDDPStrategy(PerseusDDPCore, DDPStrategy):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``perseus_lightning.PerseusDDPStrategy``."""
 
 
-class PerseusCallback(PerseusCallbackCore, Callback):
+class PerseusCallback(PerseusCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``perseus_lightning.PerseusCallback``."""
 
 

@@ -36,7 +36,7 @@ class EnergyCallback(EnergyCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``integrations.lightning.EnergyCallback``."""
 
 
-class BatchSizeCallback(BatchSizeCallbackCore, Callback):
+class BatchSizeCallback(BatchSizeCallbackCore, Callback):  # type: ignore[misc]
     """The ``pytorch_lightning`` twin of ``integrations.lightning.BatchSizeCallback``."""
 
 

@@ -3,8 +3,11 @@
 * :class:`PowerLimitOptimizer` profiles power limits in :class:`Window` s and picks one with
   a :class:`Selector` (:func:`make_selector` builds one from its configuration name);
 * the batch-size decisions of recurring jobs (:func:`pruning_state`,
-  :func:`thompson_choice`, :func:`best_choice`) over the job's stored trials, applied by
-  :class:`~lightning_energy.recurring.BatchSizeOptimizer`;
+  :func:`thompson_choice`, :func:`best_choice`) over the job's stored trials, applied to a
+  job's history in the tuning store by :mod:`.recurring`
+  (:class:`~lightning_energy.optimize.recurring.BatchSizeOptimizer`, and
+  :class:`~lightning_energy.optimize.recurring.RecurringRun` for one run of the job: the
+  only module here that does I/O, through the store);
 * :func:`zeus_cost`, the energy-time cost both of them minimise.
 
 The batch-size names are imported on first use: their module reads the tuning history's

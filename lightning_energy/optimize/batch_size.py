@@ -24,8 +24,8 @@ The decisions are pure functions of the stored runs (:func:`pruning_state`,
 most the run in flight, and any decision can be replayed. Runs launched concurrently may
 explore the same batch size; the extra result is kept as an ordinary observation.
 
-The store-backed :class:`~lightning_energy.recurring.BatchSizeOptimizer` applies them to
-a job's history.
+The store-backed :class:`~lightning_energy.optimize.recurring.BatchSizeOptimizer` applies
+them to a job's history.
 
 Example:
     >>> pruning_state([32, 64, 128], 64, []).next_batch_size
@@ -153,7 +153,7 @@ class JobSpec:
 @dataclass(frozen=True, kw_only=True)
 class Trial:
     """What one run measured, handed to
-    :meth:`~lightning_energy.recurring.BatchSizeOptimizer.record`.
+    :meth:`~lightning_energy.optimize.recurring.BatchSizeOptimizer.record`.
 
     Attributes:
         batch_size: the batch size used.

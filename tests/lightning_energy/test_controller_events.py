@@ -19,7 +19,8 @@ from lightning_energy.controller import (
 )
 from lightning_energy.controller.windows import WINDOW
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
-from lightning_energy.errors import CheckpointMismatchError
+from lightning_energy.errors import CheckpointMismatchError, EnergyError
+from lightning_energy.optimize.recurring import BatchSizeKnob
 
 LOG_EVERY = 10
 
@@ -86,6 +87,35 @@ def test_decisions_are_returned_by_the_event_that_made_them(tmp_path: Path) -> N
         assert returned == controller.decisions
         assert {d["purpose"] for d in returned} == {"profile", "choice"}
         assert returned[-1]["value"] == controller.current_power_limit_w()
+    finally:
+        controller.handle(End())
+
+
+def test_a_knob_records_its_own_decision_and_one_leaving_the_clocks_is_not_paced(
+    tmp_path: Path,
+) -> None:
+    controller = _controller(tmp_path)
+    controller.setup()
+    try:
+        knob = BatchSizeKnob(64)
+        with pytest.raises(EnergyError, match="register the knob first"):
+            controller.record(knob, knob.decision(), "chosen")
+        assert controller.decisions == []
+        controller.add_knob(knob)
+        controller.record(knob, knob.decision(), "chosen")
+        (decision,) = controller.decisions
+        assert (decision["kind"], decision["value"], decision["purpose"]) == (
+            "batch_size",
+            64.0,
+            "choice",
+        )
+        assert decision["step"] == 0 and decision["reason"] == "chosen"
+        # It leaves the clocks alone: the power limits are still profiled and paced.
+        assert controller.paced_knob() is controller.power_limit
+        assert controller.power_limit.profiling_off is None
+        for _ in range(150):
+            _step(controller)
+        assert controller.profile_done
     finally:
         controller.handle(End())
 

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_energy.cli import main
 from lightning_energy.optimize.batch_size import JobSpec, Trial
-from lightning_energy.recurring import BatchSizeOptimizer
+from lightning_energy.optimize.recurring import BatchSizeOptimizer
 from lightning_energy.store import ENV_STORE_URL, Store
 
 

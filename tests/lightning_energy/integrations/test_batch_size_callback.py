@@ -70,12 +70,23 @@ def _classes(ns: Any) -> tuple[type, type]:
     return Data, Scored
 
 
-def _fit(ns: Any, tmp_path: Path, store_url: str, **callback_kw: Any) -> tuple[Any, Any, Any]:
+def _fit(
+    ns: Any,
+    tmp_path: Path,
+    store_url: str,
+    *,
+    energy_first: bool = False,
+    report: Path | None = None,
+    **callback_kw: Any,
+) -> tuple[Any, Any, Any]:
     from importlib import import_module
 
     energy_module = "lightning" if ns.__name__ == "lightning.pytorch" else "pytorch_lightning"
+    energy_config = _energy_config(tmp_path)
+    if report is not None:
+        energy_config["report"] = str(report)
     energy_cb = import_module(f"lightning_energy.integrations.{energy_module}").EnergyCallback(
-        _energy_config(tmp_path)
+        energy_config
     )
     kwargs: dict[str, Any] = {
         "monitor": "val_score",
@@ -92,7 +103,7 @@ def _fit(ns: Any, tmp_path: Path, store_url: str, **callback_kw: Any) -> tuple[A
         max_epochs=MAX_EPOCHS,
         accelerator="cpu",
         devices=1,
-        callbacks=[batch_cb, energy_cb],  # either order works
+        callbacks=[energy_cb, batch_cb] if energy_first else [batch_cb, energy_cb],
         default_root_dir=str(tmp_path),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -113,7 +124,7 @@ def test_recurring_runs_prune_stop_early_and_reuse_profiles(tmp_path: Path) -> N
         trainer, batch_cb, model = _fit(ns, tmp_path, url)
         assert model.loader_batch_size == batch_cb.batch_size == trainer.datamodule.batch_size
         used.append(batch_cb.batch_size)
-        decisions = batch_cb._energy_cb.controller.decisions
+        decisions = batch_cb.controller.decisions
         profiled.append(any(d["reason"] == "profile window" for d in decisions))
     # Round 1 from the default 16: 16, then 8 (fails), then up 32; round 2 from the cheapest
     # (32: 3 epochs x 4 steps < 2 epochs x 8 steps): 32, then down 16.
@@ -140,6 +151,28 @@ def test_recurring_runs_prune_stop_early_and_reuse_profiles(tmp_path: Path) -> N
     # A batch size's first run profiles the power limits; later runs with it reuse the
     # profile saved in the store and profile nothing.
     assert profiled == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("energy_first", [False, True], ids=["batch-size-first", "energy-first"])
+def test_the_report_lists_the_batch_size_beside_the_power_limits_it_profiled(
+    tmp_path: Path, energy_first: bool
+) -> None:
+    """The batch size is a knob of the energy callback's run, in either callback order: its
+    choice is a decision of the run's ledger and report, and the power limits, whose
+    clocks it leaves alone, are profiled and carbon-paced beside it."""
+    import lightning.pytorch as ns
+
+    report = tmp_path / "report.json"
+    url = f"sqlite:///{tmp_path / 'history.sqlite'}"
+    _, batch_cb, _ = _fit(ns, tmp_path, url, energy_first=energy_first, report=report)
+    decisions = json.loads(report.read_text())["decisions"]
+    chosen = [d for d in decisions if d["kind"] == "batch_size"]
+    assert [(d["value"], d["purpose"], d["step"]) for d in chosen] == [(16.0, "choice", 0)]
+    assert "toy-job" in chosen[0]["reason"]
+    assert any(d["kind"] == "power_limit" and d["purpose"] == "profile" for d in decisions)
+    controller = batch_cb.controller
+    assert [k.name for k in controller.knobs] == ["power_limit", "batch_size"]
+    assert controller.paced_knob() is controller.power_limit
 
 
 def test_pytorch_lightning_namespace(tmp_path: Path) -> None:

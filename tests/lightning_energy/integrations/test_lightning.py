@@ -294,7 +294,7 @@ def test_importing_a_namespace_loads_no_store_until_a_batch_size_callback_is_bui
     calibrating without them, and import time)."""
     prefixes = [
         "lightning_energy.store",
-        "lightning_energy.recurring",
+        "lightning_energy.optimize.recurring",
         "sqlalchemy",
         "platformdirs",
     ]

@@ -19,7 +19,7 @@ from lightning_energy.optimize.batch_size import (
     thompson_choice,
 )
 from lightning_energy.optimize.cost import zeus_cost
-from lightning_energy.recurring import BatchSizeOptimizer
+from lightning_energy.optimize.recurring import BatchSizeOptimizer
 from lightning_energy.store import Store
 
 SIZES = (8, 16, 32, 64, 128, 256)

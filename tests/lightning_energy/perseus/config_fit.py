@@ -53,6 +53,9 @@ class Report(pl.Callback):
                 d["purpose"] for d in controller.decisions if d["kind"] == "power_limit"
             ],
             "profiling_off": controller.power_limit.profiling_off,
+            # The Perseus callback takes part in the energy callback's run.
+            "joined": perseus.running and perseus.controller is controller,
+            "checkpoint_entry": perseus.state_dict(),
         }
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

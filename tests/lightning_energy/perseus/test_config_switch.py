@@ -66,6 +66,8 @@ def test_a_config_file_alone_equalises_ddp_ranks_over_the_energy_callbacks_gpus(
         # file, but no limit is profiled beside the clocks.
         assert result["profiling_off"] == "straggler_clocks holds the clocks"
         assert result["power_limit_decisions"] == []
+        # It joined the energy callback's run, whose checkpoint entry carries the state.
+        assert result["joined"] and result["checkpoint_entry"] == {}
     assert ranks[0]["clocks"][-1][1] < 1410  # the fast rank waits at a lower clock
     assert ranks[1]["clocks"][-1][1] == 1410  # the straggler keeps the maximum
     # After the job: both GPUs unlocked again, and no lease left behind.

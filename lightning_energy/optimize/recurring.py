@@ -50,6 +50,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lightning_energy.config import BatchSizeConfig
+from lightning_energy.controller.knobs import KnobDecision
 from lightning_energy.errors import ConfigError, EnergyError
 from lightning_energy.optimize.batch_size import (
     BestChoice,
@@ -65,7 +66,7 @@ from lightning_energy.optimize.batch_size import (
 from lightning_energy.optimize.cost import check_eta, zeus_cost
 from lightning_energy.store import Store, TrialRecord
 
-__all__ = ["BatchSizeOptimizer", "Choice", "RecurringRun", "Verdict"]
+__all__ = ["BatchSizeKnob", "BatchSizeOptimizer", "Choice", "RecurringRun", "Verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,42 @@ Choice = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
 
 #: Rank 0's verdict after a validation: converged, stop early, best metric so far.
 Verdict = tuple[bool, bool, float | None]
+
+
+class BatchSizeKnob:
+    """The batch size of one run of a recurring job, as a knob of the job's controller.
+
+    It is chosen once, before training (:meth:`RecurringRun.choose`), and recorded in the
+    run's ledger as a decision (:meth:`decision`). It leaves the clocks alone, so power
+    limits are profiled beside it, and it is never paced: a batch size changes what a step
+    is, so no step-time frontier compares its values.
+
+    Args:
+        batch_size: the batch size of this run.
+
+    Example:
+        >>> knob = BatchSizeKnob(64)
+        >>> knob.pace_frontier(), knob.decision()
+        ([], KnobDecision(kind='batch_size', value=64.0, purpose='choice'))
+    """
+
+    name = "batch_size"
+    holds_clocks = False
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def pace_frontier(self) -> list[tuple[float, float, str]]:
+        """Nothing to pace: the batch size is fixed for the run."""
+        return []
+
+    def apply_pace(self, scale: float) -> None:
+        """Nothing: the batch size is fixed for the run."""
+        return None
+
+    def decision(self) -> KnobDecision:
+        """The batch size chosen, for the ledger."""
+        return KnobDecision(self.name, float(self.batch_size), "choice")
 
 
 #: Settings that define what a job's runs mean; a change makes old runs incomparable.
@@ -340,6 +377,8 @@ class RecurringRun:
         self.settings = settings
         self.strict = strict
         self.optimizer: BatchSizeOptimizer | None = None
+        #: Rank 0, after :meth:`choose`: why the run uses its batch size.
+        self.reason = "the default batch size"
         self._store_arg = store
         self._store: Store | None = None
         self._owns_store = False
@@ -416,7 +455,9 @@ class RecurringRun:
                 self.default_batch_size,
             )
             self.optimizer = None
+            self.reason = "the default batch size: the tuning store is unavailable"
             return self.default_batch_size, None, None
+        self.reason = f"the next batch size of the search over the history of {spec.job_id}"
         log.info("%s: run with batch size %d", spec.job_id, batch_size)
         return batch_size, profile, None
 
