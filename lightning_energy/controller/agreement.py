@@ -15,8 +15,15 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_energy.controller.job_plan import (
+    Capability,
+    JobPlan,
+    RankInfo,
+    agree,
+    describe_shared,
+    shared_gpus,
+)
 from lightning_energy.errors import EnergyError, JobSetupError, LeaseConflictError
-from lightning_energy.job import Capability, JobPlan, RankInfo, agree, describe_shared, shared_gpus
 from lightning_energy.node_energy import NotMeasured
 
 if TYPE_CHECKING:

@@ -34,6 +34,7 @@ from lightning_energy.controller.events import (
     StepEnd,
     StepStart,
 )
+from lightning_energy.controller.job_plan import RankInfo, job_totals, node_meters, node_name
 from lightning_energy.controller.knobs import Knob
 from lightning_energy.controller.ledger import RunLedger
 from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
@@ -41,7 +42,6 @@ from lightning_energy.controller.power_limits import PowerLimitKnob
 from lightning_energy.controller.records import Decision, RunSummary, StepResult
 from lightning_energy.device.base import DeviceSet, gpu_info
 from lightning_energy.errors import CheckpointMismatchError, DeviceError, EnergyError
-from lightning_energy.job import RankInfo, job_totals, node_meters, node_name
 from lightning_energy.node_energy import NotMeasured
 from lightning_energy.pacing import CarbonPacer, utc_now
 
