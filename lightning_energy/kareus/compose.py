@@ -57,7 +57,12 @@ from lightning_energy.perseus.profile import (
     PipelineProfile,
     ProfileRow,
 )
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.schedule import (
+    Instruction,
+    PipelineSchedule,
+    build_schedule,
+    schedule_to_json,
+)
 
 __all__ = [
     "KAREUS_PLAN_FORMAT",
@@ -288,25 +293,11 @@ class KareusPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data."""
-        s = self.schedule
-        stages = []
-        for stage in range(s.num_stages):
-            row: dict[str, Any] = {"stage": stage}
-            for kind in (FORWARD, BACKWARD):
-                row[kind] = [
-                    self.choice(Instruction(stage, m, kind)).to_dict()
-                    for m in range(s.num_microbatches)
-                ]
-            stages.append(row)
+        spec, rows = schedule_to_json(self.schedule, lambda inst: self.choice(inst).to_dict())
         return {
             "format": KAREUS_PLAN_FORMAT,
             "version": _PLAN_VERSION,
-            "schedule": {
-                "name": s.name,
-                "num_stages": s.num_stages,
-                "num_microbatches": s.num_microbatches,
-                "virtual_stages": s.virtual_stages,
-            },
+            "schedule": spec,
             "metadata": dict(self.metadata),
             "model": {
                 "layers_per_stage": (
@@ -314,7 +305,7 @@ class KareusPlan:
                 ),
                 "tp_size": self.tp_size,
             },
-            "stages": stages,
+            "stages": rows,
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:

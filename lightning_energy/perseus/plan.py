@@ -37,7 +37,12 @@ import numpy as np
 from lightning_energy.errors import ProfileError
 from lightning_energy.files import write_atomically
 from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.schedule import (
+    Instruction,
+    PipelineSchedule,
+    build_schedule,
+    schedule_to_json,
+)
 from lightning_energy.perseus.solver import DeviceWaits
 
 __all__ = ["PLAN_FORMAT", "Plan", "PlanEvaluation", "evaluate"]
@@ -122,28 +127,13 @@ class Plan:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data."""
-        s = self.schedule
-        kinds = sorted({inst.kind for inst in s.nodes})
-        stages = []
-        for stage in range(s.num_stages):
-            row: dict[str, Any] = {"stage": stage}
-            for kind in kinds:
-                row[kind] = [
-                    self.frequency_mhz(Instruction(stage, m, kind))
-                    for m in range(s.num_microbatches)
-                ]
-            stages.append(row)
+        spec, rows = schedule_to_json(self.schedule, self.frequency_mhz)
         return {
             "format": PLAN_FORMAT,
             "version": _PLAN_VERSION,
-            "schedule": {
-                "name": s.name,
-                "num_stages": s.num_stages,
-                "num_microbatches": s.num_microbatches,
-                "virtual_stages": s.virtual_stages,
-            },
+            "schedule": spec,
             "metadata": dict(self.metadata or {}),
-            "frequencies_mhz": stages,
+            "frequencies_mhz": rows,
         }
 
     def to_json(self) -> str:

@@ -28,9 +28,10 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -46,6 +47,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "schedule_to_json",
 ]
 
 #: Schedule names accepted by :func:`build_schedule` (and the ``plan`` command).
@@ -331,3 +333,42 @@ def build_schedule(
             f"virtual_stages={virtual_stages}: only 'interleaved_1f1b' has virtual stages"
         )
     return schedule
+
+
+def schedule_to_json(
+    schedule: PipelineSchedule, value: Callable[[Instruction], Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A schedule and one value per instruction as JSON-ready data (what a plan file holds).
+
+    Args:
+        schedule: the schedule.
+        value: the JSON-ready value of an instruction (its clock, its settings...).
+
+    Returns:
+        ``(spec, rows)``: the schedule's name and sizes (what :func:`build_schedule` takes
+        back), and one row per stage: ``{"stage": s, kind: [value of each microbatch]}``
+        for every instruction kind.
+
+    Example:
+        >>> spec, rows = schedule_to_json(gpipe(2, 2), lambda inst: inst.microbatch)
+        >>> spec["name"], rows[1]
+        ('gpipe', {'stage': 1, 'backward': [0, 1], 'forward': [0, 1]})
+    """
+    kinds = sorted({inst.kind for inst in schedule.nodes})
+    rows = [
+        {
+            "stage": stage,
+            **{
+                kind: [value(Instruction(stage, m, kind)) for m in range(schedule.num_microbatches)]
+                for kind in kinds
+            },
+        }
+        for stage in range(schedule.num_stages)
+    ]
+    spec = {
+        "name": schedule.name,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "virtual_stages": schedule.virtual_stages,
+    }
+    return spec, rows
