@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_energy.errors import ConfigError
-from lightning_energy.perseus.profile import BACKWARD, FORWARD
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
 
 __all__ = [
     "SCHEDULES",
@@ -99,6 +99,24 @@ class PipelineSchedule:
     def device_of(self, stage: int) -> int:
         """The device that runs ``stage``."""
         return stage % self.num_devices
+
+    def producer(self, inst: Instruction) -> Instruction | None:
+        """The instruction of another stage whose output ``inst`` consumes (None: the
+        first forward or the last backward of a microbatch)."""
+        if inst.kind == FORWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage < self.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, BACKWARD)
+        return None
+
+    def consumer(self, inst: Instruction) -> Instruction | None:
+        """The instruction of another stage that consumes the output of ``inst`` (None:
+        the last forward or the first backward of a microbatch)."""
+        if inst.kind == FORWARD and inst.stage < self.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, BACKWARD)
+        return None
 
     @cached_property
     def nodes(self) -> tuple[Instruction, ...]:
