@@ -34,6 +34,7 @@ Inside, one concern per module:
 * :mod:`.carbon_pace` (:class:`CarbonPacing`): the grid's pace, applied to the paced
   knob, and pauses.
 * :mod:`.ledger` (:class:`RunLedger`) and :mod:`.windows`: every number of a run.
+* :mod:`.checkpoint`: the controller's state in a training checkpoint.
 
 docs/adapters.md describes the contract adapters follow; docs/knobs.md how to add a knob.
 """

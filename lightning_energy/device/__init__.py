@@ -56,6 +56,7 @@ from lightning_energy.errors import ConfigError, DriverError
 if TYPE_CHECKING:
     import torch
 
+    from lightning_energy.config import DeviceConfig
     from lightning_energy.device.simulated.work import WorkRunner
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "live_simulated_gpus",
     "nvml_gpus",
     "open_devices",
+    "open_rank_devices",
     "physics_preset",
     "run_in_parallel",
     "simulated_gpus",
@@ -103,6 +105,39 @@ def current_torch_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def open_rank_devices(
+    config: DeviceConfig,
+    *,
+    node_rank: int,
+    local_rank: int,
+    device: torch.device | None = None,
+) -> DeviceSet:
+    """One rank's GPUs from the ``device:`` section, as the framework's device says: a CUDA
+    device is its GPU; the CPU is a simulated GPU under ``backend: auto`` and the local
+    rank's GPU under ``nvml`` (see :func:`open_devices`).
+
+    Args:
+        config: the ``device:`` section.
+        node_rank: the rank's node (simulated GPUs of different nodes are different GPUs,
+            as real ones are).
+        local_rank: the rank on its node.
+        device: the framework's root device (None: unknown).
+    """
+    spec = config.simulated_spec()
+    if node_rank:
+        spec = replace(
+            spec,
+            seed=spec.seed + 1000 * node_rank,
+            uuid_prefix=f"GPU-sim-{spec.label}-n{node_rank}",
+        )
+    return open_devices(
+        config.backend,
+        simulated=replace(spec, seed=spec.seed + local_rank),
+        local_rank=local_rank,
+        device=device,
+    )
 
 
 def work_runner(gpu: GPU) -> WorkRunner | None:
