@@ -79,8 +79,8 @@ from lightning_energy.kareus.workload import (  # noqa: E402
     SimulatedPartitions,
     TransformerShape,
 )
-from lightning_energy.perseus.profile import PipelineProfile  # noqa: E402
-from lightning_energy.perseus.schedule import one_f_one_b  # noqa: E402
+from lightning_energy.perseus.planning.profile import PipelineProfile  # noqa: E402
+from lightning_energy.perseus.planning.schedule import one_f_one_b  # noqa: E402
 
 MEASURED = ROOT / "tests" / "data" / "kareus" / "fwd_attn_tp2_bs4_seq4096_default.csv"
 CALIBRATION = ROOT / "lightning_energy" / "data" / "kareus" / "a100_fwd_attn_tp2.json"

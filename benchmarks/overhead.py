@@ -384,9 +384,9 @@ def _pipeline_rank(rank: int, port: int, steps: int, device: str, out_dir: str) 
     import torch.distributed as dist
 
     from lightning_energy.config import EnergyConfig
-    from lightning_energy.perseus.pipeline_run import PipelineRun, pipeline_schedule
-    from lightning_energy.perseus.plan import Plan
-    from lightning_energy.perseus.rank_gpu import open_rank_gpu
+    from lightning_energy.perseus.planning.plan import Plan
+    from lightning_energy.perseus.runtime.pipeline_run import PipelineRun, pipeline_schedule
+    from lightning_energy.perseus.runtime.rank_gpu import open_rank_gpu
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")

@@ -9,9 +9,10 @@ prints one JSON line (``iteration_time_s_max``, ``energy_j_max``, ``iteration_ti
 ``energy_j_plan``, ``time_ratio``, ``energy_saving``): adding an engine is one more entry of
 :data:`ENGINES`.
 
-``torch.distributed.pipelining`` runs through :class:`~lightning_energy.perseus.pipeline_run.
-PipelineRun` (this file, ``--pipelining``, is its runner); DeepSpeed and Megatron-Core
-through their examples, ``examples/deepspeed/train.py`` and ``examples/megatron/train.py``.
+``torch.distributed.pipelining`` runs through
+:class:`~lightning_energy.perseus.runtime.pipeline_run.PipelineRun` (this file,
+``--pipelining``, is its runner); DeepSpeed and Megatron-Core through their examples,
+``examples/deepspeed/train.py`` and ``examples/megatron/train.py``.
 
 Usage::
 
@@ -78,8 +79,8 @@ def _pipelining(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from lightning_energy.config import EnergyConfig
-    from lightning_energy.perseus.pipeline_run import PipelineRun
-    from lightning_energy.perseus.rank_gpu import open_rank_gpu
+    from lightning_energy.perseus.runtime.pipeline_run import PipelineRun
+    from lightning_energy.perseus.runtime.rank_gpu import open_rank_gpu
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, required=True)

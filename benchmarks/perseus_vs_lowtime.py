@@ -53,7 +53,7 @@ from lightning_energy.perseus import (
     evaluate,
     one_f_one_b,
 )
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
 
 
 def run_ours(profile: PipelineProfile, schedule: PipelineSchedule) -> tuple[Frontier, float]:

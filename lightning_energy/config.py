@@ -249,7 +249,7 @@ class PerseusConfig:
         iterations_per_clock: pipeline: measured iterations per clock, >= 1, at least
             (one more lets each clock change land, and a clock is measured for at least
             200 energy counter periods; see
-            :class:`~lightning_energy.perseus.online.OnlinePerseus`).
+            :class:`~lightning_energy.perseus.runtime.online.OnlinePerseus`).
         replan_every_iterations: pipeline: how often the ranks look for a new target
             time once planned, >= 1.
     """

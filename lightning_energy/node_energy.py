@@ -3,7 +3,7 @@
 CodeCarbon and Zeus count the CPUs and DRAM of a node (RAPL) besides its GPUs; so does a
 run here, where the counters can be read, so its grams compare with theirs. One rank per
 node measures (the lowest of the ranks that read the same counters: see
-:func:`lightning_energy.job.node_meters`); the run summary, the report and the job's
+:func:`lightning_energy.controller.job_plan.node_meters`); the run summary, the report and the job's
 totals say what was counted and, when nothing could be, why.
 
 A RAPL counter starts again from 0 after its range: about every minute on a big server

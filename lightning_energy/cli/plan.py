@@ -31,10 +31,10 @@ from lightning_energy.cli import EXIT_OK
 from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.kareus.compose import KareusPlanner, planner_from_files
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.planner import FrontierPoint, PerseusPlanner
-from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import SCHEDULES, PipelineSchedule, build_schedule
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.planner import FrontierPoint, PerseusPlanner
+from lightning_energy.perseus.planning.profile import PipelineProfile
+from lightning_energy.perseus.planning.schedule import SCHEDULES, PipelineSchedule, build_schedule
 
 __all__ = ["register", "run"]
 

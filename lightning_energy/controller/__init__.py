@@ -28,10 +28,13 @@ Inside, one concern per module:
   chosen and paced; ``power_limit.knob`` says which a job profiles); Perseus' clocks and
   the straggler equaliser's register theirs.
 * :mod:`.session` (:class:`ProfilingSession`): a setting knob's profiling windows.
-* :mod:`.agreement`: who drives what across ranks, and whether the job optimises.
+* :mod:`.agreement`: who drives what across ranks, and whether the job optimises;
+  :mod:`.job_plan`: what the ranks share for it (:class:`~.job_plan.RankInfo`,
+  :func:`~.job_plan.agree`) and the job's totals at the end.
 * :mod:`.carbon_pace` (:class:`CarbonPacing`): the grid's pace, applied to the paced
   knob, and pauses.
 * :mod:`.ledger` (:class:`RunLedger`) and :mod:`.windows`: every number of a run.
+* :mod:`.checkpoint`: the controller's state in a training checkpoint.
 
 docs/adapters.md describes the contract adapters follow; docs/knobs.md how to add a knob.
 """

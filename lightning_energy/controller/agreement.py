@@ -13,11 +13,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from lightning_energy.controller.job_plan import (
+    Capability,
+    JobPlan,
+    RankInfo,
+    agree,
+    describe_shared,
+    node_meters,
+    shared_gpus,
+)
 from lightning_energy.errors import EnergyError, JobSetupError, LeaseConflictError
-from lightning_energy.job import Capability, JobPlan, RankInfo, agree, describe_shared, shared_gpus
-from lightning_energy.node_energy import NotMeasured
+from lightning_energy.node_energy import NodeEnergyMeter, NotMeasured
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,6 +56,26 @@ class RunAgreement:
     plan: JobPlan = field(default_factory=lambda: JobPlan(True, (), None))
     counts_energy: bool = True
     node_counters: RaplCounters | NotMeasured | None = None
+
+    def node_meter(self, rank: int, node: str) -> tuple[NodeEnergyMeter | None, dict[str, Any]]:
+        """What this rank measures of its node's CPUs and DRAM: a meter when it is the
+        lowest of the ranks that read the same counters (each node once), else None; and
+        what the summary says (who measures them, or why nobody does).
+
+        Args:
+            rank: this rank.
+            node: its node's name.
+        """
+        info: dict[str, Any] = {"node": node, "rank": rank}
+        found = self.node_counters
+        assert found is not None  # opened at setup
+        if isinstance(found, NotMeasured):
+            return None, {**info, **found.summary()}
+        measurer = node_meters(self.ranks).get(found.key, rank)
+        if measurer != rank:
+            why = NotMeasured(f"measured by rank {measurer}", f"rank {measurer} reads them")
+            return None, {**info, **why.summary(), "measured_by": measurer}
+        return NodeEnergyMeter(found), info
 
 
 def agree_on_run(

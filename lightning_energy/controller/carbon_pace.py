@@ -20,16 +20,16 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from lightning_energy.controller.job_plan import measuring_ranks
 from lightning_energy.controller.knobs import ControllerRun
 from lightning_energy.errors import ConfigError, DeviceError
-from lightning_energy.job import measuring_ranks
 from lightning_energy.pacing import CarbonPacer, PaceUpdate
 
 if TYPE_CHECKING:
     from carbon.config import CarbonConfig
+    from lightning_energy.controller.job_plan import RankInfo
     from lightning_energy.controller.knobs import Knob
     from lightning_energy.controller.power_limits import PowerLimitKnob
-    from lightning_energy.job import RankInfo
     from lightning_energy.measure import Measurement
 
 __all__ = ["CarbonPacing", "PacedRun"]

@@ -5,8 +5,8 @@ It sequences a run: it opens the GPUs, agrees with the other ranks on who drives
 (the built-in power limit, :mod:`.power_limits`, or its sibling the locked SM clock,
 :mod:`.locked_clock`, and those registered with
 :meth:`EnergyController.add_knob`: see :mod:`.knobs`), paces the paced knob to the grid
-(:mod:`.carbon_pace`), saves and resumes checkpoints, and restores every GPU first at
-teardown. Every number is the :class:`~.ledger.RunLedger`'s.
+(:mod:`.carbon_pace`), saves and resumes checkpoints (:mod:`.checkpoint`), and restores
+every GPU first at teardown. Every number is the :class:`~.ledger.RunLedger`'s.
 
 Every rank makes the same calls at the same steps, so collectives never mismatch.
 """
@@ -25,6 +25,7 @@ from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller.agreement import RunAgreement, agree_on_run
 from lightning_energy.controller.carbon_pace import CarbonPacing
+from lightning_energy.controller.checkpoint import check_resumable, energy_state
 from lightning_energy.controller.events import (
     CheckpointLoad,
     CheckpointSave,
@@ -34,14 +35,14 @@ from lightning_energy.controller.events import (
     StepEnd,
     StepStart,
 )
+from lightning_energy.controller.job_plan import RankInfo, job_totals, node_name
 from lightning_energy.controller.knobs import Knob, KnobDecision
 from lightning_energy.controller.ledger import RunLedger
 from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
 from lightning_energy.controller.power_limits import PowerLimitKnob
 from lightning_energy.controller.records import Decision, RunSummary, StepResult
 from lightning_energy.device.base import DeviceSet, gpu_info
-from lightning_energy.errors import CheckpointMismatchError, DeviceError, EnergyError
-from lightning_energy.job import RankInfo, job_totals, node_meters, node_name
+from lightning_energy.errors import DeviceError, EnergyError
 from lightning_energy.node_energy import NotMeasured
 from lightning_energy.pacing import CarbonPacer, utc_now
 
@@ -56,8 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["EnergyController"]
 
 log = logging.getLogger(__name__)
-
-_STATE_VERSION = 1
 
 
 class EnergyController:
@@ -383,15 +382,15 @@ class EnergyController:
         self.setting.reuse_known_choice()
 
     def _start(self, devices: DeviceSet, guard: GPUGuard) -> None:
-        simulated = devices.virtual_time
-        job_start = (simulated and self.config.device.start_time()) or utc_now()
+        virtual = devices.virtual_time
+        job_start = (virtual and self.config.device.start_time()) or utc_now()
         self._ledger.start(devices, [gpu_info(g) for g in devices.gpus], job_start)
         self.power_limit.start(guard)
         self.locked_clock.start(guard)
         if self.config.carbon is not None:
             self._pacing = CarbonPacing(self, self.config.carbon)
-            self._pacing.start(simulated=simulated)
-        self._start_node()
+            self._pacing.start(simulated=virtual)
+        self._ledger.start_node(*self._agreement.node_meter(self.collective.rank, self._node))
         self._ledger.begin_interval()
 
     def _open_node_counters(self, devices: DeviceSet) -> RaplCounters | NotMeasured:
@@ -400,43 +399,15 @@ class EnergyController:
 
         return open_counters(self.config.node_energy, simulated=devices.virtual_time)
 
-    def _start_node(self) -> None:
-        """Measure the node's CPUs and DRAM when this rank is the lowest of the ranks that
-        read the same counters (each node once); otherwise say who does, or why nobody."""
-        from lightning_energy.node_energy import NodeEnergyMeter
-
-        rank = self.collective.rank
-        info: dict[str, Any] = {"node": self._node, "rank": rank}
-        found = self._agreement.node_counters
-        assert found is not None  # opened at setup
-        if isinstance(found, NotMeasured):
-            self._ledger.start_node(None, {**info, **found.summary()})
-            return
-        measurer = node_meters(self._agreement.ranks).get(found.key, rank)
-        if measurer != rank:
-            why = NotMeasured(f"measured by rank {measurer}", f"rank {measurer} reads them")
-            self._ledger.start_node(None, {**info, **why.summary(), "measured_by": measurer})
-            return
-        self._ledger.start_node(NodeEnergyMeter(found), info)
-
     def _open_devices(self) -> DeviceSet:
-        """This process's GPUs from the ``device:`` section, as the framework's device says:
-        a CUDA device is its GPU; the CPU is a simulated GPU under ``backend: auto`` and the
-        local rank's GPU under ``nvml`` (see :func:`~lightning_energy.device.open_devices`)."""
-        from lightning_energy.device import open_devices
+        """This process's GPUs from the ``device:`` section (see
+        :func:`~lightning_energy.device.open_rank_devices`)."""
+        from lightning_energy.device import open_rank_devices
 
-        dev = self.config.device
-        spec = dev.simulated_spec()
-        node = self._node_rank or 0
-        if node:
-            # Simulated GPUs of different nodes are different GPUs, as real ones are.
-            spec = replace(
-                spec, seed=spec.seed + 1000 * node, uuid_prefix=f"GPU-sim-{spec.label}-n{node}"
-            )
         self._owns_devices = True
-        return open_devices(
-            dev.backend,
-            simulated=replace(spec, seed=spec.seed + self._local_rank),
+        return open_rank_devices(
+            self.config.device,
+            node_rank=self._node_rank or 0,
             local_rank=self._local_rank,
             device=self._device,
         )
@@ -659,15 +630,12 @@ class EnergyController:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume without profiling again (JSON-serialisable), and the
         job's totals at this step: its steps and the energy they used, up to this step."""
-        gpus = [gpu_info(g) for g in self.devices.gpus]
-        return {
-            "version": _STATE_VERSION,
-            "gpu_models": sorted({g.name for g in gpus}),
+        knobs = {
             **self.power_limit.state_dict(),
             LockedClockKnob.name: self.locked_clock.state_dict(),
-            "steps": self._ledger.step,
-            "energy_j": self._ledger.job_energy_so_far_j(),
         }
+        ledger = self._ledger
+        return energy_state(self.devices.gpus, knobs, ledger.step, ledger.job_energy_so_far_j())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the profiles and choice, and the job's steps
@@ -677,18 +645,7 @@ class EnergyController:
             CheckpointMismatchError: the state was saved on another GPU model or by an
                 incompatible version.
         """
-        if state.get("version") != _STATE_VERSION:
-            raise CheckpointMismatchError(
-                f"energy state version {state.get('version')!r} cannot be resumed; "
-                f"this version reads {_STATE_VERSION}"
-            )
-        models = sorted({g.name for g in self.devices.gpus})
-        if state.get("gpu_models") != models:
-            raise CheckpointMismatchError(
-                f"the checkpoint's energy profile was measured on {state.get('gpu_models')} "
-                f"but this job runs on {models}; profiles do not transfer between GPU models "
-                "(drop the energy state from the checkpoint to profile again)"
-            )
+        check_resumable(state, self.devices.gpus)
         self._ledger.resume(int(state.get("steps", 0)), float(state.get("energy_j", 0.0)))
         running = self._is_setup
         self.power_limit.load_state_dict(state, running=running and not self.locked_clock.active)

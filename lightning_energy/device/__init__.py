@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lightning_energy.device.base import GPU, DeviceSet, GPUInfo, gpu_info
+from lightning_energy.device.base import GPU, DeviceSet, GPUInfo, StageWork, gpu_info
 from lightning_energy.device.mapping import (
     CudaRuntime,
     TorchCuda,
@@ -43,6 +43,7 @@ from lightning_energy.device.simulated import (
     TraceModel,
     VirtualClock,
     WorkloadTrace,
+    as_simulated,
     live_simulated_gpus,
     physics_preset,
     run_in_parallel,
@@ -54,6 +55,9 @@ from lightning_energy.errors import ConfigError, DriverError
 
 if TYPE_CHECKING:
     import torch
+
+    from lightning_energy.config import DeviceConfig
+    from lightning_energy.device.simulated.work import WorkRunner
 
 __all__ = [
     "BACKENDS",
@@ -69,6 +73,7 @@ __all__ = [
     "PowerTrace",
     "SimulatedGPU",
     "SimulatedSpec",
+    "StageWork",
     "TorchCuda",
     "TraceModel",
     "VirtualClock",
@@ -79,9 +84,11 @@ __all__ = [
     "live_simulated_gpus",
     "nvml_gpus",
     "open_devices",
+    "open_rank_devices",
     "physics_preset",
     "run_in_parallel",
     "simulated_gpus",
+    "work_runner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +105,55 @@ def current_torch_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def open_rank_devices(
+    config: DeviceConfig,
+    *,
+    node_rank: int,
+    local_rank: int,
+    device: torch.device | None = None,
+) -> DeviceSet:
+    """One rank's GPUs from the ``device:`` section, as the framework's device says: a CUDA
+    device is its GPU; the CPU is a simulated GPU under ``backend: auto`` and the local
+    rank's GPU under ``nvml`` (see :func:`open_devices`).
+
+    Args:
+        config: the ``device:`` section.
+        node_rank: the rank's node (simulated GPUs of different nodes are different GPUs,
+            as real ones are).
+        local_rank: the rank on its node.
+        device: the framework's root device (None: unknown).
+    """
+    spec = config.simulated_spec()
+    if node_rank:
+        spec = replace(
+            spec,
+            seed=spec.seed + 1000 * node_rank,
+            uuid_prefix=f"GPU-sim-{spec.label}-n{node_rank}",
+        )
+    return open_devices(
+        config.backend,
+        simulated=replace(spec, seed=spec.seed + local_rank),
+        local_rank=local_rank,
+        device=device,
+    )
+
+
+def work_runner(gpu: GPU) -> WorkRunner | None:
+    """What runs a job's GPU work on ``gpu`` in the calling thread, for Perseus to time it.
+
+    A simulated GPU runs the work it is given on its virtual clock
+    (:class:`~lightning_energy.device.simulated.work.WorkRunner`: a pipeline's
+    instructions, a data-parallel step). A real GPU gives None: its work is the
+    framework's kernels, timed with CUDA events on the stage's stream.
+    """
+    simulated = as_simulated(gpu)
+    if simulated is None:
+        return None
+    from lightning_energy.device.simulated.work import WorkRunner  # imports torch
+
+    return WorkRunner(simulated)
 
 
 def _what_nvml_drives(indices: Sequence[int] | None, local_rank: int | None) -> str:

@@ -17,7 +17,21 @@ from typing import Protocol, runtime_checkable
 
 from lightning_energy.errors import DeviceError
 
-__all__ = ["GPU", "DeviceSet", "GPUInfo", "LeaseSource"]
+__all__ = ["GPU", "DeviceSet", "GPUInfo", "LeaseSource", "StageWork"]
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """GPU work of one kind (an instruction of a stage, a data-parallel step), as a
+    simulated GPU runs it.
+
+    Attributes:
+        t0_s: its time at the maximum clock.
+        compute_bound_share: the share of that time that scales with the clock.
+    """
+
+    t0_s: float
+    compute_bound_share: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@
 that reject each other's objects, so each namespace gets its own thin subclasses
 (:mod:`.perseus_lightning`, :mod:`.perseus_pytorch_lightning`) of the mixins here, which
 import neither. The mixins only translate hooks: the work is done by
-:class:`~lightning_energy.perseus.pipeline_run.PipelineRun` and
+:class:`~lightning_energy.perseus.runtime.pipeline_run.PipelineRun` and
 :class:`~lightning_energy.perseus.data_parallel.StragglerRun` over this rank's GPU
-(:func:`~lightning_energy.perseus.rank_gpu.open_rank_gpu`), shared with the energy
+(:func:`~lightning_energy.perseus.runtime.rank_gpu.open_rank_gpu`), shared with the energy
 callback of the same Trainer when there is one.
 
 Settings come from the ``perseus:``, ``device:`` and ``strict`` keys of the energy
@@ -28,13 +28,13 @@ from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._lightning_types import Module, Trainer, trainer_callbacks
 from lightning_energy.integrations.adapter import EnergyAdapter, build_config
 from lightning_energy.perseus.data_parallel import StragglerClocks, StragglerRun
-from lightning_energy.perseus.pipeline_run import (
+from lightning_energy.perseus.runtime.pipeline_run import (
     PipelineModule,
     PipelinePace,
     PipelineRun,
     pipeline_schedule,
 )
-from lightning_energy.perseus.rank_gpu import RankGPU, open_rank_gpu
+from lightning_energy.perseus.runtime.rank_gpu import RankGPU, open_rank_gpu
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -1,11 +1,11 @@
 """What the pipeline-engine adapters (DeepSpeed, Megatron-Core) share.
 
 An engine that runs its own pipeline schedule gets one adapter per process: it describes
-the engine's schedule (:func:`~lightning_energy.perseus.pipeline_run.schedule_from_orders`),
+the engine's schedule (:func:`~lightning_energy.perseus.runtime.pipeline_run.schedule_from_orders`),
 then translates the engine's hooks into the calls of :class:`PipelineEngineAdapter`: one
 iteration per training step, and every forward and backward of this rank in between. The
 adapter holds the job's one :class:`~lightning_energy.controller.EnergyController` (energy,
-carbon, the report) and a :class:`~lightning_energy.perseus.pipeline_run.RankPipeline` that
+carbon, the report) and a :class:`~lightning_energy.perseus.runtime.pipeline_run.RankPipeline` that
 changes clocks through the controller's guard, under its lease.
 
 With ``perseus: {enabled: true}`` Perseus plans the clocks (from ``perseus.plan`` or online)
@@ -35,14 +35,14 @@ from lightning_energy.controller import (
 from lightning_energy.device import DeviceSet, open_devices
 from lightning_energy.errors import EnergyError
 from lightning_energy.integrations.adapter import EnergyAdapter
-from lightning_energy.perseus.pipeline_run import PipelinePace, RankPipeline
-from lightning_energy.perseus.rank_gpu import open_rank_gpu
+from lightning_energy.perseus.runtime.pipeline_run import PipelinePace, RankPipeline
+from lightning_energy.perseus.runtime.rank_gpu import open_rank_gpu
 
 if TYPE_CHECKING:
     import torch
 
-    from lightning_energy.perseus.plan import Plan
-    from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+    from lightning_energy.perseus.planning.plan import Plan
+    from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
 
 __all__ = ["PipelineEngineAdapter"]
 

@@ -46,9 +46,9 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
 from lightning_energy.integrations.adapter import count_parameters, workload_key
-from lightning_energy.perseus.pipeline_run import schedule_from_orders
-from lightning_energy.perseus.profile import BACKWARD, FORWARD
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.runtime.pipeline_run import schedule_from_orders
 
 __all__ = ["DeepSpeedEnergy", "attach_energy", "train_schedule"]
 

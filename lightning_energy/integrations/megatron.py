@@ -48,9 +48,9 @@ from lightning_energy.device import current_torch_device
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
 from lightning_energy.integrations.adapter import workload_key
-from lightning_energy.perseus.pipeline_run import schedule_from_orders
-from lightning_energy.perseus.profile import BACKWARD, FORWARD
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.runtime.pipeline_run import schedule_from_orders
 
 if TYPE_CHECKING:
     from lightning_energy.kareus.megatron_layer import KareusMegatron
@@ -101,7 +101,7 @@ def megatron_schedule(
     micro-batch the k-th forward runs) turned into a rank's forward/backward order by
     ``convert_schedule_table_to_order`` with the rank's warmup forwards. Model chunk ``v``
     on pipeline rank ``r`` is stage ``v * pipeline_ranks + r``. Megatron-Core's 1F1B runs
-    the orders of :func:`~lightning_energy.perseus.schedule.one_f_one_b` (hence the same
+    the orders of :func:`~lightning_energy.perseus.planning.schedule.one_f_one_b` (hence the same
     name); its interleaved orders are its own, under a name of their own, so a plan for
     ``torch.distributed.pipelining``'s interleaved 1F1B is never applied to them.
 

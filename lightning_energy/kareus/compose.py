@@ -12,9 +12,9 @@ and the same for energy. :func:`instruction_options` forms every such combinatio
 keys' Pareto-optimal points at each clock shared by all of them, and keeps, per stage and
 kind, the options no other option beats in both time and effective cost (energy minus the
 blocked power times the time: the planner's objective, see
-:mod:`lightning_energy.perseus.solver`).
+:mod:`lightning_energy.perseus.planning.solver`).
 
-:class:`KareusPlanner` hands the options to :class:`~lightning_energy.perseus.planner.
+:class:`KareusPlanner` hands the options to :class:`~lightning_energy.perseus.planning.planner.
 PerseusPlanner`, which only needs, per instruction, a labelled list of (time, energy)
 options: each option is labelled by a positive integer where Perseus has a clock, so the
 planner's frontier and plans come back as labels, turned into :class:`KareusPlan` (clock
@@ -48,16 +48,21 @@ from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.files import write_atomically
 from lightning_energy.kareus.partition import PARTITION_KEYS, PartitionSetting
 from lightning_energy.kareus.search import MeasuredPoint, pareto_front, read_measurements
-from lightning_energy.perseus.plan import Plan, PlanEvaluation, evaluate
-from lightning_energy.perseus.planner import Frontier, FrontierPoint, PerseusPlanner
-from lightning_energy.perseus.profile import (
+from lightning_energy.perseus.planning.plan import Plan, PlanEvaluation, evaluate
+from lightning_energy.perseus.planning.planner import Frontier, FrontierPoint, PerseusPlanner
+from lightning_energy.perseus.planning.profile import (
     BACKWARD,
     FORWARD,
     InstructionProfile,
     PipelineProfile,
     ProfileRow,
 )
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.planning.schedule import (
+    Instruction,
+    PipelineSchedule,
+    build_schedule,
+    schedule_to_json,
+)
 
 __all__ = [
     "KAREUS_PLAN_FORMAT",
@@ -288,25 +293,11 @@ class KareusPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data."""
-        s = self.schedule
-        stages = []
-        for stage in range(s.num_stages):
-            row: dict[str, Any] = {"stage": stage}
-            for kind in (FORWARD, BACKWARD):
-                row[kind] = [
-                    self.choice(Instruction(stage, m, kind)).to_dict()
-                    for m in range(s.num_microbatches)
-                ]
-            stages.append(row)
+        spec, rows = schedule_to_json(self.schedule, lambda inst: self.choice(inst).to_dict())
         return {
             "format": KAREUS_PLAN_FORMAT,
             "version": _PLAN_VERSION,
-            "schedule": {
-                "name": s.name,
-                "num_stages": s.num_stages,
-                "num_microbatches": s.num_microbatches,
-                "virtual_stages": s.virtual_stages,
-            },
+            "schedule": spec,
             "metadata": dict(self.metadata),
             "model": {
                 "layers_per_stage": (
@@ -314,7 +305,7 @@ class KareusPlan:
                 ),
                 "tp_size": self.tp_size,
             },
-            "stages": stages,
+            "stages": rows,
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -393,7 +384,7 @@ class KareusPlan:
 @dataclass(frozen=True)
 class KareusPoint:
     """A Kareus plan with its iteration time and energy (see
-    :class:`~lightning_energy.perseus.planner.FrontierPoint`); ``labels`` is the same plan
+    :class:`~lightning_energy.perseus.planning.planner.FrontierPoint`); ``labels`` is the same plan
     as the planner sees it (an option label per instruction)."""
 
     iteration_time_s: float
@@ -414,7 +405,7 @@ class KareusPlanner:
         layers_per_stage: the layers of each stage the options were composed for,
             recorded in every plan (the runtime refuses a plan for another model).
         tp_size: the tensor-parallel size the partitions were measured at, recorded too.
-        **planner_kwargs: passed to :class:`~lightning_energy.perseus.planner.
+        **planner_kwargs: passed to :class:`~lightning_energy.perseus.planning.planner.
             PerseusPlanner` (``variants``, ``rounds``, ``seed``...).
 
     Raises:
@@ -494,7 +485,7 @@ class KareusPlanner:
 
     def frontier(self, **kwargs: Any) -> list[KareusPoint]:
         """The iteration time-energy frontier, fastest first (arguments as
-        :meth:`~lightning_energy.perseus.planner.PerseusPlanner.frontier`)."""
+        :meth:`~lightning_energy.perseus.planning.planner.PerseusPlanner.frontier`)."""
         frontier: Frontier = self.perseus.frontier(**kwargs)
         return [self.point(p) for p in frontier]
 

@@ -81,8 +81,8 @@ from lightning_energy.kareus.runtime import (
     PlanSettings,
     cta_groups,
 )
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
 
 __all__ = ["KareusMegatron", "KareusTransformerLayer", "PartialRowParallelLinear"]
 

@@ -43,8 +43,8 @@ from lightning_energy.collectives import replicate_group
 from lightning_energy.errors import ConfigError
 from lightning_energy.kareus.compose import KIND_KEYS, KareusPlan
 from lightning_energy.kareus.partition import SEQUENTIAL
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule
 
 __all__ = [
     "BASELINE",

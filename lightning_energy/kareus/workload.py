@@ -44,7 +44,7 @@ from lightning_energy.kareus.partition import (
     Partition,
     PartitionSetting,
 )
-from lightning_energy.perseus.profile import BACKWARD, FORWARD, ProfileRow
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD, ProfileRow
 
 __all__ = [
     "LLAMA_3_2_3B",

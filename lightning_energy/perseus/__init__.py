@@ -9,25 +9,30 @@ Plan offline from a profile::
     point = planner.plan_no_slowdown()
     point.plan.save("plan.json")
 
-or let the runtime profile online and plan by itself (see :mod:`.runtime` and
-``docs/perseus.md``).
+or let the runtime profile online and plan by itself (see ``docs/perseus.md``).
+
+Three parts: :mod:`.planning` (schedules, profiles, the planner, plans; what this package
+exports), :mod:`.runtime` (clocks applied around every pipeline instruction, online
+profiling) and :mod:`.data_parallel` (the straggler equaliser).
 """
 
 from __future__ import annotations
 
-from lightning_energy.perseus.plan import Plan, PlanEvaluation, evaluate
-from lightning_energy.perseus.planner import Frontier, FrontierPoint, PerseusPlanner
-from lightning_energy.perseus.profile import (
+from lightning_energy.perseus.planning import (
     BACKWARD,
     FORWARD,
-    InstructionProfile,
-    PipelineProfile,
-)
-from lightning_energy.perseus.schedule import (
     SCHEDULES,
+    Frontier,
+    FrontierPoint,
     Instruction,
+    InstructionProfile,
+    PerseusPlanner,
+    PipelineProfile,
     PipelineSchedule,
+    Plan,
+    PlanEvaluation,
     build_schedule,
+    evaluate,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,

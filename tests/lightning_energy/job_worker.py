@@ -1,4 +1,5 @@
-"""One rank of a 2-process gloo job driving an EnergyController directly (run by test_job.py).
+"""One rank of a 2-process gloo job driving an EnergyController directly (run by
+test_job_plan.py).
 
 Arguments: rank, port, output folder, then a JSON object of options: ``local_rank``,
 ``node_rank``, ``strict``, ``state_dir`` and ``lease_dir`` (the simulated GPUs' settings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,9 @@ from carbon.providers.trace import TraceProvider, load_trace
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import Decision, EnergyController
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
-from lightning_energy.device.simulated import TRACE_GPUS, SimulatedGPU
+from lightning_energy.device.simulated import TRACE_GPUS
 from lightning_energy.errors import CheckpointMismatchError, ConfigError, NoPermissionError
+from tests.lightning_energy.conftest import PaceCall
 
 
 def _config(tmp_path: Path, **power_limit: Any) -> EnergyConfig:
@@ -360,105 +362,53 @@ def test_the_example_pacing_config_moves_the_pace_and_a_loose_deadline_does_not(
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
 
 
-def _a40_pausing_config(tmp_path: Path) -> EnergyConfig:
-    return EnergyConfig.from_mapping(
-        {
-            "device": {
-                "backend": "simulated",
-                "gpu": "a40",
-                "start": "2023-09-04T00:00:00Z",
-                "steps_per_epoch": 100,  # ~37 s steps: 1500 steps are ~16 h at full speed
-                "lease_dir": str(tmp_path / "leases"),
-            },
-            "power_limit": {"selector": "energy", "warmup_steps": 2, "settle_steps": 1},
-            "carbon": {
-                "provider": "trace",
-                "region": "DE",
-                "policy": "forecast",
-                "deadline": "40h",
-                "allow_pause": True,
-                "poll_interval_s": 3600,
-            },
-            "log_every_n_steps": 10,
-        }
-    )
-
-
-#: What the A40 reads in its deepest idle state before a job; paused mid-job (memory held,
-#: clocks up) it draws the simulated board's 30 W.
-_COLD_IDLE_W = 17.0
-
-
-def _setup_reading_cold_idle(controller: EnergyController, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Set ``controller`` up on boards that read their cold idle power at setup."""
-    with monkeypatch.context() as patch:
-        patch.setattr(SimulatedGPU, "power_w", lambda self: _COLD_IDLE_W)
-        controller.setup()
-
-
 def test_a_pause_is_reweighed_at_the_idle_power_it_measures(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    a40_pausing_config: EnergyConfig,
+    setup_reading_cold_idle: Callable[[EnergyController], float],
+    record_pace_calls: Callable[[EnergyController], list[PaceCall]],
 ) -> None:
     # Before any pause the idle power is the boards' reading at setup, here their cold idle;
     # the first polling period of a pause measures what a pause draws, and the next
     # decision (still inside the pause) must use the measurement.
-    controller = EnergyController(_a40_pausing_config(tmp_path), install_signal_handlers=False)
-    _setup_reading_cold_idle(controller, monkeypatch)
-    pacer = controller.pacer
-    assert pacer is not None
-    calls: list[tuple[float, bool]] = []
-    update = pacer.update
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = update(*args, **kwargs)
-        calls.append((args[2], result.pause))
-        return result
-
-    pacer.update = spy  # type: ignore[method-assign]
+    controller = EnergyController(a40_pausing_config, install_signal_handlers=False)
+    cold_idle_w = setup_reading_cold_idle(controller)
+    calls = record_pace_calls(controller)
     controller.set_total_steps(1500)
     _run(controller, 1500)
     controller.teardown()
-    first_pause = next(i for i, (_, pause) in enumerate(calls) if pause)
-    assert calls[first_pause][0] == _COLD_IDLE_W  # weighed at the reading at setup
+    first_pause = next(i for i, call in enumerate(calls) if call.pause)
+    assert calls[first_pause].idle_w == cold_idle_w  # weighed at the reading at setup
     idle_w = TRACE_GPUS["a40"][2]  # what the simulated A40 draws idle
-    assert calls[first_pause + 1][0] == pytest.approx(idle_w, rel=0.1)
+    assert calls[first_pause + 1].idle_w == pytest.approx(idle_w, rel=0.1)
 
 
 def test_a_pause_on_an_unmeasured_idle_power_commits_to_a_short_probe_only(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    a40_pausing_config: EnergyConfig,
+    setup_reading_cold_idle: Callable[[EnergyController], float],
+    record_pace_calls: Callable[[EnergyController], list[PaceCall]],
 ) -> None:
     # The first pause is decided before a pause ever measured idle power (the reading at
     # setup, cold idle, is off); it may not commit the job to a whole polling period of
     # that estimate: it measures idle power over a short probe and is decided again at the
     # measured power.
-    config = _a40_pausing_config(tmp_path)
+    config = a40_pausing_config
     assert config.carbon is not None
     poll_s = config.carbon.poll_interval_s
     controller = EnergyController(config, install_signal_handlers=False)
-    _setup_reading_cold_idle(controller, monkeypatch)
-    pacer = controller.pacer
-    assert pacer is not None
-    calls: list[tuple[float, float, bool]] = []
-    update = pacer.update
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = update(*args, **kwargs)
-        calls.append((pacer._elapsed_s(), args[2], result.pause))
-        return result
-
-    pacer.update = spy  # type: ignore[method-assign]
+    setup_reading_cold_idle(controller)
+    calls = record_pace_calls(controller)
     controller.set_total_steps(1500)
     _run(controller, 1500)
     controller.teardown()
     paused = [e for e in controller.timeline if e["steps"] == 0 and e["duration_s"] > 0]
     assert paused, "the cold-idle reading makes the policy pause on this day"
     assert paused[0]["duration_s"] < poll_s
-    first = next(i for i, (_, _, pause) in enumerate(calls) if pause)
-    probe_end_s, measured_w, still_paused = calls[first + 1]
-    assert probe_end_s - calls[first][0] < poll_s
-    assert measured_w == pytest.approx(TRACE_GPUS["a40"][2], rel=0.1)
+    first = next(i for i, call in enumerate(calls) if call.pause)
+    probe_end = calls[first + 1]
+    assert probe_end.elapsed_s - calls[first].elapsed_s < poll_s
+    assert probe_end.idle_w == pytest.approx(TRACE_GPUS["a40"][2], rel=0.1)
     # Decided again at once at the measured power: on this day no pause pays at 30 W.
-    assert not still_paused
+    assert not probe_end.pause
     pause = next(d for d in controller.decisions if d["purpose"] == "pause")
     resume = next(d for d in controller.decisions if d["purpose"] == "resume")
     assert resume["time_s"] - pause["time_s"] < poll_s
@@ -479,7 +429,7 @@ def _emissions(config: EnergyConfig, steps: int) -> tuple[float, list[Decision]]
     [("a40", "2023-09-04"), ("a40", "2023-03-06"), ("a40", "2023-10-30"), ("v100", "2023-09-25")],
 )
 def test_a_job_allowed_to_pause_emits_no_more_than_its_carbon_unaware_run(
-    tmp_path: Path, gpu: str, start: str
+    a40_pausing_config: EnergyConfig, gpu: str, start: str
 ) -> None:
     # The carbon-unaware run is run, not estimated: the same job with the static policy.
     # On 2023-09-04 and 2023-10-30 no pause pays at the A40's 30 W idle (a pause weighed at
@@ -488,8 +438,7 @@ def test_a_job_allowed_to_pause_emits_no_more_than_its_carbon_unaware_run(
     # through the clean morning, so as not to run into the evening peak; charged at values
     # held up to an hour past the turn of the hour, that looked 2 % worse than the
     # carbon-unaware run, which it beats.
-    config = _a40_pausing_config(tmp_path)
-    config = config.merged({"device": {"gpu": gpu, "start": f"{start}T00:00:00Z"}})
+    config = a40_pausing_config.merged({"device": {"gpu": gpu, "start": f"{start}T00:00:00Z"}})
     unaware = config.merged({"carbon": {"policy": "static"}})
     paced_g, decisions = _emissions(config, 1500)
     unaware_g, _ = _emissions(unaware, 1500)

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
+from lightning_energy.controller.job_plan import RankInfo, job_totals, node_meters
 from lightning_energy.device.rapl import RaplCounters
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.adapter import format_summary, summary_values
-from lightning_energy.job import RankInfo, job_totals, node_meters
 from lightning_energy.node_energy import NodeEnergyMeter, energy_counted
 from lightning_energy.report import build_report, format_report, load_report, save_report
 from tests.lightning_energy.device.fake_powercap import AMD_RANGE_UJ, FakePowercap

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_energy.device import GPU
+from lightning_energy.device import GPU, work_runner
 from lightning_energy.device import nvml as backend
 from lightning_energy.device.base import LeaseSource
 from lightning_energy.device.nvml import NVMLGPU, PowerSampler, nvml_gpus, visible_gpu_count
@@ -433,6 +433,11 @@ def test_a_real_gpu_is_timed_on_the_wall_clock_and_reopened_through_nvml(
         gpu.idle(0.25)
         assert gpu.now_s() == 42.5
     assert slept == [0.25]
+
+
+def test_a_real_gpu_leaves_its_work_to_the_framework(gpus: list[NVMLGPU]) -> None:
+    """No work runner: a real GPU's work is the framework's kernels."""
+    assert work_runner(gpus[0]) is None
 
 
 def test_running_process_ids(fake: FakeNVML, gpus: list[NVMLGPU]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,8 +14,9 @@ import pytest
 from lightning_energy.collectives import GatherCollective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
-from lightning_energy.device import NVMLGPU, DeviceSet, SimulatedGPU
+from lightning_energy.device import NVMLGPU, DeviceSet
 from lightning_energy.device.simulated import TRACE_GPUS
+from tests.lightning_energy.conftest import PaceCall
 from tests.lightning_energy.device.fake_pynvml import FakeDevice, a100, make_module
 
 T = TypeVar("T")
@@ -123,53 +124,22 @@ class _PeerOnTheSameGpu:
 
 
 def test_a_pause_weighs_each_physical_gpu_idle_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    a40_pausing_config: EnergyConfig,
+    setup_reading_cold_idle: Callable[[EnergyController], float],
+    record_pace_calls: Callable[[EnergyController], list[PaceCall]],
 ) -> None:
     """The first polling period of a pause measures what the paused GPU draws; the job's
     idle power is that of its one physical GPU, not once per rank."""
-    config = EnergyConfig.from_mapping(
-        {
-            "device": {
-                "backend": "simulated",
-                "gpu": "a40",
-                "start": "2023-09-04T00:00:00Z",
-                "steps_per_epoch": 100,
-                "lease_dir": str(tmp_path / "leases"),
-            },
-            "power_limit": {"selector": "energy", "warmup_steps": 2, "settle_steps": 1},
-            "carbon": {
-                "provider": "trace",
-                "region": "DE",
-                "policy": "forecast",
-                "deadline": "40h",
-                "allow_pause": True,
-                "poll_interval_s": 3600,
-            },
-            "log_every_n_steps": 10,
-        }
-    )
     controller = EnergyController(
-        config, collective=_PeerOnTheSameGpu(), install_signal_handlers=False
+        a40_pausing_config, collective=_PeerOnTheSameGpu(), install_signal_handlers=False
     )
-    with monkeypatch.context() as patch:  # boards read their cold idle (17 W) at setup,
-        patch.setattr(SimulatedGPU, "power_w", lambda self: 17.0)  # which makes it pause
-        controller.setup()
-    pacer = controller.pacer
-    assert pacer is not None
-    weighed: list[tuple[float, bool]] = []
-    update = pacer.update
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = update(*args, **kwargs)
-        weighed.append((args[2], result.pause))
-        return result
-
-    pacer.update = spy  # type: ignore[method-assign]
+    setup_reading_cold_idle(controller)
+    calls = record_pace_calls(controller)
     controller.set_total_steps(1500)
     for _ in range(1500):
         controller.on_step_start()
         controller.on_step_end()
     controller.teardown()
-    first_pause = next(i for i, (_, pause) in enumerate(weighed) if pause)
+    first_pause = next(i for i, call in enumerate(calls) if call.pause)
     idle_w = TRACE_GPUS["a40"][2]  # what the simulated A40 draws idle
-    assert weighed[first_pause + 1][0] == pytest.approx(idle_w, rel=0.1)  # not twice that
+    assert calls[first_pause + 1].idle_w == pytest.approx(idle_w, rel=0.1)  # not twice that

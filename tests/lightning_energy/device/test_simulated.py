@@ -15,10 +15,12 @@ from lightning_energy.device import (
     PHYSICS_PRESETS,
     SimulatedGPU,
     SimulatedSpec,
+    StageWork,
     VirtualClock,
     live_simulated_gpus,
     run_in_parallel,
     simulated_gpus,
+    work_runner,
 )
 from lightning_energy.device.base import LeaseSource
 from lightning_energy.errors import (
@@ -296,3 +298,21 @@ def test_conftest_fails_a_test_that_leaves_gpu_settings_changed(tmp_path: Path) 
     assert "PASSED test_leaky.py::test_restored" in out
     assert "ERROR test_leaky.py::test_restored" not in out
     assert "ERROR test_leaky.py::test_marked" not in out
+
+
+def test_a_simulated_gpu_runs_the_work_it_is_given_on_its_virtual_clock() -> None:
+    """``work_runner``: a data-parallel step's compute advances the simulated GPU's clock by
+    its time and draws its energy; the readings bracket the compute."""
+    (gpu,) = simulated_gpus(SimulatedSpec(gpu="a100"))
+    runner = work_runner(gpu)
+    assert runner is not None
+    step = runner.data_parallel(StageWork(0.5, 0.9))
+    start_s, start_j = gpu.clock.now(), gpu.energy_j()
+    compute_s = step.compute()
+    assert gpu.clock.now() - start_s == pytest.approx(compute_s)
+    assert compute_s >= 0.5  # at most the maximum clock's speed
+    start, compute_end, end = step.all_reduce()  # one process: nobody to wait for
+    assert start == (start_s, start_j)
+    assert compute_end[0] - start[0] == pytest.approx(compute_s)
+    assert compute_end[1] > start_j
+    assert end == compute_end

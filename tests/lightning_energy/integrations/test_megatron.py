@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import schedules
 
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.megatron import MegatronEnergy, megatron_schedule
-from lightning_energy.perseus.schedule import one_f_one_b
+from lightning_energy.perseus.planning.schedule import one_f_one_b
 
 from .. import processes
 from ..processes import ROOT, free_port

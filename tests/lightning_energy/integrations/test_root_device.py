@@ -352,7 +352,7 @@ def test_perseus_alone_on_a_cpu_run_simulates_under_auto(
     gpu_node: tuple[FakeNVML, FakeCuda], tmp_path: Path
 ) -> None:
     from lightning_energy.config import EnergyConfig
-    from lightning_energy.perseus.rank_gpu import open_rank_gpu
+    from lightning_energy.perseus.runtime.rank_gpu import open_rank_gpu
 
     nvml, _ = gpu_node
     config = EnergyConfig.from_mapping(_config(tmp_path, "auto", gpu="a100"))
@@ -360,7 +360,7 @@ def test_perseus_alone_on_a_cpu_run_simulates_under_auto(
         config, local_rank=1, device=torch.device("cpu"), install_signal_handlers=False
     )
     try:
-        assert rank.owned and rank.simulated
+        assert rank.owned and rank.devices.backend == "simulated"
         lowest_mhz = min(rank.gpu.supported_sm_clocks_mhz())
         assert rank.guard.lock_clocks_mhz(lowest_mhz, lowest_mhz) is not None
         assert rank.gpu.locked_clocks_mhz() == (lowest_mhz, lowest_mhz)

@@ -39,7 +39,7 @@ from lightning_energy.kareus import megatron_layer, runtime
 from lightning_energy.kareus.compose import KIND_KEYS, InstructionOption, KareusPlan
 from lightning_energy.kareus.megatron_layer import KareusMegatron
 from lightning_energy.kareus.partition import PartitionSetting
-from lightning_energy.perseus.schedule import one_f_one_b
+from lightning_energy.perseus.planning.schedule import one_f_one_b
 from tests.lightning_energy.perseus import nccl_like
 
 WORLD, TP, PP = 4, 2, 2

@@ -12,7 +12,7 @@ from lightning_energy.cli import EXIT_OK, EXIT_USAGE, main
 from lightning_energy.kareus.compose import KareusPlan
 from lightning_energy.kareus.partition import PARTITION_KEYS
 from lightning_energy.kareus.search import MeasurementCache, SearchSpace, search_partition
-from lightning_energy.perseus.profile import PipelineProfile
+from lightning_energy.perseus.planning.profile import PipelineProfile
 from tests.lightning_energy.kareus.meters import STATIC_W, ExactMeter
 
 LAYERS = [3, 2]

@@ -17,9 +17,9 @@ from lightning_energy.kareus.compose import (
 )
 from lightning_energy.kareus.partition import PARTITION_KEYS, SEQUENTIAL, PartitionSetting
 from lightning_energy.kareus.search import MeasuredPoint, SearchSpace, search_partition
-from lightning_energy.perseus.planner import PerseusPlanner
-from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import Instruction, one_f_one_b
+from lightning_energy.perseus.planning.planner import PerseusPlanner
+from lightning_energy.perseus.planning.profile import PipelineProfile
+from lightning_energy.perseus.planning.schedule import Instruction, one_f_one_b
 from tests.lightning_energy.kareus.meters import STATIC_W, ExactMeter
 
 CLOCKS = (1410, 1200, 1005)

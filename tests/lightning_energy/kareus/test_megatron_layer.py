@@ -18,7 +18,7 @@ from lightning_energy.kareus import megatron_layer
 from lightning_energy.kareus.megatron_layer import KareusMegatron
 from lightning_energy.kareus.partition import PartitionSetting
 from lightning_energy.kareus.runtime import BASELINE, RUNTIME_OPS, Overlap
-from lightning_energy.perseus.schedule import Instruction
+from lightning_energy.perseus.planning.schedule import Instruction
 
 from .. import processes
 from ..processes import ROOT, free_port

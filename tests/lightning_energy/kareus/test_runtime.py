@@ -22,7 +22,7 @@ from lightning_energy.kareus.runtime import (
     cta_groups,
 )
 from lightning_energy.kareus.workload import LLAMA_3_2_3B
-from lightning_energy.perseus.schedule import Instruction, one_f_one_b
+from lightning_energy.perseus.planning.schedule import Instruction, one_f_one_b
 from tests.lightning_energy.device.fake_cuda import FakeCuda, FakeStream, cuda_devices
 
 OP_S = 1.0  # every compute op

@@ -20,9 +20,9 @@ from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import DeviceError, NotSupportedError
 from lightning_energy.perseus.data_parallel import StragglerRun
-from lightning_energy.perseus.pipeline_run import RankPipeline
-from lightning_energy.perseus.rank_gpu import RankGPU
-from lightning_energy.perseus.schedule import one_f_one_b
+from lightning_energy.perseus.planning.schedule import one_f_one_b
+from lightning_energy.perseus.runtime.pipeline_run import RankPipeline
+from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 
 from . import nccl_like
 

@@ -36,7 +36,7 @@ from lightning_energy.config import PerseusConfig
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.data_parallel import StragglerRun
-from lightning_energy.perseus.rank_gpu import RankGPU
+from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 from tests.lightning_energy.device.fake_cuda import FakeCuda, cuda_devices
 
 from . import nccl_like

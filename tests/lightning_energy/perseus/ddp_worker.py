@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, StageWork, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.perseus.runtime import StageWork
-from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from lightning_energy.device.simulated.work import DataParallelSimulation
+from lightning_energy.perseus.data_parallel.straggler import (
+    StragglerEqualizer,
+)
 
 from . import nccl_like
 
@@ -43,7 +45,7 @@ def main() -> None:
         "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
     }
     del model
-    sim = SimulatedDataParallel(gpu, WORK)
+    sim = DataParallelSimulation(gpu, WORK)
     phases: dict[str, list[dict[str, Any]]] = {"baseline": [], "equalised": [], "swapped": []}
 
     def step(equalizer: StragglerEqualizer | None) -> dict[str, Any]:

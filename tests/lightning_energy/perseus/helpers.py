@@ -1,15 +1,17 @@
-"""Small synthetic profiles shared by the Perseus tests."""
+"""Small synthetic profiles shared by the Perseus tests, and the profile simulated GPUs would
+measure."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from lightning_energy.device.simulated import physics_preset
+from lightning_energy.device import StageWork
+from lightning_energy.device.simulated import PhysicsModel, physics_preset
 from lightning_energy.perseus import PipelineProfile
-from lightning_energy.perseus.profile import BlockedPower
+from lightning_energy.perseus.planning.profile import BlockedPower
 
 
 def physics_profile(
@@ -99,3 +101,29 @@ class CudaTimedGPU:
         """The upper end of the clock lock, or the maximum clock when unlocked."""
         locked = self._gpu.locked_clocks_mhz()
         return int(locked[1]) if locked is not None else max(self._gpu.supported_sm_clocks_mhz())
+
+
+def simulated_profile(
+    model: PhysicsModel,
+    works: Mapping[tuple[int, str], StageWork],
+    clocks_mhz: Sequence[int] | None = None,
+) -> PipelineProfile:
+    """The profile simulated GPUs of ``model`` would measure for ``works``.
+
+    Args:
+        model: the physics model (e.g. ``physics_preset("a100")``).
+        works: the work of every ``(stage, kind)``.
+        clocks_mhz: clocks to profile (default: all the model supports).
+
+    Returns:
+        Time and energy at each clock, and the model's blocked power at each clock.
+    """
+    clocks = list(clocks_mhz) if clocks_mhz is not None else list(model.sm_clocks_mhz)
+    rows = []
+    for (stage, kind), work in sorted(works.items()):
+        for freq in clocks:
+            time_s = model.work_time_s(work.t0_s, work.compute_bound_share, freq)
+            power_w = model.work_power_w(work.compute_bound_share, freq)
+            rows.append((stage, kind, freq, time_s, time_s * power_w))
+    blocked = {freq: model.blocked_power_w(freq) for freq in clocks}
+    return PipelineProfile.from_rows(rows, blocked_power_w=blocked)

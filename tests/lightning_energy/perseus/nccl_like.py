@@ -19,10 +19,10 @@ import torch.distributed as real_dist
 
 MODULES = (
     "lightning_energy.collectives",
-    "lightning_energy.perseus.pipeline_run",
-    "lightning_energy.perseus.online",
+    "lightning_energy.perseus.runtime.pipeline_run",
+    "lightning_energy.perseus.runtime.online",
     "lightning_energy.perseus.runtime",
-    "lightning_energy.perseus.straggler",
+    "lightning_energy.perseus.data_parallel.straggler",
 )
 
 #: Tensor collectives and point-to-point operations, and which arguments carry tensors.

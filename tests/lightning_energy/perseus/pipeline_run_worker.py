@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_energy.config import EnergyConfig
-from lightning_energy.perseus.pipeline_run import PipelineRun
-from lightning_energy.perseus.rank_gpu import open_rank_gpu
+from lightning_energy.perseus.runtime.pipeline_run import PipelineRun
+from lightning_energy.perseus.runtime.rank_gpu import open_rank_gpu
 
 from . import nccl_like
 

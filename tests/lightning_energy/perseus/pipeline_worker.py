@@ -16,21 +16,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, StageWork, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import physics_preset
+from lightning_energy.device.simulated.work import PipelineSimulation
 from lightning_energy.perseus import PerseusPlanner, build_schedule
-from lightning_energy.perseus.online import OnlinePerseus
 from lightning_energy.perseus.runtime import (
     ClockController,
     PerseusPipelineStage,
     PipelineRuntime,
-    PipelineSimulation,
-    StageWork,
-    simulated_profile,
 )
+from lightning_energy.perseus.runtime.online import OnlinePerseus
 
 from . import nccl_like
+from .helpers import simulated_profile
 
 MICROBATCHES = 4
 TARGET_S = 0.45
@@ -89,7 +88,7 @@ def run_case(name: str, rank: int, world: int, lease_dir: str, group: Any) -> di
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
         simulation = PipelineSimulation(gpu, mine, group=group)
         with PipelineRuntime(
-            schedule, rank, ClockController(guard), plan=plan, simulation=simulation
+            schedule, rank, ClockController(guard), plan=plan, work=simulation
         ) as runtime:
             torch.manual_seed(0)
             stages = []
@@ -145,9 +144,7 @@ def run_online(rank: int, world: int, lease_dir: str, group: Any) -> dict[str, A
     iterations = []
     with GPUGuard([gpu], lease_dir=lease_dir, install_signal_handlers=False) as guard:
         simulation = PipelineSimulation(gpu, mine, group=group)
-        with PipelineRuntime(
-            schedule, rank, ClockController(guard), simulation=simulation
-        ) as runtime:
+        with PipelineRuntime(schedule, rank, ClockController(guard), work=simulation) as runtime:
             online = OnlinePerseus(
                 runtime,
                 gpu,

@@ -6,22 +6,17 @@ from collections.abc import Hashable
 import numpy as np
 import pytest
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, StageWork, simulated_gpus
 from lightning_energy.device.simulated import SimulatedGPU, physics_preset
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import PerseusPlanner, one_f_one_b
-from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
-from lightning_energy.perseus.online import Sample, fit_profile
-from lightning_energy.perseus.plan import evaluate
-from lightning_energy.perseus.runtime import (
-    BLOCKED_LABEL,
-    InstructionMeter,
-    StageWork,
-    simulated_profile,
-)
-from lightning_energy.perseus.schedule import Instruction
+from lightning_energy.perseus.planning.plan import evaluate
+from lightning_energy.perseus.planning.schedule import Instruction
+from lightning_energy.perseus.runtime import BLOCKED_LABEL, InstructionMeter
+from lightning_energy.perseus.runtime.attribution import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.runtime.online import Sample, fit_profile
 
-from .helpers import TickingCounter
+from .helpers import TickingCounter, simulated_profile
 
 STAGES, MICROBATCHES = 4, 6
 CLOCKS = [1410, 1200, 1005, 855]

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_energy.device import DeviceSet, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.data_parallel import StragglerRun
-from lightning_energy.perseus.rank_gpu import RankGPU
+from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 from tests.lightning_energy.device.fake_cuda import FakeCuda, cuda_devices
 
 from ..processes import free_port, run_module_ranks

@@ -23,8 +23,8 @@ from lightning_energy.device import DeviceSet, simulated_gpus
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.integrations._pipeline_engine import PipelineEngineAdapter
 from lightning_energy.perseus import BACKWARD, FORWARD, Instruction, Plan, build_schedule
-from lightning_energy.perseus.pipeline_run import schedule_from_orders
-from lightning_energy.perseus.schedule import PipelineSchedule
+from lightning_energy.perseus.planning.schedule import PipelineSchedule
+from lightning_energy.perseus.runtime.pipeline_run import schedule_from_orders
 from tests.lightning_energy.device.fake_cuda import FakeCuda
 from tests.lightning_energy.device.fake_pynvml import a100, make_module
 

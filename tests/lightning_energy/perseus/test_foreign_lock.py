@@ -17,9 +17,9 @@ from lightning_energy.config import PerseusConfig
 from lightning_energy.device import DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.perseus.data_parallel import StragglerRun
-from lightning_energy.perseus.pipeline_run import RankPipeline
-from lightning_energy.perseus.rank_gpu import RankGPU
-from lightning_energy.perseus.schedule import one_f_one_b
+from lightning_energy.perseus.planning.schedule import one_f_one_b
+from lightning_energy.perseus.runtime.pipeline_run import RankPipeline
+from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 
 ADMIN_LOCK = (1005, 1005)
 SECTION = PerseusConfig(enabled=True, profile_clocks_mhz=(1410, 1200, 1005))
@@ -90,7 +90,7 @@ def test_perseus_pipelines_keep_an_administrators_lock(
     schedule = one_f_one_b(1, 4)
     section = SECTION
     if with_plan:
-        from lightning_energy.perseus.plan import Plan
+        from lightning_energy.perseus.planning.plan import Plan
 
         path = tmp_path / "plan.json"
         path.write_text(Plan(schedule, tuple(810 for _ in schedule.nodes)).to_json())

@@ -244,7 +244,7 @@ def test_the_pipeline_strategy_is_a_knob_of_the_energy_callbacks_job(tmp_path: P
 
     from lightning_energy.integrations.lightning import EnergyCallback
     from lightning_energy.integrations.perseus_lightning import PerseusPipelineStrategy
-    from lightning_energy.perseus.pipeline_run import PipelinePace
+    from lightning_energy.perseus.runtime.pipeline_run import PipelinePace
 
     from .lightning_fit import PipelineMLP, RandomData
 

@@ -7,27 +7,22 @@ from typing import Any
 
 import pytest
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, StageWork, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import physics_preset
+from lightning_energy.device.simulated.work import PipelineSimulation
 from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.perseus import one_f_one_b
-from lightning_energy.perseus.online import (
+from lightning_energy.perseus.runtime import ClockController, PipelineRuntime
+from lightning_energy.perseus.runtime.online import (
     ClockModel,
     OnlinePerseus,
     PowerCurve,
     default_profile_clocks,
     fit_profile,
 )
-from lightning_energy.perseus.runtime import (
-    ClockController,
-    PipelineRuntime,
-    PipelineSimulation,
-    StageWork,
-    simulated_profile,
-)
 
-from .helpers import TickingCounter
+from .helpers import TickingCounter, simulated_profile
 
 
 def _samples(t0_s: float, beta: float, clocks: list[int]) -> list[tuple[int, float, float]]:
@@ -116,7 +111,7 @@ def _single_rank(
     guard = GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False)
     guard.acquire()
     runtime = PipelineRuntime(
-        schedule, 0, ClockController(guard), simulation=PipelineSimulation(gpu, works)
+        schedule, 0, ClockController(guard), work=PipelineSimulation(gpu, works)
     )
     try:
         online = OnlinePerseus(

@@ -13,18 +13,18 @@ from lightning_energy.device import SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
-from lightning_energy.perseus.attribution import EnergyTimeline
 from lightning_energy.perseus.runtime import (
     BLOCKED_LABEL,
     ClockController,
     InstructionMeter,
     PipelineRuntime,
-    simulated_profile,
 )
+from lightning_energy.perseus.runtime.attribution import EnergyTimeline
 from tests.lightning_energy.device.fake_cuda import FakeCuda, cuda_devices
 
 from ..processes import free_port, run_module_ranks
 from . import pipeline_worker
+from .helpers import simulated_profile
 
 
 @pytest.mark.slow

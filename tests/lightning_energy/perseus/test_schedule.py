@@ -84,3 +84,28 @@ def test_build_schedule_errors() -> None:
     with pytest.raises(ConfigError, match="multiple of the number of rounds"):
         interleaved_1f1b(2, 5, 2)
     assert build_schedule("interleaved_1f1b", 4, 4, virtual_stages=2).num_devices == 2
+
+
+def test_producers_and_consumers_are_the_cross_stage_edges() -> None:
+    """Every edge between stages links an instruction to its consumer and back; the first
+    forward and the last backward of a microbatch consume nothing from another stage."""
+    for schedule in (gpipe(3, 2), one_f_one_b(3, 2), interleaved_1f1b(2, 2, 2)):
+        nodes, index = schedule.nodes, schedule.index
+        cross = {  # the data edges: one microbatch's activations or gradients
+            (a, b)
+            for a, b in schedule.edges
+            if (nodes[a].microbatch, nodes[a].kind) == (nodes[b].microbatch, nodes[b].kind)
+            and abs(nodes[a].stage - nodes[b].stage) == 1
+        }
+        linked = set()
+        for inst in nodes:
+            consumer = schedule.consumer(inst)
+            if consumer is not None:
+                assert schedule.producer(consumer) == inst
+                linked.add((index[inst], index[consumer]))
+        assert linked == cross
+        last = schedule.num_stages - 1
+        assert schedule.producer(Instruction(0, 1, "forward")) is None
+        assert schedule.producer(Instruction(last, 1, "backward")) is None
+        assert schedule.consumer(Instruction(last, 1, "forward")) is None
+        assert schedule.consumer(Instruction(0, 1, "backward")) is None

@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, StageWork, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.device.simulated import physics_preset
+from lightning_energy.device.simulated.work import DataParallelSimulation
 from lightning_energy.errors import ConfigError
-from lightning_energy.perseus.runtime import StageWork
-from lightning_energy.perseus.straggler import SimulatedDataParallel, StragglerEqualizer
+from lightning_energy.perseus.data_parallel.straggler import (
+    StragglerEqualizer,
+)
 
 from ..processes import free_port, run_module_ranks
 from . import ddp_worker
@@ -58,7 +60,7 @@ def test_single_rank_profiles_then_stays_at_full_clock(tmp_path: Path) -> None:
     """Default board (100 ms counter, 50 ms set latency): each clock gets one step for the
     change to land, then 200 counter periods (20 s) of 0.1-0.13 s steps."""
     gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
-    sim = SimulatedDataParallel(gpu, StageWork(0.1, 0.9))
+    sim = DataParallelSimulation(gpu, StageWork(0.1, 0.9))
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
         equalizer = StragglerEqualizer(
             guard,
@@ -98,7 +100,7 @@ def test_long_steps_with_work_between_them_still_fit(tmp_path: Path) -> None:
     loading, the framework's own work), as on a real GPU: the counter's updates between
     steps keep their stretch, so three readings a step are enough to fit every clock."""
     gpu = simulated_gpus(SimulatedSpec(gpu="a100"))[0]
-    sim = SimulatedDataParallel(gpu, StageWork(2.0, 0.9))
+    sim = DataParallelSimulation(gpu, StageWork(2.0, 0.9))
     with GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard:
         equalizer = StragglerEqualizer(
             guard,
@@ -136,7 +138,7 @@ def test_without_permission_the_equalizer_does_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     gpu = simulated_gpus(SimulatedSpec(gpu="a100", permission_denied=True))[0]
-    sim = SimulatedDataParallel(gpu, StageWork(0.1, 0.9))
+    sim = DataParallelSimulation(gpu, StageWork(0.1, 0.9))
     with (
         caplog.at_level(logging.INFO),
         GPUGuard([gpu], lease_dir=tmp_path, install_signal_handlers=False) as guard,

@@ -28,15 +28,16 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lightning_energy.errors import ConfigError
-from lightning_energy.perseus.profile import BACKWARD, FORWARD
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
 
 __all__ = [
     "SCHEDULES",
@@ -46,6 +47,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "schedule_to_json",
 ]
 
 #: Schedule names accepted by :func:`build_schedule` (and the ``plan`` command).
@@ -97,6 +99,24 @@ class PipelineSchedule:
     def device_of(self, stage: int) -> int:
         """The device that runs ``stage``."""
         return stage % self.num_devices
+
+    def producer(self, inst: Instruction) -> Instruction | None:
+        """The instruction of another stage whose output ``inst`` consumes (None: the
+        first forward or the last backward of a microbatch)."""
+        if inst.kind == FORWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage < self.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, BACKWARD)
+        return None
+
+    def consumer(self, inst: Instruction) -> Instruction | None:
+        """The instruction of another stage that consumes the output of ``inst`` (None:
+        the last forward or the first backward of a microbatch)."""
+        if inst.kind == FORWARD and inst.stage < self.num_stages - 1:
+            return Instruction(inst.stage + 1, inst.microbatch, FORWARD)
+        if inst.kind == BACKWARD and inst.stage > 0:
+            return Instruction(inst.stage - 1, inst.microbatch, BACKWARD)
+        return None
 
     @cached_property
     def nodes(self) -> tuple[Instruction, ...]:
@@ -331,3 +351,42 @@ def build_schedule(
             f"virtual_stages={virtual_stages}: only 'interleaved_1f1b' has virtual stages"
         )
     return schedule
+
+
+def schedule_to_json(
+    schedule: PipelineSchedule, value: Callable[[Instruction], Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A schedule and one value per instruction as JSON-ready data (what a plan file holds).
+
+    Args:
+        schedule: the schedule.
+        value: the JSON-ready value of an instruction (its clock, its settings...).
+
+    Returns:
+        ``(spec, rows)``: the schedule's name and sizes (what :func:`build_schedule` takes
+        back), and one row per stage: ``{"stage": s, kind: [value of each microbatch]}``
+        for every instruction kind.
+
+    Example:
+        >>> spec, rows = schedule_to_json(gpipe(2, 2), lambda inst: inst.microbatch)
+        >>> spec["name"], rows[1]
+        ('gpipe', {'stage': 1, 'backward': [0, 1], 'forward': [0, 1]})
+    """
+    kinds = sorted({inst.kind for inst in schedule.nodes})
+    rows = [
+        {
+            "stage": stage,
+            **{
+                kind: [value(Instruction(stage, m, kind)) for m in range(schedule.num_microbatches)]
+                for kind in kinds
+            },
+        }
+        for stage in range(schedule.num_stages)
+    ]
+    spec = {
+        "name": schedule.name,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "virtual_stages": schedule.virtual_stages,
+    }
+    return spec, rows

@@ -10,13 +10,13 @@ the objective the planner optimises:
   T - sum of the instruction times`` in all): every GPU is busy for the whole iteration,
   computing or blocked. A wait draws the blocked power of the clock in force during it,
   which the profile gives per clock or as one value (see
-  :class:`~lightning_energy.perseus.solver.DeviceWaits`).
+  :class:`~lightning_energy.perseus.planning.solver.DeviceWaits`).
 
 Plans are plain JSON data (``"format": "lightning-energy/perseus-plan"``); loading one
 validates it and never executes anything.
 
 Example:
-    >>> from lightning_energy.perseus.schedule import one_f_one_b
+    >>> from lightning_energy.perseus.planning.schedule import one_f_one_b
     >>> schedule = one_f_one_b(2, 2)
     >>> plan = Plan.uniform(schedule, 1410)
     >>> Plan.from_json(plan.to_json()) == plan
@@ -36,9 +36,14 @@ import numpy as np
 
 from lightning_energy.errors import ProfileError
 from lightning_energy.files import write_atomically
-from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
-from lightning_energy.perseus.solver import DeviceWaits
+from lightning_energy.perseus.planning.profile import PipelineProfile
+from lightning_energy.perseus.planning.schedule import (
+    Instruction,
+    PipelineSchedule,
+    build_schedule,
+    schedule_to_json,
+)
+from lightning_energy.perseus.planning.solver import DeviceWaits
 
 __all__ = ["PLAN_FORMAT", "Plan", "PlanEvaluation", "evaluate"]
 
@@ -122,28 +127,13 @@ class Plan:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data."""
-        s = self.schedule
-        kinds = sorted({inst.kind for inst in s.nodes})
-        stages = []
-        for stage in range(s.num_stages):
-            row: dict[str, Any] = {"stage": stage}
-            for kind in kinds:
-                row[kind] = [
-                    self.frequency_mhz(Instruction(stage, m, kind))
-                    for m in range(s.num_microbatches)
-                ]
-            stages.append(row)
+        spec, rows = schedule_to_json(self.schedule, self.frequency_mhz)
         return {
             "format": PLAN_FORMAT,
             "version": _PLAN_VERSION,
-            "schedule": {
-                "name": s.name,
-                "num_stages": s.num_stages,
-                "num_microbatches": s.num_microbatches,
-                "virtual_stages": s.virtual_stages,
-            },
+            "schedule": spec,
             "metadata": dict(self.metadata or {}),
-            "frequencies_mhz": stages,
+            "frequencies_mhz": rows,
         }
 
     def to_json(self) -> str:

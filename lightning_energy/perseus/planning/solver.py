@@ -50,8 +50,8 @@ from numpy.typing import NDArray
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from lightning_energy.errors import EnergyError, ProfileError
-from lightning_energy.perseus.profile import InstructionProfile, PipelineProfile
-from lightning_energy.perseus.schedule import PipelineSchedule
+from lightning_energy.perseus.planning.profile import InstructionProfile, PipelineProfile
+from lightning_energy.perseus.planning.schedule import PipelineSchedule
 
 __all__ = ["DeviceWaits", "LPSolution", "OptionTable", "Solver"]
 

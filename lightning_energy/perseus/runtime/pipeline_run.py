@@ -3,7 +3,7 @@
 :class:`RankPipeline` is this rank's Perseus over any pipeline engine: the engine's adapter
 calls it around every iteration and every forward and backward, and it applies the planned
 clocks and plans: from a plan file, or online
-(:class:`~lightning_energy.perseus.online.OnlinePerseus`). An engine that runs its own
+(:class:`~lightning_energy.perseus.runtime.online.OnlinePerseus`). An engine that runs its own
 schedule (DeepSpeed, Megatron-Core) describes it with :func:`schedule_from_orders`.
 
 :class:`PipelineRun` builds a ``torch.distributed.pipelining`` schedule (GPipe, 1F1B or
@@ -25,23 +25,22 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_energy.controller.knobs import KnobDecision
-from lightning_energy.device.simulated import as_simulated
+from lightning_energy.device import StageWork, work_runner
 from lightning_energy.errors import ConfigError, DeviceError
-from lightning_energy.perseus.online import OnlinePerseus
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.profile import BACKWARD, FORWARD
-from lightning_energy.perseus.runtime import (
-    ClockController,
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
+from lightning_energy.perseus.planning.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.runtime.clock import ClockController
+from lightning_energy.perseus.runtime.hooks import (
     PerseusPipelineStage,
     PipelineRuntime,
-    PipelineSimulation,
-    StageWork,
+    PipelineWork,
 )
-from lightning_energy.perseus.schedule import Instruction, PipelineSchedule, build_schedule
+from lightning_energy.perseus.runtime.online import OnlinePerseus
 
 if TYPE_CHECKING:
     from lightning_energy.config import PerseusConfig
-    from lightning_energy.perseus.rank_gpu import RankGPU
+    from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 
 __all__ = [
     "PipelineModule",
@@ -132,7 +131,7 @@ def schedule_from_orders(
             deadlock against the stage dependencies.
 
     Example:
-        >>> from lightning_energy.perseus.schedule import one_f_one_b
+        >>> from lightning_energy.perseus.planning.schedule import one_f_one_b
         >>> orders = one_f_one_b(2, 3).device_orders
         >>> schedule_from_orders("engine", orders, num_microbatches=3).num_stages
         2
@@ -243,8 +242,8 @@ class RankPipeline:
         self.schedule = schedule
         self.strict = strict
         gpu = rank.gpu
-        simulation = None
-        if (simulated := as_simulated(gpu)) is not None:
+        work: PipelineWork | None = None
+        if (runner := work_runner(gpu)) is not None:
             times = stage_times_s or [[0.02, 0.04]] * schedule.num_stages
             if len(times) != schedule.num_stages:
                 raise ConfigError(
@@ -257,14 +256,12 @@ class RankPipeline:
                 if schedule.device_of(s) == global_rank
                 for k, kind in enumerate((FORWARD, BACKWARD))
             }
-            simulation = PipelineSimulation(simulated, works, group=rank.group)
-        # A simulated GPU runs its work in this thread: no stream to follow.
+            work = runner.pipeline(works, group=rank.group)
+        # Work the device layer runs runs in this thread: no stream to follow.
         controller = ClockController(
-            rank.guard, gpu=gpu, device=device, wait_for_device=simulation is None
+            rank.guard, gpu=gpu, device=device, wait_for_device=work is None
         )
-        self.runtime = PipelineRuntime(
-            schedule, global_rank, controller, simulation=simulation, record=False
-        )
+        self.runtime = PipelineRuntime(schedule, global_rank, controller, work=work, record=False)
         self._expected = schedule.device_orders[global_rank]
         self._executed: list[Instruction] = []
         self._checked = False

@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 
 from lightning_energy.collectives import GatherCollective
-from lightning_energy.device import SimulatedSpec, simulated_gpus
-from lightning_energy.device.guard import GPUGuard
-from lightning_energy.job import (
+from lightning_energy.controller.job_plan import (
     Capability,
     RankInfo,
     agree,
@@ -27,6 +25,8 @@ from lightning_energy.job import (
     node_name,
     shared_gpus,
 )
+from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device.guard import GPUGuard
 from tests.lightning_energy.processes import free_port, run_module_ranks
 
 WORKER = "tests.lightning_energy.job_worker"

@@ -1,11 +1,12 @@
 """Straggler-aware clocks for one data-parallel rank, driven by step events.
 
-:class:`StragglerRun` wires a :class:`~lightning_energy.perseus.straggler.StragglerEqualizer`
-to what measures the rank's compute: a simulated step on simulated GPUs; on CUDA GPUs, CUDA
-events at the step start and at the end of the backward pass (found through gradient hooks,
-not a DDP communication hook: the model's own hook and process group stay untouched).
-Framework adapters call :meth:`StragglerRun.step_start`
-before the forward pass and :meth:`StragglerRun.step_end` after the optimizer step, and
+:class:`StragglerRun` wires a
+:class:`~lightning_energy.perseus.data_parallel.straggler.StragglerEqualizer` to what
+measures the rank's compute: a simulated step on simulated GPUs (the device layer runs
+it); on CUDA GPUs, CUDA events at the step start and at the end of the backward pass (found
+through gradient hooks, not a DDP communication hook: the model's own hook and process
+group stay untouched). Framework adapters call :meth:`StragglerRun.step_start` before the
+forward pass and :meth:`StragglerRun.step_end` after the optimizer step, and
 :meth:`StragglerRun.close` at the end; they hold no logic of their own.
 """
 
@@ -13,18 +14,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.autograd import Variable
 
 from lightning_energy.collectives import cpu_collective_group
-from lightning_energy.device.simulated import as_simulated
+from lightning_energy.device import StageWork, work_runner
 from lightning_energy.errors import DeviceError
-from lightning_energy.perseus.runtime import StageWork
-from lightning_energy.perseus.straggler import (
+from lightning_energy.perseus.data_parallel.straggler import (
     Reading,
-    SimulatedDataParallel,
     StepReadings,
     StragglerEqualizer,
 )
@@ -32,11 +31,24 @@ from lightning_energy.perseus.straggler import (
 if TYPE_CHECKING:
     from lightning_energy.config import PerseusConfig
     from lightning_energy.device.base import GPU
-    from lightning_energy.perseus.rank_gpu import RankGPU
+    from lightning_energy.perseus.runtime.rank_gpu import RankGPU
 
-__all__ = ["StragglerClocks", "StragglerRun"]
+__all__ = ["StepWork", "StragglerClocks", "StragglerRun"]
 
 log = logging.getLogger(__name__)
+
+
+class StepWork(Protocol):
+    """A data-parallel step the device layer runs itself (see
+    :func:`~lightning_energy.device.work_runner`)."""
+
+    def compute(self) -> float:
+        """Run the step's compute at the locked clock; its time in seconds."""
+        ...
+
+    def all_reduce(self) -> StepReadings:
+        """Wait for the slowest rank; the step's counter readings."""
+        ...
 
 
 class StragglerClocks:
@@ -85,12 +97,12 @@ class StragglerRun:
     ) -> None:
         self.rank = rank
         self.equalizer: StragglerEqualizer | None = None
-        self._simulation: SimulatedDataParallel | None = None
+        self._work: StepWork | None = None
         self._probe: _CudaComputeProbe | None = None
         gpu = rank.gpu
         group = cpu_collective_group(rank.group)
         self._strict_error: DeviceError | None = None
-        simulated = as_simulated(gpu)
+        runner = work_runner(gpu)
         try:
             clocks = gpu.supported_sm_clocks_mhz()
         except DeviceError as exc:
@@ -99,7 +111,7 @@ class StragglerRun:
             log.warning("Perseus: %s; ranks not equalised.", exc)
             clocks = []
             self._strict_error = exc if strict else None
-        measurable = simulated is not None or (torch.cuda.is_available() and ddp_model is not None)
+        measurable = runner is not None or (torch.cuda.is_available() and ddp_model is not None)
         if clocks and not measurable:
             log.warning("Perseus: no CUDA and no simulated GPU; ranks not equalised.")
             clocks = []  # nothing measures this rank's compute: it votes against
@@ -113,11 +125,11 @@ class StragglerRun:
             counter_period_s=gpu.energy_counter_period_s(),
             group=group,
         )
-        if simulated is not None:
-            # Every rank simulates its step (the simulated all-reduce is a collective),
-            # also one that cannot equalise.
+        if runner is not None:
+            # Every rank runs its simulated step (the simulated all-reduce is a
+            # collective), also one that cannot equalise.
             work = StageWork(section.simulated_step_s, section.compute_bound_share)
-            self._simulation = SimulatedDataParallel(simulated, work, group=group)
+            self._work = runner.data_parallel(work, group=group)
         elif clocks:
             self._probe = _CudaComputeProbe(ddp_model, gpu, self.equalizer)
 
@@ -139,10 +151,10 @@ class StragglerRun:
         """
         if self.equalizer is None:
             return
-        if self._simulation is not None:
-            compute_s = self._simulation.compute()
+        if self._work is not None:
+            compute_s = self._work.compute()
             self.equalizer.look_for_foreign_clocks()  # the GPU has just computed
-            self.equalizer.record_step(compute_s, self._simulation.all_reduce())
+            self.equalizer.record_step(compute_s, self._work.all_reduce())
         elif self._probe is not None:
             self.equalizer.look_for_foreign_clocks()  # the step's kernels are still queued
             measured = self._probe.step_end()

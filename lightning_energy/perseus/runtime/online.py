@@ -50,17 +50,13 @@ from numpy.typing import NDArray
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.base import GPU
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.planner import PerseusPlanner
-from lightning_energy.perseus.profile import BlockedPower, PipelineProfile
-from lightning_energy.perseus.runtime import (
-    BLOCKED_LABEL,
-    InstructionMeter,
-    PipelineRuntime,
-    agree_on_clock_control,
-)
-from lightning_energy.perseus.schedule import Instruction
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.planner import PerseusPlanner
+from lightning_energy.perseus.planning.profile import BlockedPower, PipelineProfile
+from lightning_energy.perseus.planning.schedule import Instruction
+from lightning_energy.perseus.runtime.attribution import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.runtime.clock import agree_on_clock_control
+from lightning_energy.perseus.runtime.hooks import BLOCKED_LABEL, InstructionMeter, PipelineRuntime
 
 __all__ = [
     "ClockModel",

@@ -11,8 +11,8 @@ Example:
     >>> from lightning_energy.config import DeviceConfig, EnergyConfig
     >>> config = EnergyConfig(device=DeviceConfig(backend="simulated", gpu="a100"))
     >>> rank = open_rank_gpu(config, local_rank=0, install_signal_handlers=False)
-    >>> rank.owned, rank.simulated
-    (True, True)
+    >>> rank.owned, rank.devices.backend
+    (True, 'simulated')
     >>> rank.close()
 """
 
@@ -55,11 +55,6 @@ class RankGPU:
     def gpu(self) -> GPU:
         """This rank's GPU."""
         return self.devices.gpus[0]
-
-    @property
-    def simulated(self) -> bool:
-        """Whether the GPU is simulated (Perseus then simulates the work too)."""
-        return self.devices.virtual_time
 
     @property
     def clock(self) -> Callable[[], float]:

@@ -11,8 +11,9 @@ and a :class:`PipelineSchedule`, :class:`PerseusPlanner` computes
   (e.g. the carbon policy's), or for the **energy-optimal** point.
 
 Every plan comes with its iteration time and energy under the objective of
-:func:`~lightning_energy.perseus.plan.evaluate`, and with a lower bound from the convex
-relaxation (see :mod:`~lightning_energy.perseus.solver`) that no plan at that time can beat.
+:func:`~lightning_energy.perseus.planning.plan.evaluate`, and with a lower bound from the
+convex relaxation (see :mod:`~lightning_energy.perseus.planning.solver`) that no plan at that
+time can beat.
 
 Example:
     >>> from lightning_energy.perseus import PipelineProfile, one_f_one_b
@@ -39,10 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_energy.errors import ConfigError
-from lightning_energy.perseus.plan import Plan
-from lightning_energy.perseus.profile import PipelineProfile
-from lightning_energy.perseus.schedule import PipelineSchedule
-from lightning_energy.perseus.solver import FloatArray, IntArray, LPSolution, Solver
+from lightning_energy.perseus.planning.plan import Plan
+from lightning_energy.perseus.planning.profile import PipelineProfile
+from lightning_energy.perseus.planning.schedule import PipelineSchedule
+from lightning_energy.perseus.planning.solver import FloatArray, IntArray, LPSolution, Solver
 
 __all__ = ["Frontier", "FrontierPoint", "PerseusPlanner", "ProgressCallback"]
 

@@ -10,13 +10,13 @@ energy (SOSP'24, section 3, "extrinsic energy bloat").
 
 1. *profile*: a few steps at each of a few clocks (the first step at each only lets the
    change land; then ``steps_per_clock`` steps and at least
-   :func:`~lightning_energy.perseus.attribution.min_profile_s`), marking the energy counter at
-   each step's start, compute end and end; an
-   :class:`~lightning_energy.perseus.attribution.EnergyTimeline` splits the counter's updates
-   into the compute power and the power while blocked, both at each clock (a GPU blocked
-   in the all-reduce spins at the locked clock); fit
-   :class:`~lightning_energy.perseus.online.ClockModel` and the blocked
-   :class:`~lightning_energy.perseus.online.PowerCurve`;
+   :func:`~lightning_energy.perseus.runtime.attribution.min_profile_s`), marking the
+   energy counter at each step's start, compute end and end; an
+   :class:`~lightning_energy.perseus.runtime.attribution.EnergyTimeline` splits the
+   counter's updates into the compute power and the power while blocked, both at each
+   clock (a GPU blocked in the all-reduce spins at the locked clock); fit
+   :class:`~lightning_energy.perseus.runtime.online.ClockModel` and the blocked
+   :class:`~lightning_energy.perseus.runtime.online.PowerCurve`;
 2. *equalise*: every ``window_steps`` steps the ranks exchange their compute time at the
    maximum clock (scaled from what they measure now, so drift and new stragglers show
    up); the slowest sets the deadline, and each rank locks the clock minimising its
@@ -24,7 +24,8 @@ energy (SOSP'24, section 3, "extrinsic energy bloat").
    deadline with a small margin, the wait priced at the blocked power of that clock. The
    straggler itself stays at the maximum clock.
 
-:class:`SimulatedDataParallel` provides the measurements on simulated GPUs (CPU + gloo).
+:class:`~lightning_energy.device.simulated.work.DataParallelSimulation` provides the
+measurements on simulated GPUs (CPU + gloo).
 
 Example (every rank)::
 
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -47,18 +47,17 @@ import torch.distributed as dist
 
 from lightning_energy.collectives import cpu_collective_group
 from lightning_energy.device.guard import GPUGuard
-from lightning_energy.device.simulated import SimulatedGPU
 from lightning_energy.errors import ConfigError, ProfileError
-from lightning_energy.perseus.attribution import EnergyTimeline, min_profile_s
-from lightning_energy.perseus.online import (
+from lightning_energy.perseus.runtime.attribution import EnergyTimeline, min_profile_s
+from lightning_energy.perseus.runtime.clock import agree_on_clock_control
+from lightning_energy.perseus.runtime.online import (
     ClockModel,
     PowerCurve,
     Sample,
     profile_clocks,
 )
-from lightning_energy.perseus.runtime import StageWork, agree_on_clock_control, wait_for_slowest
 
-__all__ = ["Reading", "SimulatedDataParallel", "StepReadings", "StragglerEqualizer"]
+__all__ = ["Reading", "StepReadings", "StragglerEqualizer"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class StragglerEqualizer:
         profile_clocks_mhz: clocks to profile (default: 3 from the maximum to 60 % of it).
         steps_per_clock: measured steps per clock, at least (each clock also gets one
             unmeasured step for the change to land, and is measured for at least
-            :func:`~lightning_energy.perseus.attribution.min_profile_s`).
+            :func:`~lightning_energy.perseus.runtime.attribution.min_profile_s`).
         counter_period_s: how often the GPU's energy counter moves (0: continuously).
         window_steps: steps between re-evaluations.
         margin: finish this much (relative) before the straggler, to absorb noise.
@@ -366,39 +365,3 @@ class StragglerEqualizer:
 
 def _world(group: Any) -> int:
     return int(dist.get_world_size(group))
-
-
-@dataclass
-class SimulatedDataParallel:
-    """One data-parallel rank's step on a simulated GPU, synchronised like an all-reduce.
-
-    Args:
-        gpu: this rank's simulated GPU (its ``slowdown`` makes it a straggler).
-        work: the compute of one step.
-        group: the data-parallel process group (None: the default group; CPU tensors go
-            over a gloo group, see :func:`~lightning_energy.collectives.cpu_collective_group`).
-    """
-
-    gpu: SimulatedGPU
-    work: StageWork
-    group: Any = None
-    _step_start: Reading = field(default=(0.0, 0.0))
-    _compute_end: Reading = field(default=(0.0, 0.0))
-
-    def __post_init__(self) -> None:
-        self.group = cpu_collective_group(self.group)
-
-    def _read(self) -> Reading:
-        return self.gpu.clock.now(), self.gpu.energy_j()
-
-    def compute(self) -> float:
-        """Run the step's compute at the locked clock; its time in seconds."""
-        self._step_start = self._read()
-        time_s = self.gpu.run_work(self.work.t0_s, self.work.compute_bound_share)
-        self._compute_end = self._read()
-        return time_s
-
-    def all_reduce(self) -> StepReadings:
-        """Wait (idle) for the slowest rank; the step's counter readings."""
-        wait_for_slowest(self.gpu, self.group)
-        return self._step_start, self._compute_end, self._read()
