@@ -12,8 +12,8 @@ selector's choice, and moves the setting when the carbon pace asks for a slower 
 step. Every change goes through the run's guard and is recorded in its ledger. What was
 learnt about workloads is kept across runs and in checkpoints.
 
-A job profiles one of them (``power_limit.knob``: see
-:meth:`~lightning_energy.controller.locked_clock.LockedClockKnob.start`).
+A job profiles one of them, or under ``auto`` both, one after the other
+(``power_limit.knob``: see :meth:`~lightning_energy.controller.locked_clock.LockedClockKnob.start`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class SettingRun(ControllerRun, Protocol):
     """What a setting knob uses of the run it belongs to (the controller)."""
 
     def current_power_limit_w(self) -> float | None: ...
+
+    def current_locked_clock_mhz(self) -> float | None: ...
 
     def clock(self) -> float: ...
 
@@ -155,7 +157,7 @@ class SettingKnob(ABC):
         """A workload profiled by an earlier run (or a checkpoint) gets its choice at once."""
         chosen = self.session.known_choice()
         if chosen is not None:
-            self._use_profile(chosen, f"reuse profile of workload {self.session.workload}")
+            self.use_choice(chosen, f"reuse profile of workload {self.session.workload}")
 
     # ------------------------------------------------------------------ steps
     def profiles(self) -> bool:
@@ -328,12 +330,16 @@ class SettingKnob(ABC):
                 100.0 * (t / t_top - 1.0),
                 self.kind.label(top_w),
             )
-        self._use_profile(chosen, f"profile complete; selector {selector}")
+        self.use_choice(chosen, f"profile complete; selector {selector}")
 
-    def _use_profile(self, chosen: float | None, reason: str) -> None:
-        """Apply the profile's choice and start measuring the steps that run at it."""
+    def use_choice(self, chosen: float | None, reason: str) -> None:
+        """Apply the profile's choice (``chosen``, None: none) and start measuring the steps
+        that run at it."""
         self.static_value = chosen
-        self.run.ledger.start_baselines(self.run.current_power_limit_w(), self.run.now())
+        run = self.run
+        run.ledger.start_baselines(
+            run.current_power_limit_w(), run.current_locked_clock_mhz(), run.now()
+        )
         self._apply(chosen, reason)
 
     def _apply_window(self, value: float, purpose: str) -> None:
@@ -366,15 +372,16 @@ class SettingKnob(ABC):
         return applied
 
     # ------------------------------------------------------------------ workloads
-    def set_workload(self, key: str) -> None:
+    def set_workload(self, key: str, *, reuse: bool = True) -> None:
         """A new key starts a new profile (or resumes the one saved for it); returning to a
-        known key reuses its choice."""
+        known key reuses its choice (unless not ``reuse``: the caller applies it)."""
         if key == self.session.workload:
             return
         self.discard_window("workload change")
         self.session.workload = key
         self.run.ledger.forget_baselines()
-        self.reuse_known_choice()
+        if reuse:
+            self.reuse_known_choice()
 
     # ------------------------------------------------------------------ carbon pace
     def pace_frontier(self) -> list[tuple[float, float, str]]:
@@ -457,7 +464,12 @@ class SettingKnob(ABC):
             state.get("optimizers", {}), str(state.get("workload", "default"))
         )
         if running:
-            self.session.optimizer()
-            chosen = self.session.known_choice()
-            if chosen is not None:
-                self._use_profile(chosen, "resumed from checkpoint")
+            self.resume_choice()
+
+    def resume_choice(self) -> None:
+        """In a run set up: apply the current workload's choice restored from a checkpoint
+        (none when its profile is not complete)."""
+        self.session.optimizer()
+        chosen = self.session.known_choice()
+        if chosen is not None:
+            self.use_choice(chosen, "resumed from checkpoint")

@@ -36,6 +36,7 @@ from lightning_energy.optimize.selectors import (
     TargetTimeSelector,
     TimeSelector,
     make_selector,
+    select_across,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ __all__ = [
     "best_choice",
     "make_selector",
     "pruning_state",
+    "select_across",
     "thompson_choice",
     "zeus_cost",
 ]
