@@ -35,6 +35,7 @@ from lightning_energy.optimize.power_limit import LOCKED_CLOCK, POWER_LIMIT
 from lightning_energy.optimize.selectors import select_across
 
 if TYPE_CHECKING:
+    from lightning_energy.controller.power_limits import PowerLimitKnob
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 
@@ -91,7 +92,7 @@ class LockedClockKnob(SettingKnob):
     name = "locked_clock"
     holds_clocks = True
 
-    def __init__(self, run: SettingRun, limits: SettingKnob) -> None:
+    def __init__(self, run: SettingRun, limits: PowerLimitKnob) -> None:
         super().__init__(run, LOCKED_CLOCK)
         self.limits = limits
         self.active = False

@@ -309,7 +309,10 @@ def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
     assert seeded <= {e["locked_clock_mhz"] for e in clocks}
     # The selector's choice among every measured candidate of both knobs is applied.
     measured = [
-        [Measurement(e[key], e["time_per_step_s"], e["energy_per_step_j"], e["steps"]) for e in es]
+        [
+            Measurement(e[key], e["time_per_step_s"], e["energy_per_step_j"], int(e["steps"]))
+            for e in es
+        ]
         for key, es in (("power_limit_w", limits), ("locked_clock_mhz", clocks))
     ]
     index, best = select_across(
@@ -327,6 +330,14 @@ def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
     summary = controller.teardown()
     assert gpu.settings() == (PRE_JOB_W, None)
     assert summary.knob == winner
+    # The report names the winner and lists what every candidate of both knobs measured.
+    from lightning_energy.plots import render_plots
+    from lightning_energy.report import load_report, write_report
+
+    report = load_report(write_report(controller, tmp_path / "run.json"))
+    assert report["summary"]["knob"] == winner
+    assert len(report["profile"]) == len(limits) + len(clocks)
+    assert "frontier.png" in {p.name for p in render_plots(report, tmp_path / "figures")}
 
 
 def test_select_across_bounds_time_by_the_reference_knob() -> None:
