@@ -115,7 +115,7 @@ class LockedClockKnob(SettingKnob):
             ConfigError: strict mode, ``locked_clock`` is forced and may not be used.
         """
         section = self.run.config.power_limit
-        self.active = False
+        self.active = self.limits.compared = False
         self.after_limits = section.knob == "auto"
         if section.knob == "power_limit" or not section.enabled:
             return
@@ -126,6 +126,7 @@ class LockedClockKnob(SettingKnob):
             return
         self.active = self.run.changes_settings()
         self._agree(None if guard.observe_only else self._refusal())
+        self.limits.compared = self.active and self.after_limits
 
     @property
     def in_charge(self) -> bool:
@@ -245,6 +246,7 @@ class LockedClockKnob(SettingKnob):
         if not self.active:
             return
         self.active = False
+        self.limits.compared = False
         self.discard_window(reason)
         guard = self.run.run_guard
         if guard is not None and self.value is not None:

@@ -79,6 +79,8 @@ class SettingKnob(ABC):
     Attributes:
         profiling_off: why profiling is off in this run although the knob is on (a knob
             holding the clocks is registered); None: it is on.
+        compared: under ``auto``, another knob is profiled after this one and the choice is
+            made among both: this knob's profile ends without applying its own choice.
         value: the setting applied last in this run (None: none yet).
         static_value: the profile's choice in this run (None: none yet).
     """
@@ -94,6 +96,7 @@ class SettingKnob(ABC):
             section.make_selector(), self._new_optimizer, settle_s=section.settle_s
         )
         self.profiling_off: str | None = None
+        self.compared = False
         # SM clocks read at measured steps' ends, by (workload, setting): reports show the
         # average clock each setting ran at.
         self._clocks_mhz: dict[tuple[str, float], list[float]] = {}
@@ -330,7 +333,10 @@ class SettingKnob(ABC):
                 100.0 * (t / t_top - 1.0),
                 self.kind.label(top_w),
             )
-        self.use_choice(chosen, f"profile complete; selector {selector}")
+        if self.compared:
+            self.static_value = chosen  # applied only if it wins (see ``compared``)
+        else:
+            self.use_choice(chosen, f"profile complete; selector {selector}")
 
     def use_choice(self, chosen: float | None, reason: str) -> None:
         """Apply the profile's choice (``chosen``, None: none) and start measuring the steps

@@ -327,6 +327,8 @@ def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
         assert gpu.settings() == (best.power_limit_w, None)
     kinds = [d["kind"] for d in controller.decisions]
     assert kinds.index("locked_clock") > kinds.index("power_limit")
+    choices = [d for d in controller.decisions if d["purpose"] == "choice"]
+    assert [(d["kind"], d["value"]) for d in choices] == [(winner, best.power_limit_w)]
     summary = controller.teardown()
     assert gpu.settings() == (PRE_JOB_W, None)
     assert summary.knob == winner
