@@ -342,6 +342,25 @@ def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
     assert "frontier.png" in {p.name for p in render_plots(report, tmp_path / "figures")}
 
 
+def test_auto_makes_the_same_choice_on_every_rank(tmp_path: Path) -> None:
+    from tests.lightning_energy.processes import free_port, run_module_ranks
+
+    port = str(free_port())
+    dirs = [str(tmp_path / "gpus"), str(tmp_path / "leases")]
+    run_module_ranks(
+        "tests.lightning_energy.auto_knob_worker",
+        [[str(r), port, str(tmp_path), *dirs] for r in range(2)],
+        tmp_path,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["clocks_profiled"] for r in ranks)  # both knobs were measured
+    assert ranks[0]["knob"] == ranks[1]["knob"] and ranks[0]["value"] == ranks[1]["value"]
+    value = ranks[0]["value"]
+    held = [PRE_JOB_W, [value, value]] if ranks[0]["knob"] == "locked_clock" else [value, None]
+    assert all(r["settings"] == held for r in ranks)
+    assert all(r["restored"] == [PRE_JOB_W, None] for r in ranks)
+
+
 def test_select_across_bounds_time_by_the_reference_knob() -> None:
     limits = [Measurement(400.0, 1.00, 100.0, 10), Measurement(300.0, 1.08, 90.0, 10)]
     clocks = [Measurement(1410.0, 0.90, 110.0, 10), Measurement(1200.0, 1.05, 85.0, 10)]
