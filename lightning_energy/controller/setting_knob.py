@@ -324,7 +324,7 @@ class SettingKnob(ABC):
             (t, e), (t_top, e_top) = profile[chosen], profile[top_w]
             log.info(
                 "%s profile complete after %d steps: %s chosen by the %s selector "
-                "(%.1f %% less energy and %+.1f %% time per step than %s)",
+                "(%.1f %% less energy and %+.1f %% time per step than %s)%s",
                 self.kind.name.replace("_", "-"),
                 self.run.ledger.step,
                 self.kind.label(chosen),
@@ -332,6 +332,7 @@ class SettingKnob(ABC):
                 100.0 * (1.0 - e / e_top),
                 100.0 * (t / t_top - 1.0),
                 self.kind.label(top_w),
+                "; not applied: the choice among both knobs follows" if self.compared else "",
             )
         if self.compared:
             self.static_value = chosen  # applied only if it wins (see ``compared``)
