@@ -704,5 +704,10 @@ class EnergyController:
         self.power_limit.load_state_dict(state, running=False)
         self.locked_clock.load_state_dict(state.get(LockedClockKnob.name, {}), running=False)
         if self._is_setup:
+            # Both profiles are read back before the one in charge is known (under auto
+            # the choice is made among both).
+            for knob in (self.power_limit, self.locked_clock):
+                if knob.enabled:
+                    knob.session.optimizer()
             self.locked_clock.hand_over()
             self.setting.resume_choice()

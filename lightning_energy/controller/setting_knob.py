@@ -460,13 +460,24 @@ class SettingKnob(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Every workload's profile, and the current workload."""
-        return {"workload": self.session.workload, "optimizers": self.session.state_dict()}
+        """Every workload's profile, the average SM clock each measured setting ran at (the
+        locked clocks' candidates under ``auto``), and the current workload."""
+        return {
+            "workload": self.session.workload,
+            "optimizers": self.session.state_dict(),
+            "sm_clocks_mhz": [
+                [workload, setting, math.fsum(clocks) / len(clocks)]
+                for (workload, setting), clocks in self._clocks_mhz.items()
+                if clocks
+            ],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], *, running: bool) -> None:
         """Resume the profiles and the current workload; a complete one applies its
         choice at once when a run is set up."""
         self.discard_window("checkpoint restore")
+        for workload, setting, clock_mhz in state.get("sm_clocks_mhz", []):
+            self._clocks_mhz[(str(workload), float(setting))] = [float(clock_mhz)]
         self.session.load_state_dict(
             state.get("optimizers", {}), str(state.get("workload", "default"))
         )

@@ -37,6 +37,14 @@ SELECTORS: dict[str, dict[str, Any]] = {
     "target_time": {"target_time_s": 0.6},
 }
 
+# Phased work: under a cap the governor's clock follows the phases, and a lock at the same
+# average clock saves energy. Compute-bound work of one phase: cap and lock settle at the
+# same clock, and on a coarse clock grid the limit lands nearer the optimum.
+AUTO_MODELS: dict[str, tuple[tuple[Phase, ...], float, str]] = {
+    "phased": ((Phase(0.6, 0.95), Phase(0.4, 0.15)), 150, "locked_clock"),
+    "one phase, coarse clocks": ((Phase(1.0, 0.9),), 400, "power_limit"),
+}
+
 
 def _config(tmp_path: Path, **power_limit: Any) -> EnergyConfig:
     section: dict[str, Any] = {
@@ -176,6 +184,41 @@ def test_a_checkpoint_resumes_the_chosen_lock_without_profiling(tmp_path: Path) 
     assert _sim(devices).settings() == (PRE_JOB_W, None)
 
 
+@pytest.mark.parametrize("model", sorted(AUTO_MODELS))
+def test_a_checkpoint_resumes_auto_s_choice_without_profiling(tmp_path: Path, model: str) -> None:
+    phases, clock_step_mhz, winner = AUTO_MODELS[model]
+    config = _config(
+        tmp_path,
+        knob="auto",
+        selector="energy",
+        clock_step_mhz=clock_step_mhz,
+        power_limits_w=[400, 350, 300, 250, 200, 150],
+    )
+    controller = EnergyController(
+        config, devices=_devices(step_phases=phases), install_signal_handlers=False
+    )
+    _profile(controller)
+    chosen = (controller.setting.name, controller.setting.value)
+    assert chosen[0] == winner
+    state = json.loads(json.dumps(controller.state_dict()))
+    controller.teardown()
+
+    devices = _devices(step_phases=phases)
+    resumed = EnergyController(config, devices=devices, install_signal_handlers=False)
+    resumed.setup()
+    resumed.load_state_dict(state)
+    assert resumed.profile_done
+    assert (resumed.setting.name, resumed.setting.value) == chosen
+    value = chosen[1]
+    held = (PRE_JOB_W, (value, value)) if winner == "locked_clock" else (value, None)
+    assert _sim(devices).settings() == held
+    resumed.on_step_start()
+    resumed.on_step_end()
+    assert [(d["kind"], d["purpose"]) for d in resumed.decisions] == [(winner, "choice")]
+    resumed.teardown()
+    assert _sim(devices).settings() == (PRE_JOB_W, None)
+
+
 def test_a_power_limit_profile_does_not_resume_as_a_clock_profile(tmp_path: Path) -> None:
     limits = EnergyController(
         _config(tmp_path, knob="power_limit"), devices=_devices(), install_signal_handlers=False
@@ -269,15 +312,6 @@ def test_a_bad_clock_step_is_refused_naming_the_key(step: object) -> None:
 
 
 # ---------------------------------------------------------------- which knob, and fallback
-# Phased work: under a cap the governor's clock follows the phases, and a lock at the same
-# average clock saves energy. Compute-bound work of one phase: cap and lock settle at the
-# same clock, and on a coarse clock grid the limit lands nearer the optimum.
-AUTO_MODELS: dict[str, tuple[tuple[Phase, ...], float, str]] = {
-    "phased": ((Phase(0.6, 0.95), Phase(0.4, 0.15)), 150, "locked_clock"),
-    "one phase, coarse clocks": ((Phase(1.0, 0.9),), 400, "power_limit"),
-}
-
-
 @pytest.mark.parametrize("model", sorted(AUTO_MODELS))
 def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
     tmp_path: Path, model: str
