@@ -33,6 +33,9 @@ stage profiles; over those at the highest cap, per job), and the simulated one l
 on the simulated curves (``relative``); ``same work`` is the simulator's comparison on
 the capped jobs themselves, locked on the same preset. The A100's locked clocks were
 measured on SXM boards and its caps on PCIe boards: its relative comparison crosses boards.
+The measured comparison is
+:func:`~lightning_energy.device.simulated.measured.measured_lock_vs_cap_pct`, which
+``benchmarks/clock_vs_limit.py`` shows beside its simulated one.
 
 Usage::
 
@@ -45,9 +48,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -59,62 +61,23 @@ from lightning_energy.device.simulated import (
     steady_run,
 )
 from lightning_energy.device.simulated.measured import (
-    DATA_DIR,
-    load_locked_profile,
-    load_power_cap_runs,
+    UNFITTED_JOBS,
+    Curve,
+    Job,
+    Point,
+    cap_jobs,
+    fitted_cap_jobs,
+    lock_curves,
+    measured_lock_vs_cap_pct,
+    relative_gaps,
+    relative_lock_curve,
 )
 
 #: (preset, data) pairs: locked-clock profiles by file suffix, cap runs by file suffix.
 LOCK_PRESETS = {"a100_sxm": "a100_sxm", "a40_physics": "a40"}
 CAP_PRESETS = {"a100_pcie": "A100", "a40_physics": "A40"}
-#: Jobs left out of the fit of the shared constants (still checked and printed): the A40
-#: T5-3B sweep gets faster as the cap falls from 300 to 200 W, which no governor does.
-UNFITTED_JOBS = {("A40", "t5-3b")}
-
-
-#: ``(time_s, energy_j)`` of one run.
-Point = tuple[float, float]
-
-
-@dataclass(frozen=True)
-class Curve:
-    """One locked-clock curve: ``{clock: (time_s, energy_j)}``."""
-
-    name: str
-    points: dict[int, tuple[float, float]]
-
-
-@dataclass(frozen=True)
-class Job:
-    """One capped job: ``{cap: (time_s, energy_j per GPU)}``."""
-
-    name: str
-    bubble_share: float
-    points: dict[float, tuple[float, float]]
-
-
-def lock_curves(suffix: str) -> list[Curve]:
-    """The locked-clock curves measured on one GPU, every model's stages."""
-    curves = []
-    for path in sorted((DATA_DIR / "stage_profile_locked_freq").glob(f"*+{suffix}_bf16.csv")):
-        points: dict[tuple[int, str], dict[int, tuple[float, float]]] = defaultdict(dict)
-        for row in load_locked_profile(path):
-            points[(row.stage, row.instruction)][row.freq_mhz] = (row.time_s, row.energy_j)
-        model = path.name.split("+")[0]
-        curves += [Curve(f"{model} {s} {i}", p) for (s, i), p in sorted(points.items())]
-    return curves
-
-
-def cap_jobs(suffix: str) -> list[Job]:
-    """The capped jobs measured on one GPU."""
-    jobs: dict[str, Job] = {}
-    for run in load_power_cap_runs(
-        DATA_DIR / "zeus_global_power_cap" / f"zeus_global_{suffix}.csv"
-    ):
-        bubble = (run.pp - 1) / (run.num_microbatches + run.pp - 1)
-        job = jobs.setdefault(run.model_name, Job(run.model_name, bubble, {}))
-        job.points[run.power_limit_w] = (run.time_s, run.energy_j / run.gpus)
-    return list(jobs.values())
+#: Each cap preset's lock preset (the A100's locks were measured on SXM boards).
+CAP_LOCKS = {"a100_pcie": "a100_sxm", "a40_physics": "a40_physics"}
 
 
 def job_phases(bubble_share: float, beta: float) -> tuple[Phase, ...]:
@@ -318,34 +281,6 @@ def capped_runs(model: PhysicsModel, job: Job) -> tuple[float, float, dict[float
     return t0_s, beta, out
 
 
-def relative_lock_curve(runs: dict[str, dict[int, Point]]) -> list[tuple[float, float]]:
-    """``(time, energy)`` per clock, summed over the curves, over those at the top clock."""
-    total: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for points in runs.values():
-        for freq, (time_s, energy_j) in points.items():
-            total[freq][0] += time_s
-            total[freq][1] += energy_j
-    top = total[max(total)]
-    return [(t / top[0], e / top[1]) for t, e in total.values()]
-
-
-def relative_gaps(
-    lock_curve: list[tuple[float, float]], jobs: dict[str, dict[float, Point]]
-) -> list[float]:
-    """Per capped run below the highest cap: the cheapest lock no slower, energy vs the
-    cap's, per cent (relative curves); runs faster than every lock are left out."""
-    gaps = []
-    for points in jobs.values():
-        top_s, top_j = points[max(points)]
-        for cap_w, (time_s, energy_j) in points.items():
-            if cap_w == max(points):
-                continue
-            fits = [e for t, e in lock_curve if t <= time_s / top_s + 1e-12]
-            if fits:
-                gaps.append((min(fits) / (energy_j / top_j) - 1.0) * 100)
-    return gaps
-
-
 def same_work_gaps(
     model: PhysicsModel, t0_s: float, beta: float, job: Job, runs: dict[float, Point]
 ) -> list[float]:
@@ -405,12 +340,11 @@ def check(
         report(f"   lock vs cap at equal speed (same work): {_range(same)}")
         return
     curves = lock_curves(LOCK_PRESETS[lock_preset])
-    measured_jobs = {j.name: j.points for j in cap_jobs(gpu) if (gpu, j.name) not in UNFITTED_JOBS}
-    measured_lock = relative_lock_curve({c.name: c.points for c in curves})
+    measured = measured_lock_vs_cap_pct(LOCK_PRESETS[lock_preset], gpu)
     simulated_lock = relative_lock_curve(locked_runs(PHYSICS_PRESETS[lock_preset], curves))
-    fitted = {k: v for k, v in sim_jobs.items() if k in measured_jobs}
+    fitted = {k: v for k, v in sim_jobs.items() if k in fitted_cap_jobs(gpu)}
     report("   lock vs cap at equal speed, energy of the lock vs the cap:")
-    report(f"     measured (relative)  {_range(relative_gaps(measured_lock, measured_jobs))}")
+    report(f"     measured (relative)  {_range(measured)}")
     report(f"     simulated (relative) {_range(relative_gaps(simulated_lock, fitted))}")
     report(f"     simulated (same work) {_range(same)}")
 
@@ -476,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     check_locks("a100_sxm", print)
     check_locks("a40_physics", print)
-    for name, lock_preset in (("a100_pcie", "a100_sxm"), ("a40_physics", "a40_physics")):
+    for name, lock_preset in CAP_LOCKS.items():
         model = PHYSICS_PRESETS[name]
         print(f"== {name} ({model.name}): caps on {CAP_PRESETS[name]}")
         check(name, lock_preset, print)

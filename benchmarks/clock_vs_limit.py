@@ -1,41 +1,53 @@
 """Locked SM clocks vs. power limits, on the simulated GPUs that model clocks.
 
-For every physics preset (``a100``, ``h100``, ``h200``: the simulated GPUs whose SM clock is
-modelled; trace GPUs cannot lock) and four workloads of a 0.5 s step (three of one phase,
-compute-bound shares 0.9, 0.6 and 0.3, and one ``phased``: 60 % compute-bound work at 0.95
-then 40 % memory-bound at 0.15, as GEMMs and elementwise/optimizer kernels alternate in a
-training step), both knobs are measured:
+For every physics preset (``a100``, ``h100``, ``h200``, and ``a100_sxm``, ``a100_pcie`` and
+``a40_physics``, fitted on the Perseus artifact's measured runs: the simulated GPUs whose
+SM clock is modelled; trace GPUs cannot lock) and four workloads of a 0.5 s step (three of
+one phase, compute-bound shares 0.9, 0.6 and 0.3, and one ``phased``: 60 % compute-bound
+work at 0.95 then 40 % memory-bound at 0.15, as GEMMs and elementwise/optimizer kernels
+alternate in a training step), both knobs are measured:
 
 - **Exhaustively**, on a noiseless GPU: every power limit of a 25 W grid (the configuration's
   default) and every candidate clock (the supported clocks thinned to 90 MHz, the default
-  ``power_limit.clock_step_mhz``), with the average SM clock each ran at.
+  ``power_limit.clock_step_mhz``, and the supported clocks nearest those the caps ran at),
+  with the SM clock each ran at.
 - **By the search**, on a noisy GPU (``--noise-std``, default 0.02 per step): the
   :class:`~lightning_energy.optimize.power_limit.PowerLimitOptimizer` of each kind, with each
   selector (``energy``, ``time``, ``cost(eta=0.5)``, ``max_slowdown(1.1)``,
   ``target_time(1.2 x the fastest step)``), the controller's loop (apply, settle, measure,
   report). Its choice is scored on the noiseless measurements, and its steps are compared
   with Zeus' sweep (10 warm-up and 40 measured steps at every candidate) of either knob.
+- **As** ``power_limit.knob: auto`` **does**: the power limits' search, then the locks'
+  search over the grid seeded with the clocks the caps ran at, then the selector's choice
+  among both knobs' measured candidates
+  (:func:`~lightning_energy.optimize.selectors.select_across`).
 
-Per selector, the cost of each knob's choice uses the selector's own objective over both
-knobs' settings (energy for the constrained selectors, whose time bounds are those of
-full power: the highest power limit). ``auto_ok`` says whether the locked clock, which
-``power_limit.knob: auto`` uses where the job may lock, is no worse than the power limit's
-choice by more than the noise tolerance (1 %).
+Per selector, the cost of each choice uses the selector's own objective over both knobs'
+settings (energy for the constrained selectors, whose time bounds are those of full power:
+the highest power limit). ``auto_ok`` says whether ``auto``'s choice is no worse than the
+power limit's choice by more than the noise tolerance (1 %); ``lock_vs_cap_pct`` compares
+the locked clock's own search (``power_limit.knob: locked_clock``) with the cap's.
 
 At equal speed, each power limit is compared with the cheapest lock at least as fast: the
 energy change of the lock against the cap, in per cent (negative: the lock saves), with its
-median and tails per preset. Under a cap the simulated board's governor sets the clock from
-the power it measures every 20 ms, so on phased work the clock follows the phases (high in
-the memory-bound phase, where it buys no speed); on single-phase work cap and lock settle at
-the same clock. The measured lock-vs-cap comparison (the Perseus artifact's data) is
-``benchmarks/calibrate_governor.py``'s; ``measured`` here is null.
+median, mean and tails per preset. Under a cap the simulated board's governor sets the
+clock from the power it measures every 20 ms, so on phased work the clock follows the
+phases (high in the memory-bound phase, where it buys no speed); on single-phase work cap
+and lock settle at the same clock. Beside it, ``measured`` is the measured data's own
+lock-vs-cap comparison at equal speed for the preset's GPU (A100: locks measured on SXM,
+caps on PCIe boards; A40), from
+:func:`~lightning_energy.device.simulated.measured.measured_lock_vs_cap_pct` (the one
+``benchmarks/calibrate_governor.py`` prints; null for the H100 and H200, which have no
+measured data), and ``gap_pp`` the simulated median minus the measured one. The targets:
+``auto`` never worse than caps by more than 1 % at any selector on any preset, and
+``|gap_pp| <= 2``; whether each is met is printed (with ``--json``, on stderr).
 
 Usage::
 
     python benchmarks/clock_vs_limit.py            # a table per preset
     python benchmarks/clock_vs_limit.py --json     # one object: per preset, the median
-                                                   # energy change at equal speed (%) and
-                                                   # the details
+                                                   # energy change at equal speed (%),
+                                                   # simulated and measured, and the details
     python benchmarks/clock_vs_limit.py --preset a100 --noise-std 0.05 --seed 1
 """
 
@@ -51,15 +63,25 @@ from typing import Any
 
 from lightning_energy.controller.locked_clock import thin_clocks_mhz
 from lightning_energy.device.simulated import Phase, SimulatedGPU, SimulatedSpec, simulated_gpus
+from lightning_energy.device.simulated.measured import measured_lock_vs_cap_pct
 from lightning_energy.optimize.power_limit import (
     LOCKED_CLOCK,
     POWER_LIMIT,
     PowerLimitOptimizer,
     SettingKind,
 )
-from lightning_energy.optimize.selectors import Selector, make_selector
+from lightning_energy.optimize.selectors import Selector, make_selector, select_across
 
-PRESETS = ("a100", "h100", "h200")
+PRESETS = ("a100", "h100", "h200", "a100_sxm", "a100_pcie", "a40_physics")
+#: The measured data each preset's GPU has: the locked-clock curves' file suffix and the
+#: capped runs' GPU (the A100's locks were measured on SXM boards, its caps on PCIe ones).
+MEASURED = {
+    "a100": ("a100_sxm", "A100"),
+    "a100_sxm": ("a100_sxm", "A100"),
+    "a100_pcie": ("a100_sxm", "A100"),
+    "a40_physics": ("a40", "A40"),
+}
+GAP_TARGET_PP = 2.0
 Work = tuple[Phase, ...]
 WORKLOADS: dict[str, Work] = {
     "compute-bound": (Phase(1.0, 0.9),),
@@ -139,11 +161,11 @@ def measure(gpu: SimulatedGPU, steps: int) -> tuple[float, float]:
     return (gpu.now_s() - start_s) / steps, (gpu.energy_j() - start_j) / steps
 
 
-def truth(preset: str, work: Work, kind: SettingKind) -> list[Point]:
-    """Every candidate of ``kind`` on a noiseless GPU, highest first."""
+def truth(preset: str, work: Work, kind: SettingKind, settings: Sequence[float]) -> list[Point]:
+    """Each of ``settings`` of ``kind`` on a noiseless GPU, in the order given."""
     (gpu,) = simulated_gpus(spec(preset, work, 0.0, 0))
     points = []
-    for setting in candidates(gpu, kind):
+    for setting in settings:
         apply(gpu, kind, setting)
         gpu.run_step(TRUTH_SETTLE_STEPS)
         time_s, energy_j = measure(gpu, TRUTH_STEPS)
@@ -152,13 +174,28 @@ def truth(preset: str, work: Work, kind: SettingKind) -> list[Point]:
     return points
 
 
+def seeded_clocks(gpu: SimulatedGPU, caps: Sequence[Point]) -> list[float]:
+    """The lock candidates of ``power_limit.knob: auto``: the thinned clocks and the
+    supported clock nearest the clock each cap ran at, highest first."""
+    supported = sorted(gpu.supported_sm_clocks_mhz())
+    ran_at = [p.sm_clock_mhz for p in caps if p.sm_clock_mhz is not None]
+    seeds = {float(min(supported, key=lambda c: abs(c - clock))) for clock in ran_at}
+    return sorted(set(candidates(gpu, LOCKED_CLOCK)) | seeds, reverse=True)
+
+
 def search(
-    preset: str, work: Work, kind: SettingKind, selector: Selector, noise: float, seed: int
-) -> tuple[float, int]:
-    """The optimizer's choice of ``kind`` on a noisy GPU, and the steps it took."""
+    preset: str,
+    work: Work,
+    kind: SettingKind,
+    settings: Sequence[float],
+    selector: Selector,
+    noise: float,
+    seed: int,
+) -> PowerLimitOptimizer:
+    """The optimizer of ``kind`` over ``settings``, run to its choice on a noisy GPU."""
     (gpu,) = simulated_gpus(spec(preset, work, noise, seed))
     optimizer = PowerLimitOptimizer(
-        candidates(gpu, kind),
+        list(settings),
         selector,
         num_gpus=1,
         seed=seed,
@@ -173,9 +210,19 @@ def search(
             continue
         time_s, energy_j = measure(gpu, window.measure_steps)
         optimizer.report(window, time_per_step_s=time_s, energy_per_step_j=energy_j)
-    chosen = optimizer.chosen_power_limit_w
-    assert chosen is not None
-    return chosen, optimizer.profiled_steps()
+    return optimizer
+
+
+def auto_choice(caps: PowerLimitOptimizer, locks: PowerLimitOptimizer) -> tuple[str, float]:
+    """``power_limit.knob: auto``'s choice: the selector's best among both knobs' measured
+    candidates (what the controller does once both profiles are complete)."""
+    index, best = select_across(
+        caps.selector,
+        [caps.choosable(), locks.choosable()],
+        max_power_limit_w=caps.max_power_limit_w,
+        num_gpus=caps.num_gpus,
+    )
+    return (POWER_LIMIT, LOCKED_CLOCK)[index].name, best.power_limit_w
 
 
 def objective(name: str, point: Point, max_power_w: float, bound_s: float | None) -> float:
@@ -217,42 +264,93 @@ def equal_speed_changes_pct(caps: Sequence[Point], locks: Sequence[Point]) -> li
 
 
 def workload_result(preset: str, work: Work, noise: float, seed: int) -> dict[str, Any]:
-    caps, locks = truth(preset, work, POWER_LIMIT), truth(preset, work, LOCKED_CLOCK)
     (gpu,) = simulated_gpus(spec(preset, work, 0.0, 0))
     max_power_w = gpu.power_limit_constraints_w()[1]
+    caps = truth(preset, work, POWER_LIMIT, candidates(gpu, POWER_LIMIT))
+    grid = candidates(gpu, LOCKED_CLOCK)
+    seeded = seeded_clocks(gpu, caps)
+    locks = truth(preset, work, LOCKED_CLOCK, seeded)
     by_kind = {POWER_LIMIT.name: caps, LOCKED_CLOCK.name: locks}
+    settings = {POWER_LIMIT.name: [p.setting for p in caps], LOCKED_CLOCK.name: grid}
     rows: dict[str, Any] = {}
     for name, (selector, bound_s) in selectors(caps).items():
+
+        def cost(point: Point, name: str = name, bound_s: float | None = bound_s) -> float:
+            return objective(name, point, max_power_w, bound_s)
+
         choices: dict[str, Choice] = {}
+        optimizers = {}
         for kind in (POWER_LIMIT, LOCKED_CLOCK):
             points = by_kind[kind.name]
-            chosen, steps = search(preset, work, kind, selector, noise, seed)
+            optimizer = search(preset, work, kind, settings[kind.name], selector, noise, seed)
+            optimizers[kind.name] = optimizer
+            chosen = optimizer.chosen_power_limit_w
             point = next(p for p in points if p.setting == chosen)
-            best = min(points, key=lambda p: objective(name, p, max_power_w, bound_s))
             choices[kind.name] = Choice(
-                chosen,
+                point.setting,
                 point.time_s,
                 point.energy_j,
-                steps,
-                ZEUS_STEPS_PER_CANDIDATE * len(points),
-                best.setting,
+                optimizer.profiled_steps(),
+                ZEUS_STEPS_PER_CANDIDATE * len(settings[kind.name]),
+                min(points, key=cost).setting,
             )
-        cost = {
-            k: objective(name, Point(c.setting, c.time_s, c.energy_j, None), max_power_w, bound_s)
-            for k, c in choices.items()
-        }
-        lock_cost, cap_cost = cost[LOCKED_CLOCK.name], cost[POWER_LIMIT.name]
+        # auto: the limits' profile, then locks seeded at the clocks the caps ran at.
+        seeded_locks = search(preset, work, LOCKED_CLOCK, seeded, selector, noise, seed)
+        knob, setting = auto_choice(optimizers[POWER_LIMIT.name], seeded_locks)
+        auto = next(p for p in by_kind[knob] if p.setting == setting)
+        lock_cost, cap_cost = (
+            cost(Point(c.setting, c.time_s, c.energy_j, None))
+            for c in (choices[LOCKED_CLOCK.name], choices[POWER_LIMIT.name])
+        )
+        auto_cost = cost(auto)
         rows[name] = {
             **{k: asdict(c) for k, c in choices.items()},
-            "lock_vs_cap_pct": 100.0 * (lock_cost / cap_cost - 1.0)
-            if cap_cost < float("inf") and lock_cost < float("inf")
-            else None,
-            "auto_ok": lock_cost <= cap_cost * (1.0 + TOLERANCE),
+            "auto": {
+                "knob": knob,
+                "setting": setting,
+                "time_s": auto.time_s,
+                "energy_j": auto.energy_j,
+                "steps": optimizers[POWER_LIMIT.name].profiled_steps()
+                + seeded_locks.profiled_steps(),
+            },
+            "lock_vs_cap_pct": _change_pct(lock_cost, cap_cost),
+            "auto_vs_cap_pct": _change_pct(auto_cost, cap_cost),
+            "auto_ok": auto_cost <= cap_cost * (1.0 + TOLERANCE),
         }
     return {
         "selectors": rows,
         "equal_speed_changes_pct": equal_speed_changes_pct(caps, locks),
         "average_clock_under_caps_mhz": {f"{p.setting:g}": p.sm_clock_mhz for p in caps},
+    }
+
+
+def _change_pct(cost: float, reference: float) -> float | None:
+    """``cost`` against ``reference``, per cent (None: either breaks its time bound)."""
+    if cost == float("inf") or reference == float("inf"):
+        return None
+    return 100.0 * (cost / reference - 1.0)
+
+
+def _stats(changes: Sequence[float]) -> dict[str, Any]:
+    """Median, mean, tails and count of energy changes, per cent."""
+    return {
+        "median_energy_change_pct": statistics.median(changes) if changes else None,
+        "mean_energy_change_pct": statistics.fmean(changes) if changes else None,
+        "min_energy_change_pct": min(changes, default=None),
+        "max_energy_change_pct": max(changes, default=None),
+        "n": len(changes),
+    }
+
+
+def measured(preset: str) -> dict[str, Any] | None:
+    """The measured data's own lock-vs-cap comparison at equal speed for ``preset``'s GPU
+    (None: no measured data for it)."""
+    if preset not in MEASURED:
+        return None
+    lock_suffix, gpu = MEASURED[preset]
+    return {
+        "data": f"Perseus artifact: locks {lock_suffix}, caps {gpu}",
+        **_stats(measured_lock_vs_cap_pct(lock_suffix, gpu)),
     }
 
 
@@ -262,45 +360,86 @@ def preset_result(preset: str, noise: float, seed: int) -> dict[str, Any]:
     }
     changes = [c for w in workloads.values() for c in w["equal_speed_changes_pct"]]
     rows = [r for w in workloads.values() for r in w["selectors"].values()]
+    simulated = _stats(changes)
+    data = measured(preset)
+    gap_pp = None
+    if data is not None and simulated["median_energy_change_pct"] is not None:
+        gap_pp = simulated["median_energy_change_pct"] - data["median_energy_change_pct"]
     return {
-        "median_energy_change_pct": statistics.median(changes) if changes else None,
-        "min_energy_change_pct": min(changes, default=None),
-        "max_energy_change_pct": max(changes, default=None),
+        **simulated,
         "auto_ok": sum(r["auto_ok"] for r in rows),
         "auto_rows": len(rows),
-        "measured": None,  # no measured lock-vs-cap data ships yet
+        "measured": data,
+        "gap_pp": gap_pp,
+        "gap_ok": None if gap_pp is None else abs(gap_pp) <= GAP_TARGET_PP,
         "workloads": workloads,
     }
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f} %"
+
+
+def _spread(stats: dict[str, Any]) -> str:
+    """Median, mean and tails of energy changes."""
+    return (
+        f"median {_pct(stats['median_energy_change_pct'])}, mean "
+        f"{_pct(stats['mean_energy_change_pct'])}, min {_pct(stats['min_energy_change_pct'])}, "
+        f"max {_pct(stats['max_energy_change_pct'])} (n={stats['n']})"
+    )
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Whether each target is met, per preset, in words."""
+    lines = []
+    for preset, result in results.items():
+        worse = [
+            f"{workload}/{name} {_pct(row['auto_vs_cap_pct'])}"
+            for workload, w in result["workloads"].items()
+            for name, row in w["selectors"].items()
+            if not row["auto_ok"]
+        ]
+        auto = "met" if not worse else f"NOT met ({', '.join(worse)})"
+        gap = result["gap_pp"]
+        measured_gap = (
+            "no measured data for this GPU"
+            if gap is None
+            else f"{gap:+.2f} pp: {'met' if result['gap_ok'] else 'NOT met'}"
+        )
+        lines.append(
+            f"{preset}: auto no worse than caps by > {100 * TOLERANCE:g} % in "
+            f"{result['auto_ok']}/{result['auto_rows']} pairs: {auto}; simulated vs measured "
+            f"median gap within {GAP_TARGET_PP:g} pp: {measured_gap}"
+        )
+    return lines
 
 
 def table(results: dict[str, Any]) -> str:
     lines = []
     for preset, result in results.items():
+        data = result["measured"]
+        lines.append(f"{preset}: lock vs cap at equal speed, SIMULATED: {_spread(result)}")
         lines.append(
-            f"{preset}: lock vs cap at equal speed: median "
-            f"{result['median_energy_change_pct']:+.2f} % (min "
-            f"{result['min_energy_change_pct']:+.2f} %, max "
-            f"{result['max_energy_change_pct']:+.2f} %); auto no worse than caps in "
-            f"{result['auto_ok']}/{result['auto_rows']} (workload, selector) pairs"
+            f"  measured: {'no data' if data is None else data['data'] + ': ' + _spread(data)}"
         )
         lines.append(
             f"  {'workload':14} {'selector':13} {'cap W':>6} {'cap J':>8} {'cap s':>6} "
-            f"{'lock MHz':>8} {'lock J':>8} {'lock s':>6} {'lock-cap':>8} "
-            f"{'steps cap/lock (sweeps)':>26}"
+            f"{'lock MHz':>8} {'lock J':>8} {'lock s':>6} {'lock-cap':>9} {'auto':>11} "
+            f"{'auto-cap':>9} {'steps cap/lock (sweeps)':>26}"
         )
         for workload, w in result["workloads"].items():
             for name, row in w["selectors"].items():
-                cap, lock = row[POWER_LIMIT.name], row[LOCKED_CLOCK.name]
-                delta = row["lock_vs_cap_pct"]
+                cap, lock, auto = row[POWER_LIMIT.name], row[LOCKED_CLOCK.name], row["auto"]
+                unit = "W" if auto["knob"] == POWER_LIMIT.name else "MHz"
                 lines.append(
                     f"  {workload:14} {name:13} {cap['setting']:6.0f} {cap['energy_j']:8.1f} "
                     f"{cap['time_s']:6.3f} {lock['setting']:8.0f} {lock['energy_j']:8.1f} "
-                    f"{lock['time_s']:6.3f} "
-                    f"{'-' if delta is None else f'{delta:+.2f}%':>8} "
+                    f"{lock['time_s']:6.3f} {_pct(row['lock_vs_cap_pct']):>9} "
+                    f"{auto['setting']:7.0f} {unit:3} {_pct(row['auto_vs_cap_pct']):>9} "
                     f"{cap['steps']:>5}/{lock['steps']:<5} ({cap['sweep_steps']}/"
                     f"{lock['sweep_steps']})"
                 )
-    return "\n".join(lines)
+    return "\n".join([*lines, "targets:", *targets(results)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         json.dump(results, sys.stdout, indent=1)
         print()
+        print("\n".join(targets(results)), file=sys.stderr)
     else:
         print(table(results))
     return 0

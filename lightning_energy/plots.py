@@ -274,13 +274,18 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     fig = Figure(figsize=(8, 6), layout="constrained")
     ax = fig.subplots()
     clocks = report.get("summary", {}).get("knob") == "locked_clock"
-    knob = "locked clocks" if clocks else "power limits"
+    units = {profile_setting(m)[1] for m in profile}
+    knob = (
+        "power limits and locked clocks"
+        if len(units) > 1
+        else ("locked clocks" if clocks else "power limits")
+    )
     fig.suptitle(f"Measured energy-time frontier of {knob}: {_gpu_label(report)}")
     if not profile:
         _empty(ax, "no profile was measured\n(observe-only, or profiling disabled)")
         return _save(fig, Path(path))
-    limits = [profile_setting(m)[0] for m in profile]
-    unit = profile_setting(profile[0])[1]
+    settings = [profile_setting(m) for m in profile]
+    unit = "MHz" if clocks else "W"
     times = [float(m["time_per_step_s"]) for m in profile]
     energies = [float(m["energy_per_step_j"]) for m in profile]
     kilo = max(energies) >= 10_000
@@ -288,11 +293,11 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     ax.scatter(
         times, np.array(energies) / e_div, color=_COLORS["limit"], zorder=3, label="measured"
     )
-    for m, p, t, e in zip(profile, limits, times, energies, strict=True):
+    for m, (p, u), t, e in zip(profile, settings, times, energies, strict=True):
         clock = m.get("sm_clock_mhz")
         ran_at = f", ran at {clock:.0f} MHz" if clock is not None and clock != p else ""
         ax.annotate(
-            f"{p:.0f} {unit}{ran_at}{', throttled' if m.get('throttled') else ''}",
+            f"{p:.0f} {u}{ran_at}{', throttled' if m.get('throttled') else ''}",
             (t, e / e_div),
             textcoords="offset points",
             xytext=(6, 4),
@@ -306,7 +311,8 @@ def plot_frontier(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
         alpha=0.5,
         label="frontier (no point is both faster and cheaper)",
     )
-    by_limit = dict(zip(limits, zip(times, energies, strict=True), strict=True))
+    points = dict(zip(settings, zip(times, energies, strict=True), strict=True))
+    by_limit = {p: te for (p, u), te in points.items() if u == unit}
     chosen = [p for p in chosen_power_limits_w(report) if p in by_limit]
     selector = report.get("config", {}).get("power_limit", {}).get("selector", "selector")
     if chosen:

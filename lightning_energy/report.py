@@ -265,6 +265,7 @@ _ITEM_FIELDS: dict[str, dict[str, str]] = {
             "energy_j",
             "power_w",
             "power_limit_w",
+            "locked_clock_mhz",
             "intensity_g_per_kwh",
             "emissions_g",
             "scale",

@@ -57,6 +57,8 @@ class PacedRun(ControllerRun, Protocol):
 
     def paced_knob(self) -> Knob: ...
 
+    def current_locked_clock_mhz(self) -> float | None: ...
+
 
 class CarbonPacing:
     """The carbon pace and pauses of one run (every rank; rank 0 polls the grid).
@@ -204,7 +206,9 @@ class CarbonPacing:
                     select.select([waiter], [], [], wait_s)
                 # Each polling period of the pause is an interval of its own (no steps), so
                 # its idle energy is counted at the intensity of that period.
-                m: Measurement | None = ledger.next_interval(limits.power_limit_w)
+                m: Measurement | None = ledger.next_interval(
+                    limits.power_limit_w, run.current_locked_clock_mhz()
+                )
                 if m is not None:
                     idle_j, idle_s = idle_j + m.energy_j, idle_s + m.duration_s
                 if idle_s > 0:  # job-wide idle power, as every measuring rank idles alike

@@ -234,9 +234,10 @@ class EnergyController:
 
     @property
     def setting(self) -> SettingKnob:
-        """The built-in knob this run profiles: the locked clock where it is active, else
-        the power limit."""
-        return self.locked_clock if self.locked_clock.active else self.power_limit
+        """The built-in knob driving the GPUs now: the locked clock where it is in charge
+        (active, and under ``auto`` once the power limits are profiled, unless they measured
+        better), else the power limit."""
+        return self.locked_clock if self.locked_clock.in_charge else self.power_limit
 
     @property
     def knobs(self) -> list[Knob]:
@@ -463,7 +464,11 @@ class EnergyController:
         except Exception as exc:  # e.g. a sticky CUDA error: the GPUs are restored already
             ledger.fail(exc)
         else:
-            ledger.close(limits.power_limit_w, stop_clock=self._devices is not None)
+            ledger.close(
+                limits.power_limit_w,
+                self.current_locked_clock_mhz(),
+                stop_clock=self._devices is not None,
+            )
         ledger.close_node()
         profile = setting.profile_by_limit()
         world_size = self.collective.world_size
@@ -508,13 +513,22 @@ class EnergyController:
         Adapters build the key with
         :func:`~lightning_energy.integrations.adapter.workload_key`.
         """
-        self.setting.set_workload(key)
+        clocks = self.locked_clock
+        if not (clocks.active and clocks.after_limits):
+            self.setting.set_workload(key)
+            return
+        # auto: both knobs follow the workload; the one in charge for it applies its choice.
+        self.power_limit.set_workload(key, reuse=False)
+        clocks.set_workload(key, reuse=False)
+        clocks.hand_over()
+        self.setting.reuse_known_choice()
 
     def _step_start(self) -> None:
         if not self._is_setup:
             if self._torn_down:
                 return
             self.setup()
+        self.locked_clock.hand_over()
         self.setting.step_start()
 
     def _step_end(self) -> None:
@@ -527,7 +541,9 @@ class EnergyController:
         self._ledger.count_step()
         self.setting.step_end()
         if self._ledger.interval_complete:  # closing the profile may have closed it
-            self._ledger.next_interval(self.power_limit.power_limit_w)
+            self._ledger.next_interval(
+                self.power_limit.power_limit_w, self.current_locked_clock_mhz()
+            )
             if self._pacing is not None:
                 self._pacing.pace()
 
@@ -562,6 +578,11 @@ class EnergyController:
     def current_power_limit_w(self) -> float | None:
         """The limit this controller applied last (None: none applied yet)."""
         return self.power_limit.power_limit_w
+
+    def current_locked_clock_mhz(self) -> float | None:
+        """The SM clock this controller's locked-clock knob holds locked (None: none)."""
+        clocks = self.locked_clock
+        return clocks.value if clocks.active else None
 
     @property
     def profile_done(self) -> bool:
@@ -604,7 +625,11 @@ class EnergyController:
         return self._ledger.job
 
     def profile(self) -> list[dict[str, float]]:
-        """The measured power-limit profile of the current workload (job-wide numbers)."""
+        """The measured profile of the current workload (job-wide numbers): the setting
+        knob's, or under ``auto`` both knobs' (power limits first)."""
+        clocks = self.locked_clock
+        if clocks.active and clocks.after_limits:
+            return [*self.power_limit.profile(), *clocks.profile()]
         return self.setting.profile()
 
     def gather_job_totals(self) -> dict[str, Any]:
@@ -647,8 +672,13 @@ class EnergyController:
         """
         check_resumable(state, self.devices.gpus)
         self._ledger.resume(int(state.get("steps", 0)), float(state.get("energy_j", 0.0)))
-        running = self._is_setup
-        self.power_limit.load_state_dict(state, running=running and not self.locked_clock.active)
-        self.locked_clock.load_state_dict(
-            state.get(LockedClockKnob.name, {}), running=running and self.locked_clock.active
-        )
+        self.power_limit.load_state_dict(state, running=False)
+        self.locked_clock.load_state_dict(state.get(LockedClockKnob.name, {}), running=False)
+        if self._is_setup:
+            # Both profiles are read back before the one in charge is known (under auto
+            # the choice is made among both).
+            for knob in (self.power_limit, self.locked_clock):
+                if knob.enabled:
+                    knob.session.optimizer()
+            self.locked_clock.hand_over()
+            self.setting.resume_choice()

@@ -147,17 +147,22 @@ class RunLedger:
         """Open the logging interval."""
         self.readings.begin(INTERVAL)
 
-    def next_interval(self, power_limit_w: float | None) -> Measurement | None:
+    def next_interval(
+        self, power_limit_w: float | None, locked_clock_mhz: float | None
+    ) -> Measurement | None:
         """Close the logging interval and open the next one."""
-        m = self.close_interval(power_limit_w)
+        m = self.close_interval(power_limit_w, locked_clock_mhz)
         self.begin_interval()
         return m
 
-    def close_interval(self, power_limit_w: float | None) -> Measurement | None:
+    def close_interval(
+        self, power_limit_w: float | None, locked_clock_mhz: float | None
+    ) -> Measurement | None:
         """Close the logging interval: metrics, timeline and carbon accounting.
 
         Args:
             power_limit_w: the limit in force (None: none applied).
+            locked_clock_mhz: the SM clock this job locked, in force (None: none).
 
         Returns:
             The interval's measurement; None when the readings failed (its numbers are
@@ -180,6 +185,7 @@ class RunLedger:
             else self.metrics.get("energy/step_j", 0.0),
             "energy/power_w": m.average_power_w,
             "energy/power_limit_w": float(power_limit_w or 0.0),
+            "energy/locked_clock_mhz": float(locked_clock_mhz or 0.0),
             "energy/total_j": self.energy_before_resume_j + self.energy_j,
         }
         entry: dict[str, Any] = {
@@ -190,6 +196,7 @@ class RunLedger:
             "energy_j": m.energy_j,
             "power_w": m.average_power_w,
             "power_limit_w": power_limit_w,
+            "locked_clock_mhz": locked_clock_mhz,
         }
         if self.intensity is not None:
             entry.update(self._account_carbon(m.energy_j))
@@ -264,7 +271,9 @@ class RunLedger:
             "scale": self.scale,
         }
 
-    def start_baselines(self, power_limit_w: float | None, now: datetime) -> None:
+    def start_baselines(
+        self, power_limit_w: float | None, locked_clock_mhz: float | None, now: datetime
+    ) -> None:
         """The profile is complete: measure the steps that run at its choice from here.
 
         The logging interval closes here, so the grams before the carbon baselines are
@@ -272,10 +281,11 @@ class RunLedger:
 
         Args:
             power_limit_w: the limit in force until the choice applies.
+            locked_clock_mhz: the lock in force until the choice applies (None: none).
             now: the job's current time.
         """
         if self.readings.is_open(INTERVAL):
-            self.next_interval(power_limit_w)
+            self.next_interval(power_limit_w, locked_clock_mhz)
         self.profile_end = (now, self.step, self.emissions_g)
         self.readings.cancel(AFTER_PROFILE)
         self.readings.begin(AFTER_PROFILE)
@@ -334,7 +344,9 @@ class RunLedger:
         return carbon
 
     # ------------------------------------------------------------------ end
-    def close(self, power_limit_w: float | None, *, stop_clock: bool) -> None:
+    def close(
+        self, power_limit_w: float | None, locked_clock_mhz: float | None, *, stop_clock: bool
+    ) -> None:
         """Close the open windows (what can still be read) and stop the run's clock.
 
         A failed reading (e.g. a sticky CUDA error) is recorded, not raised: the GPUs are
@@ -342,12 +354,13 @@ class RunLedger:
 
         Args:
             power_limit_w: the limit in force.
+            locked_clock_mhz: the lock in force (None: none).
             stop_clock: whether the devices are there to read the end time from.
         """
         try:
             self.after_profile = self.readings.end(AFTER_PROFILE)
             if self.readings.is_open(INTERVAL):
-                self.close_interval(power_limit_w)
+                self.close_interval(power_limit_w, locked_clock_mhz)
             if stop_clock:
                 self.end_s = self._clock()
         except Exception as exc:

@@ -12,7 +12,11 @@ says which of the two a job profiles:
 - ``locked_clock``: locked clocks; where this job may not lock them (no permission, a GPU
   older than Volta, an administrator's lock), a warning and power limits (strict mode: a
   :class:`~lightning_energy.errors.ConfigError`);
-- ``auto``: locked clocks where this job may lock them, else power limits.
+- ``auto``: where this job may lock clocks, both, measured against each other: power
+  limits first (the average SM clock each limit runs at is read meanwhile), then locked
+  clocks seeded at those clocks; the selector then chooses among every candidate of
+  either knob (:func:`~lightning_energy.optimize.selectors.select_across`), so the lock is
+  used only where it measured better. Elsewhere power limits.
 
 With a lock the power limit stays at its pre-job value. Every lock goes through the run's
 guard: it is released at the end (an administrator's lock found before is never replaced
@@ -27,9 +31,11 @@ from typing import TYPE_CHECKING
 
 from lightning_energy.controller.setting_knob import SettingKnob, SettingRun
 from lightning_energy.errors import ConfigError, DeviceError
-from lightning_energy.optimize.power_limit import LOCKED_CLOCK
+from lightning_energy.optimize.power_limit import LOCKED_CLOCK, POWER_LIMIT
+from lightning_energy.optimize.selectors import select_across
 
 if TYPE_CHECKING:
+    from lightning_energy.controller.power_limits import PowerLimitKnob
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer
 
@@ -79,16 +85,20 @@ class LockedClockKnob(SettingKnob):
     Attributes:
         active: this job profiles locked clocks (decided at setup and at the first lock,
             alike on every rank).
+        after_limits: ``auto``: power limits are profiled first and the choice is made
+            among the candidates of both knobs.
     """
 
     name = "locked_clock"
     holds_clocks = True
 
-    def __init__(self, run: SettingRun, limits: SettingKnob) -> None:
+    def __init__(self, run: SettingRun, limits: PowerLimitKnob) -> None:
         super().__init__(run, LOCKED_CLOCK)
         self.limits = limits
         self.active = False
-        self._confirmed = False  # the first lock of the run was made (or refused)
+        self.after_limits = False
+        # Under ``auto``, by workload: the knob whose candidate the selector chose.
+        self._winners: dict[str, str] = {}
 
     @property
     def enabled(self) -> bool:
@@ -98,15 +108,15 @@ class LockedClockKnob(SettingKnob):
     def start(self, guard: GPUGuard) -> None:
         """At setup: whether this job may lock its clocks (``power_limit.knob``, every GPU
         lists supported clocks), decided alike on every rank (a rank that may not makes
-        every rank use power limits). Whether the GPUs accept a lock is known at the first
-        lock, after the warm-up: see :meth:`_apply_window`.
+        every rank use power limits). Whether the GPUs accept a lock is known at each lock,
+        the first after the warm-up: see :meth:`_apply`.
 
         Raises:
             ConfigError: strict mode, ``locked_clock`` is forced and may not be used.
         """
         section = self.run.config.power_limit
-        self.active = False
-        self._confirmed = False
+        self.active = self.limits.compared = False
+        self.after_limits = section.knob == "auto"
         if section.knob == "power_limit" or not section.enabled:
             return
         if self.profiling_off is not None:
@@ -116,6 +126,94 @@ class LockedClockKnob(SettingKnob):
             return
         self.active = self.run.changes_settings()
         self._agree(None if guard.observe_only else self._refusal())
+        self.limits.compared = self.active and self.after_limits
+
+    @property
+    def in_charge(self) -> bool:
+        """Whether this knob drives the GPUs now: it is active and, under ``auto``, the
+        workload's power limits are profiled and its locks were not measured worse."""
+        if not self.active:
+            return False
+        if not self.after_limits:
+            return True
+        if not self.limits.profile_done:
+            return False
+        return not self.profile_done or self._winner() == self.name
+
+    def hand_over(self) -> None:
+        """Under ``auto``, at a step's start: only the knob in charge holds a setting (a
+        lock is released while power limits are profiled or chosen; locks run at the
+        highest power limit)."""
+        if not (self.active and self.after_limits):
+            return
+        if self.in_charge:
+            self.limits.restore_highest("locked clocks run at the highest power limit")
+        elif self.value is not None:
+            self.discard_window("power limits drive the GPUs")
+            self._guard.reset_clocks()
+            self.value = None
+
+    def _winner(self) -> str:
+        """The knob chosen for the current workload (both profiles are complete)."""
+        workload = self.session.workload
+        if workload not in self._winners:  # a profile resumed from a checkpoint
+            self._winners[workload] = self._compare()[0]
+        return self._winners[workload]
+
+    def _compare(self) -> tuple[str, float]:
+        """The selector's choice among both knobs' measured candidates (throttled locks
+        left out): ``(knob, setting)``. The profiles are job-wide sums, alike on every rank."""
+        limits = self.limits.session.optimizer()
+        clocks = self.session.optimizer()
+        index, best = select_across(
+            self.session.selector,
+            [limits.choosable(), clocks.choosable()],
+            max_power_limit_w=limits.max_power_limit_w,
+            num_gpus=limits.num_gpus,
+        )
+        return (POWER_LIMIT, LOCKED_CLOCK)[index].name, best.power_limit_w
+
+    def _finish_profile(self) -> None:
+        """Under ``auto``: apply the best candidate of either knob (rank 0's comparison,
+        alike on every rank), saying which won and by how much."""
+        if not self.after_limits:
+            super()._finish_profile()
+            return
+        knob, value = self.run.collective.broadcast(self._compare())
+        self._winners[self.session.workload] = knob
+        limits_best = self.limits.static_value
+        clocks = self.session.profile_by_limit()
+        own = self.session.optimizer().chosen_power_limit_w
+        selector = self.session.selector.describe()
+        measured = self.limits.session.profile_by_limit()
+        if limits_best in measured and own in clocks:
+            assert limits_best is not None and own is not None
+            (t_l, e_l), (t_c, e_c) = measured[limits_best], clocks[own]
+            versus = (
+                f"locked clock {LOCKED_CLOCK.label(own)} measured {100.0 * (e_c / e_l - 1.0):+.1f} "
+                f"% energy and {100.0 * (t_c / t_l - 1.0):+.1f} % time per step against power "
+                f"limit {POWER_LIMIT.label(limits_best)}"
+            )
+        else:
+            versus = "no power limit was chosen to compare with"
+        if self.run.collective.rank == 0:
+            log.info(
+                "power_limit.knob auto: the %s selector chose %s %s among power limits and "
+                "locked clocks (%s).",
+                selector,
+                knob.replace("_", " "),
+                (LOCKED_CLOCK if knob == self.name else POWER_LIMIT).label(value),
+                versus,
+            )
+        reason = f"profile complete; selector {selector}; auto chose {knob.replace('_', ' ')}"
+        if knob == self.name:
+            self.use_choice(value, reason)
+            return
+        self.discard_window("power limits won")
+        if self.value is not None:
+            self._guard.reset_clocks()
+            self.value = None
+        self.limits.use_choice(value, reason)
 
     def _agree(self, refused: str | None) -> None:
         """Every rank alike: fall back to power limits when ``refused`` on some rank."""
@@ -148,6 +246,7 @@ class LockedClockKnob(SettingKnob):
         if not self.active:
             return
         self.active = False
+        self.limits.compared = False
         self.discard_window(reason)
         guard = self.run.run_guard
         if guard is not None and self.value is not None:
@@ -192,17 +291,22 @@ class LockedClockKnob(SettingKnob):
         )
 
     def _apply_window(self, value: float, purpose: str) -> None:
-        """The warm-up runs unlocked (at the top clock, as a lock there would). The first
-        lock after it tells whether the GPUs accept one (no permission, not supported, an
-        administrator's lock found in the warm-up): where a rank's do not, every rank
-        profiles power limits from here on."""
-        if purpose == "warmup":
+        """The warm-up runs unlocked (at the top clock, as a lock there would)."""
+        if purpose != "warmup":
+            super()._apply_window(value, purpose)
+
+    def _apply(self, value: float | None, reason: str, purpose: str = "choice") -> None:
+        """Lock ``value``, then learn whether the GPUs accepted it: where a rank's refused
+        (no permission, not supported, an administrator's lock found in the warm-up), at
+        the first lock or any later one, every rank falls back to power limits from here
+        on, and applies their choice where they were profiled already (``auto``)."""
+        super()._apply(value, reason, purpose)
+        if value is None or not self.active:
             return
-        super()._apply_window(value, purpose)
-        if not self._confirmed:
-            self._confirmed = True
-            guard = self._guard
-            self._agree(None if guard.observe_only else guard.clocks_off_reason)
+        guard = self._guard
+        self._agree(None if guard.observe_only else guard.clocks_off_reason)
+        if not self.active:
+            self.limits.reuse_known_choice()
 
     def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
         """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM

@@ -155,6 +155,13 @@ class PowerLimitKnob(SettingKnob):
         enforced = [] if self._enforced_limit_w is None else [self._enforced_limit_w]
         return max(los), min(*his, *pre, *enforced)
 
+    def restore_highest(self, reason: str) -> None:
+        """Back to the highest limit this job may set (its pre-job limit, or a board
+        limiter's), when a lower limit of this run is applied."""
+        highest_w = self.limit_range()[1]
+        if self.value is not None and self.value != highest_w:
+            self._apply(highest_w, reason, purpose="profile")
+
     def _change(self, value: float) -> float | None:
         return self._guard.set_power_limit_w(value)
 

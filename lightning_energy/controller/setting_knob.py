@@ -12,8 +12,8 @@ selector's choice, and moves the setting when the carbon pace asks for a slower 
 step. Every change goes through the run's guard and is recorded in its ledger. What was
 learnt about workloads is kept across runs and in checkpoints.
 
-A job profiles one of them (``power_limit.knob``: see
-:meth:`~lightning_energy.controller.locked_clock.LockedClockKnob.start`).
+A job profiles one of them, or under ``auto`` both, one after the other
+(``power_limit.knob``: see :meth:`~lightning_energy.controller.locked_clock.LockedClockKnob.start`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class SettingRun(ControllerRun, Protocol):
 
     def current_power_limit_w(self) -> float | None: ...
 
+    def current_locked_clock_mhz(self) -> float | None: ...
+
     def clock(self) -> float: ...
 
 
@@ -77,6 +79,8 @@ class SettingKnob(ABC):
     Attributes:
         profiling_off: why profiling is off in this run although the knob is on (a knob
             holding the clocks is registered); None: it is on.
+        compared: under ``auto``, another knob is profiled after this one and the choice is
+            made among both: this knob's profile ends without applying its own choice.
         value: the setting applied last in this run (None: none yet).
         static_value: the profile's choice in this run (None: none yet).
     """
@@ -92,6 +96,7 @@ class SettingKnob(ABC):
             section.make_selector(), self._new_optimizer, settle_s=section.settle_s
         )
         self.profiling_off: str | None = None
+        self.compared = False
         # SM clocks read at measured steps' ends, by (workload, setting): reports show the
         # average clock each setting ran at.
         self._clocks_mhz: dict[tuple[str, float], list[float]] = {}
@@ -155,7 +160,7 @@ class SettingKnob(ABC):
         """A workload profiled by an earlier run (or a checkpoint) gets its choice at once."""
         chosen = self.session.known_choice()
         if chosen is not None:
-            self._use_profile(chosen, f"reuse profile of workload {self.session.workload}")
+            self.use_choice(chosen, f"reuse profile of workload {self.session.workload}")
 
     # ------------------------------------------------------------------ steps
     def profiles(self) -> bool:
@@ -319,7 +324,7 @@ class SettingKnob(ABC):
             (t, e), (t_top, e_top) = profile[chosen], profile[top_w]
             log.info(
                 "%s profile complete after %d steps: %s chosen by the %s selector "
-                "(%.1f %% less energy and %+.1f %% time per step than %s)",
+                "(%.1f %% less energy and %+.1f %% time per step than %s)%s",
                 self.kind.name.replace("_", "-"),
                 self.run.ledger.step,
                 self.kind.label(chosen),
@@ -327,13 +332,21 @@ class SettingKnob(ABC):
                 100.0 * (1.0 - e / e_top),
                 100.0 * (t / t_top - 1.0),
                 self.kind.label(top_w),
+                "; not applied: the choice among both knobs follows" if self.compared else "",
             )
-        self._use_profile(chosen, f"profile complete; selector {selector}")
+        if self.compared:
+            self.static_value = chosen  # applied only if it wins (see ``compared``)
+        else:
+            self.use_choice(chosen, f"profile complete; selector {selector}")
 
-    def _use_profile(self, chosen: float | None, reason: str) -> None:
-        """Apply the profile's choice and start measuring the steps that run at it."""
+    def use_choice(self, chosen: float | None, reason: str) -> None:
+        """Apply the profile's choice (``chosen``, None: none) and start measuring the steps
+        that run at it."""
         self.static_value = chosen
-        self.run.ledger.start_baselines(self.run.current_power_limit_w(), self.run.now())
+        run = self.run
+        run.ledger.start_baselines(
+            run.current_power_limit_w(), run.current_locked_clock_mhz(), run.now()
+        )
         self._apply(chosen, reason)
 
     def _apply_window(self, value: float, purpose: str) -> None:
@@ -366,15 +379,16 @@ class SettingKnob(ABC):
         return applied
 
     # ------------------------------------------------------------------ workloads
-    def set_workload(self, key: str) -> None:
+    def set_workload(self, key: str, *, reuse: bool = True) -> None:
         """A new key starts a new profile (or resumes the one saved for it); returning to a
-        known key reuses its choice."""
+        known key reuses its choice (unless not ``reuse``: the caller applies it)."""
         if key == self.session.workload:
             return
         self.discard_window("workload change")
         self.session.workload = key
         self.run.ledger.forget_baselines()
-        self.reuse_known_choice()
+        if reuse:
+            self.reuse_known_choice()
 
     # ------------------------------------------------------------------ carbon pace
     def pace_frontier(self) -> list[tuple[float, float, str]]:
@@ -446,18 +460,34 @@ class SettingKnob(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Every workload's profile, and the current workload."""
-        return {"workload": self.session.workload, "optimizers": self.session.state_dict()}
+        """Every workload's profile, the average SM clock each measured setting ran at (the
+        locked clocks' candidates under ``auto``), and the current workload."""
+        return {
+            "workload": self.session.workload,
+            "optimizers": self.session.state_dict(),
+            "sm_clocks_mhz": [
+                [workload, setting, math.fsum(clocks) / len(clocks)]
+                for (workload, setting), clocks in self._clocks_mhz.items()
+                if clocks
+            ],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], *, running: bool) -> None:
         """Resume the profiles and the current workload; a complete one applies its
         choice at once when a run is set up."""
         self.discard_window("checkpoint restore")
+        for workload, setting, clock_mhz in state.get("sm_clocks_mhz", []):
+            self._clocks_mhz[(str(workload), float(setting))] = [float(clock_mhz)]
         self.session.load_state_dict(
             state.get("optimizers", {}), str(state.get("workload", "default"))
         )
         if running:
-            self.session.optimizer()
-            chosen = self.session.known_choice()
-            if chosen is not None:
-                self._use_profile(chosen, "resumed from checkpoint")
+            self.resume_choice()
+
+    def resume_choice(self) -> None:
+        """In a run set up: apply the current workload's choice restored from a checkpoint
+        (none when its profile is not complete)."""
+        self.session.optimizer()
+        chosen = self.session.known_choice()
+        if chosen is not None:
+            self.use_choice(chosen, "resumed from checkpoint")

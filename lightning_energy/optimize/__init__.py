@@ -39,6 +39,7 @@ from lightning_energy.optimize.selectors import (
     TargetTimeSelector,
     TimeSelector,
     make_selector,
+    select_across,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ __all__ = [
     "best_choice",
     "make_selector",
     "pruning_state",
+    "select_across",
     "thompson_choice",
     "zeus_cost",
 ]

@@ -359,6 +359,16 @@ class PowerLimitOptimizer:
         return self._limits
 
     @property
+    def max_power_limit_w(self) -> float:
+        """The GPU's highest power limit (``P_max`` of the Zeus cost)."""
+        return self._max_power_limit_w
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the whole job."""
+        return self._num_gpus
+
+    @property
     def min_window_duration_s(self) -> float:
         """Seconds every measured window lasts at least (see :func:`min_window_s`)."""
         return self._min_window_s
@@ -509,7 +519,7 @@ class PowerLimitOptimizer:
         """The settings never chosen (see :meth:`exclude`)."""
         return frozenset(self._excluded)
 
-    def _choosable(self) -> list[Measurement]:
+    def choosable(self) -> list[Measurement]:
         """The measured settings a choice is made among (the excluded left out)."""
         profile = self.profile()
         return [m for m in profile if m.power_limit_w not in self._excluded] or profile
@@ -713,7 +723,7 @@ class PowerLimitOptimizer:
     def _posterior(self) -> _Posterior | None:
         """Per-limit means and the pooled noise of the choosable limits; None before any
         measurement."""
-        profile = self._choosable()
+        profile = self.choosable()
         if not profile:
             return None
         by_limit = {m.power_limit_w: m for m in profile}
@@ -775,7 +785,7 @@ class PowerLimitOptimizer:
         Ties go to the selector's choice on the means, then to the higher limit.
         """
         bad = (self._gaps(posterior, draws, posterior.steps) > self._tolerance).sum(axis=0)
-        profile = self._choosable()
+        profile = self.choosable()
         on_means = self._selector.select(
             profile, max_power_limit_w=self._max_power_limit_w, num_gpus=self._num_gpus
         )

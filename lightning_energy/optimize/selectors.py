@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -62,6 +62,7 @@ __all__ = [
     "TargetTimeSelector",
     "TimeSelector",
     "make_selector",
+    "select_across",
 ]
 
 SELECTOR_NAMES: tuple[str, ...] = ("energy", "time", "cost", "max_slowdown", "target_time")
@@ -460,3 +461,49 @@ def make_selector(
     if name == "target_time" and target_time_s is not None:
         return TargetTimeSelector(target_time_s=float(target_time_s))
     return TimeSelector() if name == "time" else EnergySelector()
+
+
+def select_across(
+    selector: Selector,
+    profiles: Sequence[Sequence[Measurement]],
+    *,
+    max_power_limit_w: float,
+    num_gpus: int,
+) -> tuple[int, Measurement]:
+    """The best measurement of several knobs' profiles together (e.g. power limits and
+    locked clocks), and which profile it is from.
+
+    The first profile is the reference: ``max_slowdown`` bounds time by its highest
+    setting (the GPU as it was before the job, for power limits). Settings of different
+    knobs are not comparable (watts, megahertz), so each measurement is judged by its time
+    and energy alone.
+
+    Args:
+        selector: the goal.
+        profiles: one profile per knob, the reference first; each measurement's
+            ``power_limit_w`` is that knob's setting.
+        max_power_limit_w: the GPU's highest power limit (``P_max`` of the Zeus cost).
+        num_gpus: GPUs of the whole job.
+
+    Returns:
+        ``(index of the profile, its measurement)``.
+
+    Raises:
+        ProfileError: the reference profile is empty.
+
+    Example:
+        >>> limits = [Measurement(300.0, 0.100, 25.0, 40), Measurement(250.0, 0.104, 22.0, 40)]
+        >>> clocks = [Measurement(1410.0, 0.100, 24.0, 40), Measurement(1200.0, 0.103, 20.0, 40)]
+        >>> select_across(make_selector("energy"), [limits, clocks],
+        ...               max_power_limit_w=300.0, num_gpus=1)[1].power_limit_w
+        1200.0
+    """
+    if not profiles or not profiles[0]:
+        raise ProfileError("cannot select across knobs without a measured reference profile")
+    # Rank keys stand for the settings: the reference's highest setting ranks highest.
+    others = [(k, m) for k, profile in enumerate(profiles[1:], 1) for m in profile]
+    reference = sorted(((0, m) for m in profiles[0]), key=lambda km: km[1].power_limit_w)
+    ranked = others + reference
+    surrogate = [replace(m, power_limit_w=float(i + 1)) for i, (_, m) in enumerate(ranked)]
+    best = selector.select(surrogate, max_power_limit_w=max_power_limit_w, num_gpus=num_gpus)
+    return ranked[next(i for i, m in enumerate(surrogate) if m is best)]

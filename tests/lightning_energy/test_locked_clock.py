@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from lightning_energy.controller import EnergyController
 from lightning_energy.controller.locked_clock import thin_clocks_mhz
 from lightning_energy.device import NVMLGPU, DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import recover
+from lightning_energy.device.simulated import Phase
 from lightning_energy.errors import ConfigError
-from lightning_energy.optimize.selectors import make_selector
+from lightning_energy.optimize.selectors import Measurement, make_selector, select_across
 
 PRE_JOB_W = 400.0  # the simulated A100's default limit
 WORKER = Path(__file__).with_name("clock_worker.py")
@@ -33,6 +35,14 @@ SELECTORS: dict[str, dict[str, Any]] = {
     "cost": {"eta": 0.5},
     "max_slowdown": {"max_slowdown": 1.1},
     "target_time": {"target_time_s": 0.6},
+}
+
+# Phased work: under a cap the governor's clock follows the phases, and a lock at the same
+# average clock saves energy. Compute-bound work of one phase: cap and lock settle at the
+# same clock, and on a coarse clock grid the limit lands nearer the optimum.
+AUTO_MODELS: dict[str, tuple[tuple[Phase, ...], float, str]] = {
+    "phased": ((Phase(0.6, 0.95), Phase(0.4, 0.15)), 150, "locked_clock"),
+    "one phase, coarse clocks": ((Phase(1.0, 0.9),), 400, "power_limit"),
 }
 
 
@@ -130,14 +140,21 @@ def test_the_knob_profiles_locked_clocks_and_chooses_by_the_selector(
     assert (summary.knob, summary.locked_clock_mhz) == ("locked_clock", chosen)
 
 
-def test_the_lock_is_restored_when_training_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("knob", ["locked_clock", "auto"])
+def test_the_lock_is_restored_when_training_raises(tmp_path: Path, knob: str) -> None:
     devices = _devices()
-    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    controller = EnergyController(
+        _config(tmp_path, knob=knob, power_limits_w=[400, 300]),
+        devices=devices,
+        install_signal_handlers=False,
+    )
     with pytest.raises(RuntimeError, match="training failed"):
         try:
-            for _ in range(40):
+            for _ in range(400):
                 controller.on_step_start()
                 controller.on_step_end()
+                if _sim(devices).settings()[1] is not None:
+                    break
             assert _sim(devices).settings()[1] is not None
             raise RuntimeError("training failed")
         finally:
@@ -163,6 +180,41 @@ def test_a_checkpoint_resumes_the_chosen_lock_without_profiling(tmp_path: Path) 
     resumed.on_step_start()
     resumed.on_step_end()
     assert [d["purpose"] for d in resumed.decisions] == ["choice"]
+    resumed.teardown()
+    assert _sim(devices).settings() == (PRE_JOB_W, None)
+
+
+@pytest.mark.parametrize("model", sorted(AUTO_MODELS))
+def test_a_checkpoint_resumes_auto_s_choice_without_profiling(tmp_path: Path, model: str) -> None:
+    phases, clock_step_mhz, winner = AUTO_MODELS[model]
+    config = _config(
+        tmp_path,
+        knob="auto",
+        selector="energy",
+        clock_step_mhz=clock_step_mhz,
+        power_limits_w=[400, 350, 300, 250, 200, 150],
+    )
+    controller = EnergyController(
+        config, devices=_devices(step_phases=phases), install_signal_handlers=False
+    )
+    _profile(controller)
+    chosen = (controller.setting.name, controller.setting.value)
+    assert chosen[0] == winner
+    state = json.loads(json.dumps(controller.state_dict()))
+    controller.teardown()
+
+    devices = _devices(step_phases=phases)
+    resumed = EnergyController(config, devices=devices, install_signal_handlers=False)
+    resumed.setup()
+    resumed.load_state_dict(state)
+    assert resumed.profile_done
+    assert (resumed.setting.name, resumed.setting.value) == chosen
+    value = chosen[1]
+    held = (PRE_JOB_W, (value, value)) if winner == "locked_clock" else (value, None)
+    assert _sim(devices).settings() == held
+    resumed.on_step_start()
+    resumed.on_step_end()
+    assert [(d["kind"], d["purpose"]) for d in resumed.decisions] == [(winner, "choice")]
     resumed.teardown()
     assert _sim(devices).settings() == (PRE_JOB_W, None)
 
@@ -260,13 +312,104 @@ def test_a_bad_clock_step_is_refused_naming_the_key(step: object) -> None:
 
 
 # ---------------------------------------------------------------- which knob, and fallback
-def test_auto_locks_clocks_where_the_job_may(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", sorted(AUTO_MODELS))
+def test_auto_applies_the_measured_best_of_power_limits_and_locked_clocks(
+    tmp_path: Path, model: str
+) -> None:
+    phases, clock_step_mhz, winner = AUTO_MODELS[model]
+    devices = _devices(step_phases=phases)
+    gpu = _sim(devices)
     controller = EnergyController(
-        _config(tmp_path, knob="auto"), devices=_devices(), install_signal_handlers=False
+        _config(
+            tmp_path,
+            knob="auto",
+            selector="energy",
+            clock_step_mhz=clock_step_mhz,
+            power_limits_w=[400, 350, 300, 250, 200, 150],
+        ),
+        devices=devices,
+        install_signal_handlers=False,
     )
     controller.setup()
-    assert controller.setting is controller.locked_clock
-    controller.teardown()
+    assert controller.setting is controller.power_limit  # power limits are profiled first
+    _profile(controller)
+    profile = controller.profile()
+    limits = [e for e in profile if "power_limit_w" in e]
+    clocks = [e for e in profile if "locked_clock_mhz" in e]
+    assert len(limits) == 6 and len(clocks) > 1  # both knobs measured
+    # The locks were seeded at the clocks the limits ran at.
+    supported = sorted(gpu.supported_sm_clocks_mhz())
+    seeded = {float(min(supported, key=lambda c: abs(c - e["sm_clock_mhz"]))) for e in limits}
+    assert seeded <= {e["locked_clock_mhz"] for e in clocks}
+    # The selector's choice among every measured candidate of both knobs is applied.
+    measured = [
+        [
+            Measurement(e[key], e["time_per_step_s"], e["energy_per_step_j"], int(e["steps"]))
+            for e in es
+        ]
+        for key, es in (("power_limit_w", limits), ("locked_clock_mhz", clocks))
+    ]
+    index, best = select_across(
+        make_selector("energy"), measured, max_power_limit_w=PRE_JOB_W, num_gpus=1
+    )
+    assert ("power_limit", "locked_clock")[index] == winner  # the model is what it says
+    assert controller.setting.name == winner
+    assert controller.setting.value == best.power_limit_w
+    if winner == "locked_clock":
+        assert gpu.settings() == (PRE_JOB_W, (best.power_limit_w, best.power_limit_w))
+    else:
+        assert gpu.settings() == (best.power_limit_w, None)
+    kinds = [d["kind"] for d in controller.decisions]
+    assert kinds.index("locked_clock") > kinds.index("power_limit")
+    choices = [d for d in controller.decisions if d["purpose"] == "choice"]
+    assert [(d["kind"], d["value"]) for d in choices] == [(winner, best.power_limit_w)]
+    summary = controller.teardown()
+    assert gpu.settings() == (PRE_JOB_W, None)
+    assert summary.knob == winner
+    # The report names the winner and lists what every candidate of both knobs measured.
+    from lightning_energy.plots import render_plots
+    from lightning_energy.report import load_report, write_report
+
+    report = load_report(write_report(controller, tmp_path / "run.json"))
+    assert report["summary"]["knob"] == winner
+    assert len(report["profile"]) == len(limits) + len(clocks)
+    assert "frontier.png" in {p.name for p in render_plots(report, tmp_path / "figures")}
+
+
+def test_auto_makes_the_same_choice_on_every_rank(tmp_path: Path) -> None:
+    from tests.lightning_energy.processes import free_port, run_module_ranks
+
+    port = str(free_port())
+    dirs = [str(tmp_path / "gpus"), str(tmp_path / "leases")]
+    run_module_ranks(
+        "tests.lightning_energy.auto_knob_worker",
+        [[str(r), port, str(tmp_path), *dirs] for r in range(2)],
+        tmp_path,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["clocks_profiled"] for r in ranks)  # both knobs were measured
+    assert ranks[0]["knob"] == ranks[1]["knob"] and ranks[0]["value"] == ranks[1]["value"]
+    value = ranks[0]["value"]
+    held = [PRE_JOB_W, [value, value]] if ranks[0]["knob"] == "locked_clock" else [value, None]
+    assert all(r["settings"] == held for r in ranks)
+    assert all(r["restored"] == [PRE_JOB_W, None] for r in ranks)
+
+
+def test_select_across_bounds_time_by_the_reference_knob() -> None:
+    limits = [Measurement(400.0, 1.00, 100.0, 10), Measurement(300.0, 1.08, 90.0, 10)]
+    clocks = [Measurement(1410.0, 0.90, 110.0, 10), Measurement(1200.0, 1.05, 85.0, 10)]
+    selector = make_selector("max_slowdown", max_slowdown=1.1)
+    # 1.1 x the highest limit's 1.00 s: the 1200 MHz lock is allowed (by the fastest lock's
+    # 0.90 s it would not be).
+    assert select_across(selector, [limits, clocks], max_power_limit_w=400.0, num_gpus=1) == (
+        1,
+        clocks[1],
+    )
+    slow = [Measurement(1200.0, 1.2, 50.0, 10)]
+    assert select_across(selector, [limits, slow], max_power_limit_w=400.0, num_gpus=1) == (
+        0,
+        limits[1],
+    )
 
 
 def test_auto_uses_power_limits_on_a_gpu_without_clock_control(tmp_path: Path) -> None:
@@ -300,6 +443,20 @@ def _nvml_devices(monkeypatch: pytest.MonkeyPatch, **device: Any) -> tuple[Devic
     return DeviceSet(gpus=gpus, clock=fake.clock, backend="nvml"), fake
 
 
+def _nvml_steps(controller: EnergyController, fake: Any, max_steps: int = 1500) -> Iterator[int]:
+    """Run steps of 0.5 s on the in-memory NVML (a busy GPU drawing 250 W) until the
+    profile is complete, yielding after each; fail when it does not complete."""
+    for step in range(max_steps):
+        controller.on_step_start()
+        fake.advance(0.5)
+        controller.on_step_end()
+        yield step
+        if controller.profile_done:
+            return
+    pytest.fail(f"the profile did not complete in {max_steps} steps")
+
+
+BUSY = {"draw_mw": 250_000.0, "busy": True}
 REFUSALS: dict[str, dict[str, Any]] = {
     "no permission": {"errors": {"nvmlDeviceSetGpuLockedClocks": 4}},
     "not supported": {"errors": {"nvmlDeviceSetGpuLockedClocks": 3}},
@@ -316,19 +473,61 @@ def test_where_locking_is_refused_power_limits_are_profiled(
     refusal: str,
     knob: str,
 ) -> None:
-    devices, fake = _nvml_devices(monkeypatch, **REFUSALS[refusal])
+    devices, fake = _nvml_devices(monkeypatch, **BUSY, **REFUSALS[refusal])
     controller = EnergyController(
-        _config(tmp_path, knob=knob), devices=devices, install_signal_handlers=False
+        _config(tmp_path, knob=knob, power_limits_w=[400, 300, 200]),
+        devices=devices,
+        install_signal_handlers=False,
     )
     with caplog.at_level(logging.INFO, logger="lightning_energy"):
-        for _ in range(6):  # the refusal is known at setup, or at the first lock
-            controller.on_step_start()
-            controller.on_step_end()
+        # The refusal is known at setup, or at the first lock (under auto: once the power
+        # limits are profiled).
+        for _ in _nvml_steps(controller, fake):
+            pass
     assert controller.setting is controller.power_limit
     assert not controller.observe_only  # power limits still apply
+    chosen = controller.power_limit.static_value
+    assert chosen is not None and fake.devices[0].limit_mw == chosen * 1000
+    assert fake.devices[0].locked is None
     said = [r for r in caplog.records if "power limits are profiled" in r.getMessage()]
     assert len(said) == 1
     assert said[0].levelno == (logging.WARNING if knob == "locked_clock" else logging.INFO)
+    controller.teardown()
+    assert fake.devices[0].locked is None
+    assert fake.devices[0].limit_mw == 400_000
+    for gpu in devices.gpus:
+        assert isinstance(gpu, NVMLGPU)
+        gpu.close()
+
+
+@pytest.mark.parametrize("knob", ["auto", "locked_clock"])
+def test_a_lock_refused_later_in_the_run_falls_back_to_power_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, knob: str
+) -> None:
+    devices, fake = _nvml_devices(monkeypatch, **BUSY)
+    controller = EnergyController(
+        _config(tmp_path, knob=knob, power_limits_w=[400, 300, 200]),
+        devices=devices,
+        install_signal_handlers=False,
+    )
+    refused_at = None
+    with caplog.at_level(logging.INFO, logger="lightning_energy"):
+        for step in _nvml_steps(controller, fake):
+            if refused_at is None and len(controller.locked_clock.session.profile()) >= 2:
+                # Two clocks are measured; the driver refuses every lock from now on.
+                fake.devices[0].errors["nvmlDeviceSetGpuLockedClocks"] = 4
+                refused_at = step
+    assert refused_at is not None
+    assert not controller.locked_clock.active
+    assert controller.setting is controller.power_limit
+    assert fake.devices[0].locked is None  # the lock in force was released
+    chosen = controller.power_limit.static_value
+    assert chosen is not None and fake.devices[0].limit_mw == chosen * 1000
+    assert not controller.observe_only
+    said = [r for r in caplog.records if "power limits are profiled" in r.getMessage()]
+    assert len(said) == 1
+    locks = [d for d in controller.decisions if d["kind"] == "locked_clock"]
+    assert locks and all(d["step"] <= refused_at + 1 for d in locks)
     controller.teardown()
     assert fake.devices[0].locked is None
     assert fake.devices[0].limit_mw == 400_000
@@ -382,6 +581,27 @@ def test_a_throttled_lock_is_flagged_and_never_chosen(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- reports and summaries
+def test_the_metrics_and_timeline_carry_the_locked_clock(tmp_path: Path) -> None:
+    devices = _devices()
+    config = _config(tmp_path).merged({"log_every_n_steps": 1})
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    _profile(controller)
+    for _ in range(10):
+        controller.on_step_start()
+        controller.on_step_end()
+    chosen = controller.locked_clock.value
+    assert chosen is not None
+    assert controller.metrics["energy/locked_clock_mhz"] == chosen
+    assert controller.metrics["energy/power_limit_w"] == 0.0  # the limit is left alone
+    timeline = controller.timeline
+    assert timeline[0]["locked_clock_mhz"] is None  # the warm-up runs unlocked
+    assert timeline[-1]["locked_clock_mhz"] == chosen
+    profiled = {e["locked_clock_mhz"] for e in timeline} - {None}
+    assert len(profiled) > 2  # the profiling windows' locks
+    assert all(e["power_limit_w"] is None for e in timeline)
+    controller.teardown()
+
+
 def test_the_report_summary_and_figures_name_the_knob_and_the_chosen_clock(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +27,20 @@ from lightning_energy.errors import ProfileError
 __all__ = [
     "DATA_DIR",
     "INSTRUCTIONS",
+    "UNFITTED_JOBS",
     "CapRun",
+    "Curve",
+    "Job",
     "LockedStage",
+    "Point",
+    "cap_jobs",
+    "fitted_cap_jobs",
     "load_locked_profile",
     "load_power_cap_runs",
+    "lock_curves",
+    "measured_lock_vs_cap_pct",
+    "relative_gaps",
+    "relative_lock_curve",
 ]
 
 #: Where the package ships the measured files.
@@ -213,3 +224,99 @@ def load_power_cap_runs(path: str | Path) -> list[CapRun]:
             )
         )
     return runs
+
+
+#: ``(gpu, job)`` runs left out of the presets' fit and of the measured comparison (still
+#: checked and printed by ``benchmarks/calibrate_governor.py``): the A40 T5-3B sweep gets
+#: faster as the cap falls from 300 to 200 W, which no governor does.
+UNFITTED_JOBS = {("A40", "t5-3b")}
+
+
+#: ``(time_s, energy_j)`` of one run.
+Point = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One locked-clock curve: ``{clock: (time_s, energy_j)}``."""
+
+    name: str
+    points: dict[int, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One capped job: ``{cap: (time_s, energy_j per GPU)}``."""
+
+    name: str
+    bubble_share: float
+    points: dict[float, tuple[float, float]]
+
+
+def lock_curves(suffix: str) -> list[Curve]:
+    """The locked-clock curves measured on one GPU, every model's stages."""
+    curves = []
+    for path in sorted((DATA_DIR / "stage_profile_locked_freq").glob(f"*+{suffix}_bf16.csv")):
+        points: dict[tuple[int, str], dict[int, tuple[float, float]]] = defaultdict(dict)
+        for row in load_locked_profile(path):
+            points[(row.stage, row.instruction)][row.freq_mhz] = (row.time_s, row.energy_j)
+        model = path.name.split("+")[0]
+        curves += [Curve(f"{model} {s} {i}", p) for (s, i), p in sorted(points.items())]
+    return curves
+
+
+def cap_jobs(suffix: str) -> list[Job]:
+    """The capped jobs measured on one GPU."""
+    jobs: dict[str, Job] = {}
+    for run in load_power_cap_runs(
+        DATA_DIR / "zeus_global_power_cap" / f"zeus_global_{suffix}.csv"
+    ):
+        bubble = (run.pp - 1) / (run.num_microbatches + run.pp - 1)
+        job = jobs.setdefault(run.model_name, Job(run.model_name, bubble, {}))
+        job.points[run.power_limit_w] = (run.time_s, run.energy_j / run.gpus)
+    return list(jobs.values())
+
+
+def relative_lock_curve(runs: dict[str, dict[int, Point]]) -> list[tuple[float, float]]:
+    """``(time, energy)`` per clock, summed over the curves, over those at the top clock."""
+    total: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for points in runs.values():
+        for freq, (time_s, energy_j) in points.items():
+            total[freq][0] += time_s
+            total[freq][1] += energy_j
+    top = total[max(total)]
+    return [(t / top[0], e / top[1]) for t, e in total.values()]
+
+
+def relative_gaps(
+    lock_curve: list[tuple[float, float]], jobs: dict[str, dict[float, Point]]
+) -> list[float]:
+    """Per capped run below the highest cap: the cheapest lock no slower, energy vs the
+    cap's, per cent (relative curves); runs faster than every lock are left out."""
+    gaps = []
+    for points in jobs.values():
+        top_s, top_j = points[max(points)]
+        for cap_w, (time_s, energy_j) in points.items():
+            if cap_w == max(points):
+                continue
+            fits = [e for t, e in lock_curve if t <= time_s / top_s + 1e-12]
+            if fits:
+                gaps.append((min(fits) / (energy_j / top_j) - 1.0) * 100)
+    return gaps
+
+
+def fitted_cap_jobs(gpu: str) -> dict[str, dict[float, Point]]:
+    """The capped jobs measured on ``gpu`` (``A100`` or ``A40``) but those left out of the
+    fit: ``{job: {cap: (time_s, energy_j per GPU)}}``."""
+    return {j.name: j.points for j in cap_jobs(gpu) if (gpu, j.name) not in UNFITTED_JOBS}
+
+
+def measured_lock_vs_cap_pct(lock_suffix: str, gpu: str) -> list[float]:
+    """The measured data's own lock-vs-cap comparison at equal speed: per capped run of
+    ``gpu`` below its job's highest cap, the cheapest lock of the ``lock_suffix`` curves
+    (``a100_sxm`` or ``a40``) no slower, its energy vs the cap's, per cent (negative: the
+    lock uses less). The data hold no locked runs of the capped jobs, so both sides are
+    relative curves (see :func:`relative_gaps`)."""
+    curves = lock_curves(lock_suffix)
+    lock_curve = relative_lock_curve({c.name: c.points for c in curves})
+    return relative_gaps(lock_curve, fitted_cap_jobs(gpu))

@@ -17,6 +17,7 @@ from lightning_energy.device.simulated.measured import (
     DATA_DIR,
     load_locked_profile,
     load_power_cap_runs,
+    relative_gaps,
 )
 from lightning_energy.errors import ProfileError
 
@@ -132,3 +133,12 @@ def test_a_repeated_clock_a_missing_column_and_an_empty_file_are_refused(tmp_pat
         load_power_cap_runs(_write(tmp_path, CAP_HEADER, []))
     with pytest.raises(ProfileError, match="cannot read"):
         load_power_cap_runs(tmp_path / "absent.csv")
+
+
+def test_each_cap_is_compared_with_the_cheapest_relative_lock_no_slower() -> None:
+    # Relative lock curve: (time, energy) over those at the top clock.
+    locks = [(1.0, 1.0), (1.1, 0.85), (1.3, 0.7)]
+    job = {300.0: (2.0, 100.0), 250.0: (2.2, 90.0), 200.0: (1.9, 120.0)}
+    # 250 W: 1.1 x the time, 0.9 x the energy; the locks no slower cost 1.0 and 0.85.
+    # 200 W: faster than every lock: left out. 300 W: the reference, left out.
+    assert relative_gaps(locks, {"job": job}) == pytest.approx([(0.85 / 0.9 - 1.0) * 100])
