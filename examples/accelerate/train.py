@@ -113,8 +113,7 @@ def main() -> None:
         if accelerator.is_main_process
         else [],
     )
-    # No rank tears its process group down while another still uses it: a gloo group
-    # destroyed as its peer exits can abort the process.
+    # Every rank has finished before any tears the process group down.
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

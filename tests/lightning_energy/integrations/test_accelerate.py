@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -268,8 +269,33 @@ def test_energy_tracker_keeps_energy_and_carbon_values_only(tmp_path: Path) -> N
 
 
 def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the example on 2 processes; its exit status, JSON events and stderr's tail.
+
+    A launch whose processes all finished (every rank printed its summary) and then
+    aborted in torch's C++ teardown at exit, with no Python frame left ("terminate called
+    without an active exception"; about 1 launch in 40 here, after
+    ``destroy_process_group``), is launched again once: none of the example's code runs
+    then, and the second launch is checked like the first.
+    """
+    code, events, stderr = _launch_once(tmp_path, *script_args)
+    summaries = {e["rank"] for e in events if e["event"] == "summary"}
+    if code != 0 and summaries == {0, 1} and _ABORTED_AT_EXIT.search(stderr):
+        code, events, stderr = _launch_once(tmp_path, *script_args)
+    return code, events, stderr[-4000:]
+
+
+# What faulthandler prints for a process aborted after its Python code has ended: one
+# thread, with no Python frame.
+_ABORTED_AT_EXIT = re.compile(
+    r"Fatal Python error: Aborted\n\nThread 0x[0-9a-f]+ \(most recent call first\):\n"
+    r"  <no Python frame>\n\nExtension modules"
+)
+
+
+def _launch_once(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
     env = dict(
         os.environ,
+        PYTHONFAULTHANDLER="1",
         LIGHTNING_ENERGY_CONFIG=str(EXAMPLE / "energy.yaml"),
         LIGHTNING_ENERGY_LEASE_DIR=str(tmp_path / "leases"),
     )
@@ -293,7 +319,7 @@ def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return out.returncode, events, out.stderr[-4000:]
+    return out.returncode, events, out.stderr
 
 
 @pytest.mark.slow
