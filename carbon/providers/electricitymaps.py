@@ -4,8 +4,8 @@ Endpoints used: ``carbon-intensity/latest``, ``/history`` (the last 24 hours),
 ``/past-range`` (older ranges, fetched in windows of at most 10 days) and ``/forecast``
 (v4: ``horizonHours`` of 6, 24, 48 or 72; the longest one that the horizon asked for
 needs). A zone key (``"DE"``, ``"US-CAL-CISO"``) or ``"lat,lon"`` selects the grid; on v4
-``disableCallerLookup=true`` is always sent, so the API never answers for the location of
-the caller's IP address instead. The token goes in the ``auth-token`` header only.
+and v3 alike ``disableCallerLookup=true`` is always sent, so the API never answers for the
+location of the caller's IP address instead. The token goes in the ``auth-token`` header only.
 
 Every request names the emission factor (``emissionFactorType``: ``lifecycle`` or
 ``direct``, which differ a lot: 75 against 20 gCO2eq/kWh for one Danish hour), and an
@@ -278,8 +278,7 @@ class ElectricityMapsProvider(HttpProvider):
         else:
             params["zone"] = self._region
         params["emissionFactorType"] = self.emission_factor
-        if self.api_version != "v3":
-            params["disableCallerLookup"] = "true"
+        params["disableCallerLookup"] = "true"
         if self.disable_estimations and operation != "forecast":
             params["disableEstimations"] = "true"
         params.update(extra)

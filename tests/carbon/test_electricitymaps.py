@@ -46,7 +46,11 @@ def test_latest_direct_sends_token_in_header_only(
     (seen,) = api_server.requests_to("/v3/carbon-intensity/latest")
     assert seen.headers["auth-token"] == TOKEN
     assert TOKEN not in seen.raw_target
-    assert seen.query == {"zone": ["US-MIDW-MISO"], "emissionFactorType": ["direct"]}
+    assert seen.query == {
+        "zone": ["US-MIDW-MISO"],
+        "emissionFactorType": ["direct"],
+        "disableCallerLookup": ["true"],
+    }
 
 
 def test_latest_lifecycle_and_disable_estimations(
@@ -76,6 +80,7 @@ def test_latest_by_coordinates(api_server: ApiServer, api_dir: Path, fake_sleep:
     (seen,) = api_server.requests_to("/v3/carbon-intensity/latest")
     assert seen.query["lat"] == ["35.78"] and seen.query["lon"] == ["-78.64"]
     assert "zone" not in seen.query
+    assert seen.query["disableCallerLookup"] == ["true"]
 
 
 def test_history_last_24h(api_server: ApiServer, api_dir: Path, fake_sleep: FakeSleep) -> None:
@@ -115,6 +120,7 @@ def test_history_older_uses_past_range(
     (seen,) = api_server.requests_to("/v3/carbon-intensity/past-range")
     assert seen.query["start"] == ["2024-03-18T02:00:00Z"]
     assert seen.query["end"] == ["2024-03-18T04:00:00Z"]
+    assert seen.query["zone"] == ["DK-DK2"] and seen.query["disableCallerLookup"] == ["true"]
 
 
 def test_history_longer_than_ten_days_is_split(
@@ -151,6 +157,13 @@ def test_forecast(api_server: ApiServer, api_dir: Path, fake_sleep: FakeSleep) -
     assert len(everything) > 24
     six_hours = provider.forecast(6 * 3600)
     assert [p.intensity_g_per_kwh for p in six_hours] == [557, 552, 538, 527, 520, 512, 537]
+    for seen in api_server.requests_to("/v3/carbon-intensity/forecast"):
+        # v3 takes no horizon, and it too must answer for the zone, not the caller's IP
+        assert seen.query == {
+            "zone": ["DE"],
+            "emissionFactorType": ["direct"],
+            "disableCallerLookup": ["true"],
+        }
 
 
 def test_no_data_answers(api_server: ApiServer, api_dir: Path, fake_sleep: FakeSleep) -> None:
