@@ -51,7 +51,7 @@ def test_the_targets_name_each_pair_that_misses(bench: ModuleType) -> None:
         return {"auto_ok": ok, "auto_vs_cap_pct": change}
 
     mixed = {"energy": row(True, 0.0), "cost": row(False, 2.5)}
-    results = {
+    results: dict[str, dict[str, object]] = {
         "a40_physics": {
             "auto_ok": 1,
             "auto_rows": 2,
@@ -69,8 +69,18 @@ def test_the_targets_name_each_pair_that_misses(bench: ModuleType) -> None:
     }
     a40, h100 = bench.targets(results)
     assert "1/2 pairs: NOT met (mixed/cost +2.50 %)" in a40
-    assert "-1.50 pp: met" in a40
+    assert "-1.50 pp: met" in a40 and "board-corrected" not in a40
     assert "2 pp: no measured data" in h100 and "NOT" not in h100
+    a100 = {
+        **results["a40_physics"],
+        "auto_ok": 2,
+        "gap_pp": 19.0,
+        "gap_ok": False,
+        "gap_board_corrected_pp": -1.0,
+        "gap_board_corrected_ok": True,
+    }
+    (line,) = bench.targets({"a100": a100})
+    assert "+19.00 pp: NOT met (against the board-corrected measured median: -1.00 pp: met)" in line
 
 
 def test_the_measured_data_show_the_lock_cheaper_at_equal_speed(bench: ModuleType) -> None:
@@ -80,3 +90,65 @@ def test_the_measured_data_show_the_lock_cheaper_at_equal_speed(bench: ModuleTyp
         assert data["median_energy_change_pct"] < 0  # the issue's measured direction
         assert data["min_energy_change_pct"] <= data["median_energy_change_pct"]
     assert bench.measured("h100") is None  # no measured data for this GPU
+
+
+def test_the_simulated_side_runs_the_measured_comparisons_own_runs(bench: ModuleType) -> None:
+    from lightning_energy.device.simulated.measured import fitted_cap_jobs
+
+    below_top = sum(len(points) - 1 for points in fitted_cap_jobs("A100").values())
+    data = bench.measured("a100_pcie")
+    work = bench.measured_work("a100_pcie")
+    assert data is not None and work is not None
+    assert data["n"] == below_top  # every run below its job's highest cap
+    for name in ("same_work", "relative"):
+        stats = work[name]
+        assert stats["n"] == below_top, name
+        assert stats["min_energy_change_pct"] <= stats["median_energy_change_pct"]
+        assert stats["median_energy_change_pct"] <= stats["max_energy_change_pct"]
+    assert bench.measured_work("h100") is None
+
+
+def test_the_board_correction_moves_the_locks_reference_to_the_caps_clock(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_energy.device.simulated.governor import GovernedRun
+    from lightning_energy.device.simulated.measured import (
+        fitted_cap_jobs,
+        lock_curves,
+        measured_lock_vs_cap_pct,
+        relative_gaps,
+        relative_lock_curve,
+    )
+
+    def ran_at(clock_mhz: float) -> None:
+        run = GovernedRun(1.0, 250.0, round(clock_mhz), clock_mhz, 250.0, True, False, False)
+        monkeypatch.setattr(bench, "steady_run", lambda *args, **kwargs: run)
+
+    # Caps whose highest one left the clock at the locks' highest: nothing to correct.
+    ran_at(1410.0)
+    assert bench.board_corrected_pct("a100_sxm", "A100", "a100_pcie") == pytest.approx(
+        measured_lock_vs_cap_pct("a100_sxm", "A100")
+    )
+    # A highest cap that ran at 1152 MHz: the locks relative to the nearest clock, 1155.
+    ran_at(1152.0)
+    curves = {c.name: c.points for c in lock_curves("a100_sxm")}
+    expected = [
+        change
+        for name, points in fitted_cap_jobs("A100").items()
+        for change in relative_gaps(relative_lock_curve(curves, 1155), {name: points})
+    ]
+    assert bench.board_corrected_pct("a100_sxm", "A100", "a100_pcie") == pytest.approx(expected)
+    assert expected != pytest.approx(measured_lock_vs_cap_pct("a100_sxm", "A100"))
+
+
+def test_the_board_correction_is_made_only_where_locks_and_caps_crossed_boards(
+    bench: ModuleType,
+) -> None:
+    a40, a100 = bench.measured("a40_physics"), bench.measured("a100_pcie")
+    assert a40 is not None and a40["board_corrected"] is None  # locks and caps on A40s
+    assert a100 is not None
+    corrected = a100["board_corrected"]
+    assert corrected["n"] == a100["n"]
+    assert corrected["board_part_pp"] == pytest.approx(
+        a100["median_energy_change_pct"] - corrected["median_energy_change_pct"]
+    )

@@ -277,14 +277,22 @@ def cap_jobs(suffix: str) -> list[Job]:
     return list(jobs.values())
 
 
-def relative_lock_curve(runs: dict[str, dict[int, Point]]) -> list[tuple[float, float]]:
-    """``(time, energy)`` per clock, summed over the curves, over those at the top clock."""
+def relative_lock_curve(
+    runs: dict[str, dict[int, Point]], reference_mhz: int | None = None
+) -> list[tuple[float, float]]:
+    """``(time, energy)`` per clock, summed over the curves, over those at the top clock
+    (or at ``reference_mhz``, one of the curves' clocks)."""
     total: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for points in runs.values():
         for freq, (time_s, energy_j) in points.items():
             total[freq][0] += time_s
             total[freq][1] += energy_j
-    top = total[max(total)]
+    if reference_mhz is not None and reference_mhz not in total:
+        raise ValueError(
+            f"reference_mhz={reference_mhz!r} is not allowed; use one of the curves' clocks "
+            f"({min(total)}-{max(total)} MHz, as measured)"
+        )
+    top = total[max(total) if reference_mhz is None else reference_mhz]
     return [(t / top[0], e / top[1]) for t, e in total.values()]
 
 

@@ -18,6 +18,7 @@ from lightning_energy.device.simulated.measured import (
     load_locked_profile,
     load_power_cap_runs,
     relative_gaps,
+    relative_lock_curve,
 )
 from lightning_energy.errors import ProfileError
 
@@ -142,3 +143,19 @@ def test_each_cap_is_compared_with_the_cheapest_relative_lock_no_slower() -> Non
     # 250 W: 1.1 x the time, 0.9 x the energy; the locks no slower cost 1.0 and 0.85.
     # 200 W: faster than every lock: left out. 300 W: the reference, left out.
     assert relative_gaps(locks, {"job": job}) == pytest.approx([(0.85 / 0.9 - 1.0) * 100])
+
+
+def test_a_lock_curve_is_relative_to_its_top_clock_or_to_the_reference_given() -> None:
+    runs = {
+        "stage 0": {1400: (1.0, 40.0), 1200: (1.1, 30.0), 1000: (1.3, 28.0)},
+        "stage 1": {1400: (3.0, 120.0), 1200: (3.3, 90.0), 1000: (3.9, 84.0)},
+    }
+    top = dict(zip((1400, 1200, 1000), relative_lock_curve(runs), strict=True))
+    assert top[1400] == pytest.approx((1.0, 1.0))
+    assert top[1200] == pytest.approx((4.4 / 4.0, 120.0 / 160.0))
+    moved = dict(zip((1400, 1200, 1000), relative_lock_curve(runs, 1200), strict=True))
+    assert moved[1200] == pytest.approx((1.0, 1.0))
+    assert moved[1400] == pytest.approx((4.0 / 4.4, 160.0 / 120.0))
+    assert moved[1000] == pytest.approx((5.2 / 4.4, 112.0 / 120.0))
+    with pytest.raises(ValueError, match=r"reference_mhz=1300 .*1000-1400 MHz"):
+        relative_lock_curve(runs, 1300)
