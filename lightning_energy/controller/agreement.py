@@ -57,6 +57,20 @@ class RunAgreement:
     counts_energy: bool = True
     node_counters: RaplCounters | NotMeasured | None = None
 
+    def changes_settings(self, world_size: int, guard: GPUGuard) -> bool:
+        """Whether the job profiles and paces now: one decision for all ranks, since every
+        rank makes the same collective calls (an observing rank takes part, changing
+        nothing); a single process decides by its own guard."""
+        if world_size > 1:
+            return self.plan.optimises
+        return not (guard.observe_only or guard.restored)
+
+    def optimises(self, world_size: int, guard: GPUGuard | None) -> bool:
+        """Whether the run was set up to change settings (as its summary reports it)."""
+        if guard is None:
+            return False
+        return self.plan.optimises if world_size > 1 else not guard.observe_only
+
     def node_meter(self, rank: int, node: str) -> tuple[NodeEnergyMeter | None, dict[str, Any]]:
         """What this rank measures of its node's CPUs and DRAM: a meter when it is the
         lowest of the ranks that read the same counters (each node once), else None; and

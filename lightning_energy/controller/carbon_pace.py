@@ -90,7 +90,7 @@ class CarbonPacing:
         first = run.collective.broadcast(first)
         if isinstance(first, list):
             raise ConfigError(first, run.config.source)
-        run.ledger.intensity = first
+        run.ledger.set_intensity(first)
         if self.config.allow_pause:
             self._read_idle_power()
 
@@ -120,7 +120,7 @@ class CarbonPacing:
             mine = math.nan
         (total,), _ = run.collective.sum_and_max([mine], [])
         if math.isfinite(total) and total > 0:
-            run.ledger.idle_reading_w = total
+            run.ledger.set_idle_reading(total)
 
     def stop(self) -> None:
         """Stop polling (without waiting for a poll in flight)."""
@@ -162,11 +162,11 @@ class CarbonPacing:
         if update is None:
             return
         ledger = run.ledger
-        ledger.intensity = update.intensity_g_per_kwh
+        ledger.set_intensity(update.intensity_g_per_kwh)
         if update.scale is None or not run.changes_settings():
             return
         if update.scale != ledger.scale:  # a scale comes with rank 0's frontier of the knob
-            ledger.scale = update.scale
+            ledger.set_scale(update.scale)
             decision = run.paced_knob().apply_pace(update.scale)
             if decision is not None:
                 reason = f"carbon pace x{update.scale:.3f}: {update.reason}"
@@ -214,10 +214,10 @@ class CarbonPacing:
                 if idle_s > 0:  # job-wide idle power, as every measuring rank idles alike
                     # Measured from the first period on: the next decision weighs the pause
                     # at the power it really draws, not at the guess it was started with.
-                    ledger.idle_power_w = idle_j / idle_s * measuring
+                    ledger.set_idle_power(idle_j / idle_s * measuring)
                 update = run.collective.broadcast(self._update(paused=True))
                 if update is not None:
-                    ledger.intensity = update.intensity_g_per_kwh
+                    ledger.set_intensity(update.intensity_g_per_kwh)
                 wait_s = self.config.poll_interval_s
         finally:
             wake, self._wake = self._wake, None

@@ -1,12 +1,13 @@
 """EnergyController: the coordinator every framework adapter talks to.
 
-It sequences a run: it opens the GPUs, agrees with the other ranks on who drives what
-(:mod:`.agreement`) under one guard and lease, hands each event to the knobs that act on it
-(the built-in power limit, :mod:`.power_limits`, or its sibling the locked SM clock,
-:mod:`.locked_clock`, and those registered with
-:meth:`EnergyController.add_knob`: see :mod:`.knobs`), paces the paced knob to the grid
-(:mod:`.carbon_pace`), saves and resumes checkpoints (:mod:`.checkpoint`), and restores
-every GPU first at teardown. Every number is the :class:`~.ledger.RunLedger`'s.
+It only sequences a run: it opens the GPUs (:mod:`.rank_devices`), agrees with the other
+ranks on who drives what (:mod:`.agreement`) under one guard and lease, hands each event to
+the knobs that act on it (the built-in power limit and its sibling the locked SM clock,
+:mod:`.built_in_knobs`, and those registered with :meth:`EnergyController.add_knob`: see
+:mod:`.knobs`), paces the paced knob to the grid (:mod:`.carbon_pace`), saves and resumes
+checkpoints (:mod:`.checkpoint`), and restores every GPU first at teardown, then ends the
+run (:mod:`.summary`). Every number is the :class:`~.ledger.RunLedger`'s; what the run can
+be asked is in :mod:`.queries`.
 
 Every rank makes the same calls at the same steps, so collectives never mismatch.
 """
@@ -14,9 +15,7 @@ Every rank makes the same calls at the same steps, so collectives never mismatch
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from datetime import datetime
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import assert_never
@@ -24,6 +23,7 @@ from typing_extensions import assert_never
 from lightning_energy.collectives import Collective, default_collective
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller.agreement import RunAgreement, agree_on_run
+from lightning_energy.controller.built_in_knobs import BuiltInKnobs
 from lightning_energy.controller.carbon_pace import CarbonPacing
 from lightning_energy.controller.checkpoint import check_resumable, energy_state
 from lightning_energy.controller.events import (
@@ -35,31 +35,30 @@ from lightning_energy.controller.events import (
     StepEnd,
     StepStart,
 )
-from lightning_energy.controller.job_plan import RankInfo, job_totals, node_name
-from lightning_energy.controller.knobs import Knob, KnobDecision
+from lightning_energy.controller.job_plan import node_name
+from lightning_energy.controller.knobs import Knob, KnobDecision, RegisteredKnobs
 from lightning_energy.controller.ledger import RunLedger
-from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS, LockedClockKnob
-from lightning_energy.controller.power_limits import PowerLimitKnob
-from lightning_energy.controller.records import Decision, RunSummary, StepResult
+from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS
+from lightning_energy.controller.queries import ControllerQueries
+from lightning_energy.controller.rank_devices import RankDevices
+from lightning_energy.controller.records import RunSummary, StepResult
+from lightning_energy.controller.summary import final_summary, gather_job_totals
 from lightning_energy.device.base import DeviceSet, gpu_info
-from lightning_energy.errors import DeviceError, EnergyError
-from lightning_energy.node_energy import NotMeasured
-from lightning_energy.pacing import CarbonPacer, utc_now
+from lightning_energy.errors import DeviceError
+from lightning_energy.node_energy import open_counters
+from lightning_energy.pacing import utc_now
 
 if TYPE_CHECKING:
     import torch
 
-    from lightning_energy.controller.setting_knob import SettingKnob
-    from lightning_energy.device.base import GPUInfo
     from lightning_energy.device.guard import GPUGuard
-    from lightning_energy.device.rapl import RaplCounters
 
 __all__ = ["EnergyController"]
 
 log = logging.getLogger(__name__)
 
 
-class EnergyController:
+class EnergyController(ControllerQueries):
     """Drives a job's knobs (the power limit, and any registered) from step events, with
     carbon-aware pacing.
 
@@ -93,18 +92,20 @@ class EnergyController:
         install_signal_handlers: bool = True,
     ) -> None:
         self.config = config or EnergyConfig()
-        self._devices = devices
-        self._owns_devices = False
+        self._devices = RankDevices(
+            self.config.device,
+            devices,
+            node_rank=node_rank or 0,
+            local_rank=local_rank,
+            device=device,
+        )
         self._collective = collective
-        self._local_rank = local_rank
-        self._node_rank = node_rank
         self._node = node_name(node_rank)
-        self._device = device
         self._install_signal_handlers = install_signal_handlers
-        self.power_limit = PowerLimitKnob(self)
-        self.locked_clock = LockedClockKnob(self, self.power_limit)
-        self._knobs: list[Knob] = []
-        self._devices_closed = False
+        self._built_in = BuiltInKnobs(self)
+        self.power_limit = self._built_in.power_limit
+        self.locked_clock = self._built_in.locked_clock
+        self._registered = RegisteredKnobs(self.power_limit, self.locked_clock)
         self._is_setup = False
         self._torn_down = False
         self._total_steps: int | None = None
@@ -120,8 +121,7 @@ class EnergyController:
         self._agreement = RunAgreement()
         self._clock_checks_left = FOREIGN_CLOCK_CHECK_STEPS
         self._pacing: CarbonPacing | None = None
-        self.power_limit.new_run()
-        self.locked_clock.new_run()
+        self._built_in.new_run()
         self._ledger = RunLedger(self.config.log_every_n_steps, self.clock, self._readings_lost)
 
     # ------------------------------------------------------------------ events
@@ -201,19 +201,7 @@ class EnergyController:
         Raises:
             EnergyError: training has started (its steps were profiled or paced already).
         """
-        if self._ledger.step:
-            raise EnergyError(
-                f"add_knob({knob.name!r}): add knobs before training starts (step "
-                f"{self._ledger.step} ran)"
-            )
-        self._knobs.append(knob)
-        limits = self.power_limit
-        if knob.holds_clocks and limits.enabled and limits.profiling_off is None:
-            limits.profiling_off = f"{knob.name} holds the clocks"
-            if self.collective.rank == 0:
-                log.info("Power limits are not profiled: %s.", limits.profiling_off)
-        if knob.holds_clocks:
-            self.locked_clock.yield_clocks(knob.name)
+        self._registered.add(knob, steps_run=self._ledger.step, rank=self.collective.rank)
 
     def record(self, knob: Knob, decision: KnobDecision, reason: str) -> None:
         """Record what ``knob`` set outside the carbon pace (the batch size a run chose) as a
@@ -222,37 +210,14 @@ class EnergyController:
         Raises:
             EnergyError: ``knob`` is not registered (:meth:`add_knob`).
         """
-        if not any(k is knob for k in self._knobs):
-            raise EnergyError(f"record({knob.name!r}): register the knob first (add_knob)")
+        self._registered.check(knob)
         self._ledger.decide(decision.kind, decision.value, reason, decision.purpose)
-
-    def paced_knob(self) -> Knob:
-        """The knob the carbon pace moves: the one holding the clocks registered last, else
-        the setting knob (a knob that leaves the clocks alone leaves the GPU's pace to it)."""
-        holding = [knob for knob in self._knobs if knob.holds_clocks]
-        return holding[-1] if holding else self.setting
-
-    @property
-    def setting(self) -> SettingKnob:
-        """The built-in knob driving the GPUs now: the locked clock where it is in charge
-        (active, and under ``auto`` once the power limits are profiled, unless they measured
-        better), else the power limit."""
-        return self.locked_clock if self.locked_clock.in_charge else self.power_limit
-
-    @property
-    def knobs(self) -> list[Knob]:
-        """Every knob of the job: the power limit, the locked clock when it is active, then
-        those registered."""
-        clocks: list[Knob] = [self.locked_clock] if self.locked_clock.active else []
-        return [self.power_limit, *clocks, *self._knobs]
 
     # ------------------------------------------------------------------ the run
     @property
     def devices(self) -> DeviceSet:
         """The GPUs driven by this process (opened on first use)."""
-        if self._devices is None:
-            self._devices = self._open_devices()
-        return self._devices
+        return self._devices.get()
 
     @property
     def collective(self) -> Collective:
@@ -261,57 +226,15 @@ class EnergyController:
             self._collective = default_collective()
         return self._collective
 
-    @property
-    def guard(self) -> GPUGuard | None:
-        """The guard of the run in progress (None outside a run): every other part of the
-        job (Perseus clocks) changes the GPUs through it, under the same lease."""
-        return self._guard if self._is_setup else None
-
-    @property
-    def run_guard(self) -> GPUGuard | None:
-        """The guard of the run being set up or in progress (for the knobs)."""
-        return self._guard
-
-    @property
-    def ledger(self) -> RunLedger:
-        """The numbers of the run in progress (or the last one)."""
-        return self._ledger
-
-    @property
-    def counts_energy(self) -> bool:
-        """Whether this rank measures its GPUs (False: a lower rank measures them)."""
-        return self._agreement.counts_energy
-
-    @property
-    def ranks(self) -> Sequence[RankInfo]:
-        """What every rank drives, as agreed at setup."""
-        return self._agreement.ranks
-
-    @property
-    def total_steps(self) -> int | None:
-        """The job's length in steps, when declared (:meth:`set_total_steps`)."""
-        return self._total_steps
-
-    def clock(self) -> float:
-        """The GPUs' clock (seconds)."""
-        return self.devices.clock()
-
     def changes_settings(self) -> bool:
-        """Whether the job profiles and paces: one decision for all ranks, since every rank
-        makes the same collective calls (an observing rank takes part, changing nothing);
-        a single process decides by its own guard."""
-        if self.collective.world_size > 1:
-            return self._agreement.plan.optimises
+        """Whether the job profiles and paces now (one decision for all ranks: see
+        :meth:`.RunAgreement.changes_settings`)."""
         assert self._guard is not None
-        return not (self._guard.observe_only or self._guard.restored)
+        return self._agreement.changes_settings(self.collective.world_size, self._guard)
 
-    def _optimises(self) -> bool:
+    def optimises(self) -> bool:
         """Whether this run was set up to change settings (as the summary reports it)."""
-        if self._guard is None:
-            return False
-        if self.collective.world_size > 1:
-            return self._agreement.plan.optimises
-        return not self._guard.observe_only
+        return self._agreement.optimises(self.collective.world_size, self._guard)
 
     def setup(self, *, collective: Collective | None = None, observe: str | None = None) -> None:
         """Open the GPUs, take their lease and start measuring a run. Idempotent.
@@ -337,12 +260,9 @@ class EnergyController:
         if self._torn_down:
             self._new_run()
             self._torn_down = False
-            if self._owns_devices and self._devices_closed:
-                self._devices = None  # reopened below: closing released them
         if collective is not None:
             self._collective = collective
-        devices = self.devices
-        self._devices_closed = False
+        devices = self._devices.for_new_run()
         self.power_limit.check_candidates()
         guard = self._guard = GPUGuard(
             devices.gpus,
@@ -351,12 +271,13 @@ class EnergyController:
             install_signal_handlers=self._install_signal_handlers,
         )
         try:
+            counters = open_counters(self.config.node_energy, simulated=devices.virtual_time)
             self._agreement = agree_on_run(
                 collective=self.collective,
                 node=self._node,
                 devices=devices,
                 guard=guard,
-                node_counters=self._open_node_counters(devices),
+                node_counters=counters,
                 probe_permission=self.power_limit.probe_permission,
                 observe=observe,
                 strict=self.config.strict,
@@ -370,11 +291,8 @@ class EnergyController:
             # Teardown has nothing left to measure or restore: no second lease, no new
             # NVML session for a job that never started.
             self._guard = None
-            self._ledger.readings.meter = None
-            self._ledger.close_node()
-            if self._owns_devices and self._devices is not None:
-                self._devices.close()
-                self._devices = None
+            self._ledger.abandon()
+            self._devices.close(forget=True)
             raise
         self._is_setup = True
         if guard.observe_only:
@@ -386,32 +304,12 @@ class EnergyController:
         virtual = devices.virtual_time
         job_start = (virtual and self.config.device.start_time()) or utc_now()
         self._ledger.start(devices, [gpu_info(g) for g in devices.gpus], job_start)
-        self.power_limit.start(guard)
-        self.locked_clock.start(guard)
+        self._built_in.start(guard)
         if self.config.carbon is not None:
             self._pacing = CarbonPacing(self, self.config.carbon)
             self._pacing.start(simulated=virtual)
         self._ledger.start_node(*self._agreement.node_meter(self.collective.rank, self._node))
         self._ledger.begin_interval()
-
-    def _open_node_counters(self, devices: DeviceSet) -> RaplCounters | NotMeasured:
-        """This node's CPU and DRAM energy counters, or why there are none."""
-        from lightning_energy.node_energy import open_counters
-
-        return open_counters(self.config.node_energy, simulated=devices.virtual_time)
-
-    def _open_devices(self) -> DeviceSet:
-        """This process's GPUs from the ``device:`` section (see
-        :func:`~lightning_energy.device.open_rank_devices`)."""
-        from lightning_energy.device import open_rank_devices
-
-        self._owns_devices = True
-        return open_rank_devices(
-            self.config.device,
-            node_rank=self._node_rank or 0,
-            local_rank=self._local_rank,
-            device=self._device,
-        )
 
     def teardown(self) -> RunSummary:
         """Restore every GPU, then stop measuring and return the run summary. Idempotent.
@@ -430,10 +328,8 @@ class EnergyController:
         finally:
             if self._pacing is not None:
                 self._pacing.stop()
-            summary = self._final_summary()
-            if self._owns_devices and self._devices is not None:
-                self._devices.close()
-                self._devices_closed = True
+            summary = final_summary(self, stop_clock=self._devices.opened)
+            self._devices.close()
             self._is_setup = False
         return summary
 
@@ -452,45 +348,6 @@ class EnergyController:
         """In the signal handler, after the restore: end a carbon pause at once."""
         if self._pacing is not None:
             self._pacing.wake()
-
-    def _final_summary(self) -> RunSummary:
-        """Close the open windows (what can still be read) and build the summary."""
-        ledger = self._ledger
-        limits = self.power_limit
-        setting = self.setting
-        ledger.after_profile = None
-        try:
-            setting.discard_window("end of the run")  # a window cut short is measured later
-        except Exception as exc:  # e.g. a sticky CUDA error: the GPUs are restored already
-            ledger.fail(exc)
-        else:
-            ledger.close(
-                limits.power_limit_w,
-                self.current_locked_clock_mhz(),
-                stop_clock=self._devices is not None,
-            )
-        ledger.close_node()
-        profile = setting.profile_by_limit()
-        world_size = self.collective.world_size
-        carbon = None
-        if self.config.carbon is not None:
-            carbon = ledger.carbon_summary(
-                self.pacer, profile, setting.static_value, world_size, self.now()
-            )
-        guard = self._guard
-        progress = setting.progress() if self._optimises() else None
-        chosen = progress is None or progress[0]
-        return ledger.build_summary(
-            power_limit_w=limits.power_limit_w if chosen or setting is not limits else None,
-            pre_job_power_limit_w=guard.pre_job_power_limit_w(0) if guard is not None else None,
-            observe_only=self.observe_only,
-            profile=profile,
-            progress=progress,
-            world_size=world_size,
-            carbon=carbon,
-            knob=setting.name,
-            locked_clock_mhz=self.locked_clock.value if chosen and setting is not limits else None,
-        )
 
     def _readings_lost(self, exc: DeviceError) -> None:
         """A GPU reading failed mid-run: restore, change nothing more, keep training
@@ -513,15 +370,7 @@ class EnergyController:
         Adapters build the key with
         :func:`~lightning_energy.integrations.adapter.workload_key`.
         """
-        clocks = self.locked_clock
-        if not (clocks.active and clocks.after_limits):
-            self.setting.set_workload(key)
-            return
-        # auto: both knobs follow the workload; the one in charge for it applies its choice.
-        self.power_limit.set_workload(key, reuse=False)
-        clocks.set_workload(key, reuse=False)
-        clocks.hand_over()
-        self.setting.reuse_known_choice()
+        self._built_in.set_workload(key)
 
     def _step_start(self) -> None:
         if not self._is_setup:
@@ -555,83 +404,11 @@ class EnergyController:
             assert self._guard is not None
             self._guard.check_foreign_clocks()
 
-    # ------------------------------------------------------------------ carbon
-    def now(self) -> datetime:
-        """The job's current time: its start plus the device-clock seconds elapsed.
-
-        On a real GPU this is the wall clock; on a simulated GPU it follows the virtual
-        clock, so carbon traces replay at the simulated job's speed.
-        """
-        return self._ledger.now(running=self._is_setup)
-
     def set_total_steps(self, total_steps: int | None) -> None:
         """Declare how many training steps the job will run (carbon pacing needs it)."""
         self._total_steps = total_steps
 
-    # ------------------------------------------------------------------ queries
-    @property
-    def pacer(self) -> CarbonPacer | None:
-        """Rank 0's carbon pacer of the run in progress (None: no ``carbon:`` section, or
-        another rank)."""
-        return None if self._pacing is None else self._pacing.pacer
-
-    def current_power_limit_w(self) -> float | None:
-        """The limit this controller applied last (None: none applied yet)."""
-        return self.power_limit.power_limit_w
-
-    def current_locked_clock_mhz(self) -> float | None:
-        """The SM clock this controller's locked-clock knob holds locked (None: none)."""
-        clocks = self.locked_clock
-        return clocks.value if clocks.active else None
-
-    @property
-    def profile_done(self) -> bool:
-        """Whether the current workload's profile (of the setting knob) is complete."""
-        return self.setting.profile_done
-
-    @property
-    def steps(self) -> int:
-        """The job's training steps so far (a resumed run counts on from its checkpoint's)."""
-        return self._ledger.step
-
-    @property
-    def observe_only(self) -> bool:
-        """True when this process may not change GPU settings."""
-        return bool(self._guard is not None and self._guard.observe_only)
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The ``energy/*`` (and ``carbon/*``) values of the last logging interval."""
-        return self._ledger.metrics
-
-    @property
-    def timeline(self) -> list[dict[str, Any]]:
-        """One entry per logging interval of the run (and per polling period of a pause)."""
-        return self._ledger.timeline
-
-    @property
-    def decisions(self) -> list[Decision]:
-        """Every setting chosen in the run, and why."""
-        return self._ledger.decisions
-
-    @property
-    def device_info(self) -> list[GPUInfo]:
-        """Identity and limits of every GPU, as recorded at setup."""
-        return self._ledger.device_info
-
-    @property
-    def job(self) -> dict[str, Any] | None:
-        """The job's totals once :meth:`gather_job_totals` ran (None before)."""
-        return self._ledger.job
-
-    def profile(self) -> list[dict[str, float]]:
-        """The measured profile of the current workload (job-wide numbers): the setting
-        knob's, or under ``auto`` both knobs' (power limits first)."""
-        clocks = self.locked_clock
-        if clocks.active and clocks.after_limits:
-            return [*self.power_limit.profile(), *clocks.profile()]
-        return self.setting.profile()
-
+    # ------------------------------------------------------------------ the job
     def gather_job_totals(self) -> dict[str, Any]:
         """Every rank: compare numbers with the others; the job's totals (a collective).
 
@@ -639,27 +416,14 @@ class EnergyController:
         path, where another rank may not be there to answer). The totals count each GPU
         once; they are kept in :attr:`job` and the summary's ``job_energy_j``.
         """
-        summary = self.teardown()
-        ledger = self._ledger
-        mine = ledger.own_totals(self.collective.rank, self._node, self._agreement.counts_energy)
-        job = ledger.job = job_totals(self.collective.all_gather_object(mine))
-        ledger.summary = replace(
-            summary,
-            job_energy_j=job["energy_j"],
-            job_node_energy_j=job.get("node_energy_j"),
-            energy_counted=job.get("counted", summary.energy_counted),
-        )
-        return job
+        return gather_job_totals(self, self.teardown(), self._node)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume without profiling again (JSON-serialisable), and the
         job's totals at this step: its steps and the energy they used, up to this step."""
-        knobs = {
-            **self.power_limit.state_dict(),
-            LockedClockKnob.name: self.locked_clock.state_dict(),
-        }
         ledger = self._ledger
+        knobs = self._built_in.state_dict()
         return energy_state(self.devices.gpus, knobs, ledger.step, ledger.job_energy_so_far_j())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -672,13 +436,4 @@ class EnergyController:
         """
         check_resumable(state, self.devices.gpus)
         self._ledger.resume(int(state.get("steps", 0)), float(state.get("energy_j", 0.0)))
-        self.power_limit.load_state_dict(state, running=False)
-        self.locked_clock.load_state_dict(state.get(LockedClockKnob.name, {}), running=False)
-        if self._is_setup:
-            # Both profiles are read back before the one in charge is known (under auto
-            # the choice is made among both).
-            for knob in (self.power_limit, self.locked_clock):
-                if knob.enabled:
-                    knob.session.optimizer()
-            self.locked_clock.hand_over()
-            self.setting.resume_choice()
+        self._built_in.load_state_dict(state, running=self._is_setup)

@@ -28,18 +28,26 @@ Example:
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from lightning_energy.errors import EnergyError
 
 if TYPE_CHECKING:
     from lightning_energy.collectives import Collective
     from lightning_energy.config import EnergyConfig
     from lightning_energy.controller.ledger import RunLedger
+    from lightning_energy.controller.locked_clock import LockedClockKnob
+    from lightning_energy.controller.power_limits import PowerLimitKnob
     from lightning_energy.device.base import DeviceSet
     from lightning_energy.device.guard import GPUGuard
 
-__all__ = ["ControllerRun", "Knob", "KnobDecision"]
+__all__ = ["ControllerRun", "Knob", "KnobDecision", "RegisteredKnobs"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,3 +119,59 @@ class ControllerRun(Protocol):
     def changes_settings(self) -> bool: ...
 
     def now(self) -> datetime: ...
+
+
+class RegisteredKnobs:
+    """The knobs registered with a controller, in order, and the conflicts a registration
+    settles with the built-in knobs.
+
+    Args:
+        power_limit: the controller's power-limit knob.
+        locked_clock: the controller's locked-clock knob.
+    """
+
+    def __init__(self, power_limit: PowerLimitKnob, locked_clock: LockedClockKnob) -> None:
+        self._power_limit = power_limit
+        self._locked_clock = locked_clock
+        self._knobs: list[Knob] = []
+
+    def __iter__(self) -> Iterator[Knob]:
+        return iter(self._knobs)
+
+    def add(self, knob: Knob, *, steps_run: int, rank: int) -> None:
+        """Register ``knob``: one holding the clocks switches power-limit profiling off
+        (said once at INFO on rank 0) and the locked-clock knob off (one owner of the
+        clocks at a time).
+
+        Args:
+            knob: the knob.
+            steps_run: training steps the job ran so far (knobs are added before any).
+            rank: this process's rank.
+
+        Raises:
+            EnergyError: training has started.
+        """
+        if steps_run:
+            raise EnergyError(
+                f"add_knob({knob.name!r}): add knobs before training starts (step {steps_run} ran)"
+            )
+        self._knobs.append(knob)
+        if not knob.holds_clocks:
+            return
+        limits = self._power_limit
+        if limits.enabled and limits.profiling_off is None:
+            limits.profiling_off = f"{knob.name} holds the clocks"
+            if rank == 0:
+                log.info("Power limits are not profiled: %s.", limits.profiling_off)
+        self._locked_clock.yield_clocks(knob.name)
+
+    def check(self, knob: Knob) -> None:
+        """Raises:
+        EnergyError: ``knob`` is not registered."""
+        if not any(k is knob for k in self._knobs):
+            raise EnergyError(f"record({knob.name!r}): register the knob first (add_knob)")
+
+    def holding_clocks(self) -> Knob | None:
+        """The knob holding the clocks registered last (None: none does)."""
+        holding = [knob for knob in self._knobs if knob.holds_clocks]
+        return holding[-1] if holding else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,29 @@ class RunLedger:
     def lose_metrics(self) -> None:
         """Readings failed: the last metrics no longer stand."""
         self.metrics = {}
+
+    def abandon(self) -> None:
+        """The run's setup failed: nothing is left to measure (no reading at teardown, no
+        new NVML session for a job that never started)."""
+        self.readings.meter = None
+        self.close_node()
+
+    # ------------------------------------------------------------------ carbon inputs
+    def set_intensity(self, intensity_g_per_kwh: float | None) -> None:
+        """The grid's carbon intensity from now on (None: not known)."""
+        self.intensity = intensity_g_per_kwh
+
+    def set_scale(self, scale: float) -> None:
+        """The carbon pace's step-time scale from now on."""
+        self.scale = scale
+
+    def set_idle_reading(self, power_w: float) -> None:
+        """The job-wide board power read before any work (the first idle estimate)."""
+        self.idle_reading_w = power_w
+
+    def set_idle_power(self, power_w: float) -> None:
+        """The job-wide power a pause was measured to draw."""
+        self.idle_power_w = power_w
 
     # ------------------------------------------------------------------ intervals
     def begin_interval(self) -> None:
@@ -357,6 +381,7 @@ class RunLedger:
             locked_clock_mhz: the lock in force (None: none).
             stop_clock: whether the devices are there to read the end time from.
         """
+        self.after_profile = None
         try:
             self.after_profile = self.readings.end(AFTER_PROFILE)
             if self.readings.is_open(INTERVAL):
@@ -444,6 +469,17 @@ class RunLedger:
         from lightning_energy.node_energy import energy_counted
 
         return energy_counted([node])
+
+    def keep_job_totals(self, job: dict[str, Any], summary: RunSummary) -> None:
+        """Keep the job's totals (:func:`~.job_plan.job_totals` of every rank's
+        :meth:`own_totals`) in :attr:`job` and in ``summary``, the run's summary from now on."""
+        self.job = job
+        self.summary = replace(
+            summary,
+            job_energy_j=job["energy_j"],
+            job_node_energy_j=job.get("node_energy_j"),
+            energy_counted=job.get("counted", summary.energy_counted),
+        )
 
     def own_totals(self, rank: int, node: str, counted: bool) -> dict[str, Any]:
         """This rank's numbers, as compared with the other ranks' at the end of a run."""

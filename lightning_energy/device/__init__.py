@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     import torch
 
     from lightning_energy.config import DeviceConfig
+    from lightning_energy.device.cuda_events import CudaStream
     from lightning_energy.device.simulated.work import WorkRunner
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "VirtualClock",
     "WorkloadTrace",
     "ZeusdGPU",
+    "cuda_stream",
     "current_torch_device",
     "gpu_info",
     "live_simulated_gpus",
@@ -154,6 +156,18 @@ def work_runner(gpu: GPU) -> WorkRunner | None:
     from lightning_energy.device.simulated.work import WorkRunner  # imports torch
 
     return WorkRunner(simulated)
+
+
+def cuda_stream(device: torch.device | None) -> CudaStream | None:
+    """The stream a CUDA device runs a job's GPU work on, timed and followed with CUDA
+    events (:class:`~lightning_energy.device.cuda_events.CudaStream`), for Perseus to time
+    that work on a real GPU; None where there is no stream (a device that is not a CUDA
+    device, no CUDA). None for ``device`` stands for the calling thread's current CUDA
+    device. A simulated GPU's work runs through :func:`work_runner` instead.
+    """
+    from lightning_energy.device.cuda_events import stream_of  # imports torch
+
+    return stream_of(device)
 
 
 def _what_nvml_drives(indices: Sequence[int] | None, local_rank: int | None) -> str:

@@ -20,7 +20,8 @@ import torch
 from torch.autograd import Variable
 
 from lightning_energy.collectives import cpu_collective_group
-from lightning_energy.device import StageWork, work_runner
+from lightning_energy.device import StageWork, cuda_stream, work_runner
+from lightning_energy.device.cuda_events import CudaStream, TimedPoint
 from lightning_energy.errors import DeviceError
 from lightning_energy.perseus.data_parallel.straggler import (
     Reading,
@@ -103,6 +104,7 @@ class StragglerRun:
         group = cpu_collective_group(rank.group)
         self._strict_error: DeviceError | None = None
         runner = work_runner(gpu)
+        stream = cuda_stream(None) if runner is None and ddp_model is not None else None
         try:
             clocks = gpu.supported_sm_clocks_mhz()
         except DeviceError as exc:
@@ -111,7 +113,7 @@ class StragglerRun:
             log.warning("Perseus: %s; ranks not equalised.", exc)
             clocks = []
             self._strict_error = exc if strict else None
-        measurable = runner is not None or (torch.cuda.is_available() and ddp_model is not None)
+        measurable = runner is not None or stream is not None
         if clocks and not measurable:
             log.warning("Perseus: no CUDA and no simulated GPU; ranks not equalised.")
             clocks = []  # nothing measures this rank's compute: it votes against
@@ -130,8 +132,8 @@ class StragglerRun:
             # collective), also one that cannot equalise.
             work = StageWork(section.simulated_step_s, section.compute_bound_share)
             self._work = runner.data_parallel(work, group=group)
-        elif clocks:
-            self._probe = _CudaComputeProbe(ddp_model, gpu, self.equalizer)
+        elif clocks and stream is not None:
+            self._probe = _CudaComputeProbe(ddp_model, gpu, self.equalizer, stream)
 
     def step_start(self) -> None:
         """A training step starts (before the forward pass)."""
@@ -184,7 +186,7 @@ class _Mark:
     """A point of the training stream: its CUDA event, and the energy counter there
     (read after synchronising, while the equalizer profiles; None otherwise)."""
 
-    event: Any
+    event: TimedPoint
     reading: Reading | None
 
 
@@ -207,12 +209,16 @@ class _CudaComputeProbe:
     step is still counted).
     """
 
-    def __init__(self, model: Any, gpu: GPU, equalizer: StragglerEqualizer) -> None:
+    def __init__(
+        self, model: Any, gpu: GPU, equalizer: StragglerEqualizer, stream: CudaStream
+    ) -> None:
         self.gpu = gpu
         self.equalizer = equalizer
+        self.stream = stream
         self._start: _Mark | None = None
         self._end: _Mark | None = None
-        self._pending: tuple[Any, Any] | None = None  # the previous step's events
+        # The previous step's events.
+        self._pending: tuple[TimedPoint, TimedPoint] | None = None
         self._queued = False
         self._handles = [
             p.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -221,11 +227,10 @@ class _CudaComputeProbe:
         ]
 
     def _mark(self, profiling: bool) -> _Mark:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event = self.stream.timed_point()
         if not profiling:
             return _Mark(event, None)
-        torch.cuda.current_stream().synchronize()
+        self.stream.synchronize()
         return _Mark(event, (self.gpu.now_s(), self.gpu.energy_j()))
 
     def step_start(self) -> None:
@@ -253,13 +258,13 @@ class _CudaComputeProbe:
         if start is None or end is None:
             return None
         if start.reading is not None and end.reading is not None:
-            torch.cuda.current_stream().synchronize()
+            self.stream.synchronize()
             now = (self.gpu.now_s(), self.gpu.energy_j())
             return end.reading[0] - start.reading[0], (start.reading, end.reading, now)
         self._pending = (start.event, end.event)
         if previous is None or not previous[1].query():
             return None
-        return previous[0].elapsed_time(previous[1]) / 1000.0, None
+        return CudaStream.seconds_between(*previous), None
 
     def close(self) -> None:
         """Remove the hooks from the model."""

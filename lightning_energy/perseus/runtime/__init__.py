@@ -16,7 +16,6 @@ from __future__ import annotations
 from lightning_energy.perseus.runtime.attribution import EnergyTimeline, min_profile_s
 from lightning_energy.perseus.runtime.clock import (
     ClockController,
-    Marker,
     agree_on_clock_control,
 )
 from lightning_energy.perseus.runtime.hooks import (
@@ -44,7 +43,6 @@ __all__ = [
     "ExecutedInstruction",
     "InstructionHooks",
     "InstructionMeter",
-    "Marker",
     "OnlinePerseus",
     "PerseusPipelineStage",
     "PipelineModule",

@@ -18,32 +18,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_energy.device import cuda_stream
 from lightning_energy.device.base import GPU
+from lightning_energy.device.cuda_events import StreamPoint
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
 
-__all__ = ["ClockController", "Marker", "agree_on_clock_control"]
+__all__ = ["ClockController", "agree_on_clock_control"]
 
 log = logging.getLogger(__name__)
 
 _THREAD_NAME = "lightning-energy-perseus-clock"
-
-
-class Marker(Protocol):
-    """A point of the GPU stream: reached once the GPU has run everything before it."""
-
-    def query(self) -> bool:
-        """True once the GPU has reached the point (never blocks)."""
-        ...
-
-    def synchronize(self) -> None:
-        """Block until the GPU reaches the point (sleeping, not spinning)."""
-        ...
 
 
 class _Reached:
@@ -54,30 +44,6 @@ class _Reached:
 
     def synchronize(self) -> None:
         return None
-
-
-def _stream_device(device: torch.device | None) -> torch.device | None:
-    """The CUDA device whose stream a stage's instructions run on (None: no stream).
-
-    None stands for the current CUDA device of the calling thread, when there is CUDA.
-    """
-    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
-        return None
-    if device is None or device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _stream_marker(device: torch.device) -> Callable[[], Marker]:
-    """Markers at the current point of ``device``'s current stream, the stream the
-    stage's kernels are queued on (whatever the calling thread's current device is)."""
-
-    def marker() -> Marker:
-        event = torch.cuda.Event(blocking=True)  # waiting on it yields the core
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    return marker
 
 
 class ClockController:
@@ -120,7 +86,7 @@ class ClockController:
         gpu: GPU | None = None,
         device: torch.device | None = None,
         wait_for_device: bool = True,
-        marker: Callable[[], Marker] | None = None,
+        marker: Callable[[], StreamPoint] | None = None,
         flush_timeout_s: float = 60.0,
     ):
         if not 0 < flush_timeout_s < float("inf"):
@@ -133,14 +99,15 @@ class ClockController:
         self.gpu_position = gpu_position
         self.gpu = gpu
         #: The CUDA device whose stream the changes follow (None: none, changes at once).
-        self.device = _stream_device(device) if wait_for_device else None
+        #: The stream the changes follow (None: none, changes apply at once).
+        self.stream = cuda_stream(device) if wait_for_device else None
         if marker is None:
-            marker = _Reached if self.device is None else _stream_marker(self.device)
+            marker = _Reached if self.stream is None else self.stream.marker
         self._marker = marker
         self.flush_timeout_s = flush_timeout_s
         self._cond = threading.Condition()
         self._apply_lock = threading.Lock()  # one change or reset of the GPU at a time
-        self._pending: list[tuple[int, Marker]] = []
+        self._pending: list[tuple[int, StreamPoint]] = []
         self._busy = False  # the thread works on a request (not voided since)
         self._waiting = False  # the thread waits for the GPU to reach a marker
         self._epoch = 0  # moves on at every reset and stop: earlier requests are void
@@ -243,7 +210,7 @@ class ClockController:
             error, self._error = self._error, None
             raise error
 
-    def _next(self) -> tuple[Marker, int] | None:
+    def _next(self) -> tuple[StreamPoint, int] | None:
         """The oldest pending request's marker and the epoch it belongs to (None: this
         thread was stopped)."""
         me = threading.current_thread()
@@ -283,10 +250,9 @@ class ClockController:
 
     def _run(self) -> None:
         try:
-            if self.device is not None:
-                # Every CUDA call of this thread on the stage's GPU: a new thread starts on
-                # device 0, and would make a CUDA context there.
-                torch.cuda.set_device(self.device)
+            if self.stream is not None:
+                # Every CUDA call of this thread on the stage's GPU.
+                self.stream.make_current()
         except BaseException as exc:  # handed to the training thread
             self._error = exc
         while (item := self._next()) is not None:

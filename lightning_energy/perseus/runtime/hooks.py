@@ -38,6 +38,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_energy.device.base import GPU
+from lightning_energy.device.cuda_events import CudaStream, TimedPoint
 from lightning_energy.errors import ConfigError, EnergyError
 from lightning_energy.perseus.planning.plan import Plan
 from lightning_energy.perseus.planning.profile import BACKWARD, FORWARD
@@ -150,10 +151,10 @@ class PipelineRuntime:
             self.set_plan(plan)
 
     @property
-    def device(self) -> torch.device | None:
-        """The CUDA device whose current stream this rank's instructions are queued on
-        (None: no stream: on the CPU, or simulated GPUs, whose work runs in this thread)."""
-        return None if self.work is not None else self.controller.device
+    def stream(self) -> CudaStream | None:
+        """The CUDA stream this rank's instructions are queued on (None: no stream: on the
+        CPU, or simulated GPUs, whose work runs in this thread)."""
+        return None if self.work is not None else self.controller.stream
 
     # ----------------------------------------------------------------- plans
     @property
@@ -294,7 +295,8 @@ class InstructionMeter:
         label: the timeline label of an instruction (e.g. its stage, kind and clock).
         clock: seconds in the GPU's time base (on CUDA: the time of the first event; the
             later ones follow by the GPU's time between events).
-        device: the stage's CUDA device (None or another device: no stream).
+        stream: the stage's CUDA stream (:func:`~lightning_energy.device.cuda_stream`;
+            None: no stream).
     """
 
     def __init__(
@@ -304,15 +306,15 @@ class InstructionMeter:
         label: Callable[[Instruction], Hashable],
         clock: Callable[[], float] = time.perf_counter,
         *,
-        device: torch.device | None = None,
+        stream: CudaStream | None = None,
     ) -> None:
         self.gpu = gpu
         self.timeline = timeline
         self.label = label
         self.clock = clock
-        self.device = device if device is not None and device.type == "cuda" else None
+        self.stream = stream
         self._start: tuple[float, float] | None = None
-        self._last_event: tuple[Any, float] | None = None  # the newest event, its time
+        self._last_event: tuple[TimedPoint, float] | None = None  # the newest event, its time
 
     def mark(self, label: Hashable | None) -> None:
         """Wait for the GPU and mark the counter; ``label`` runs from now on (None: left
@@ -335,7 +337,7 @@ class InstructionMeter:
         """
         if self._start is None:
             raise ConfigError(f"{inst}: stop() without start()")
-        now, energy_j = self._reached() if self.device is None else self._reached_end()
+        now, energy_j = self._reached() if self.stream is None else self._reached_end(self.stream)
         self.timeline.mark(now, energy_j, BLOCKED_LABEL)
         t0, e0 = self._start
         self._start = None
@@ -343,38 +345,33 @@ class InstructionMeter:
 
     def _reached(self) -> tuple[float, float]:
         """``(time_s, energy_j)`` once the GPU ran everything queued: the counter first."""
-        if self.device is None:
+        stream = self.stream
+        if stream is None:
             self.gpu.synchronize()
             energy_j = self.gpu.energy_j()
             return self.clock(), energy_j
-        torch.cuda.current_stream(self.device).synchronize()
+        stream.synchronize()
         energy_j = self.gpu.energy_j()
-        event = self._record()
+        event = stream.timed_point()
         event.synchronize()
         return self._time_of(event), energy_j
 
-    def _reached_end(self) -> tuple[float, float]:
+    def _reached_end(self, stream: CudaStream) -> tuple[float, float]:
         """CUDA: ``(time_s, energy_j)`` of an event right after the instruction's kernels,
         the counter read as soon as the GPU reaches it."""
-        end = self._record()
+        end = stream.timed_point()
         end.synchronize()
         energy_j = self.gpu.energy_j()
         return self._time_of(end), energy_j
 
-    def _record(self) -> Any:
-        """A timing event at the current point of the stage device's current stream."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def _time_of(self, event: Any) -> float:
+    def _time_of(self, event: TimedPoint) -> float:
         """Seconds at which the GPU reached ``event`` (reached): the previous event's time
         plus the GPU's time between them; the first event's is ``clock()``."""
         if self._last_event is None:
             time_s = self.clock()
         else:
             previous, previous_s = self._last_event
-            time_s = previous_s + previous.elapsed_time(event) / 1000.0
+            time_s = previous_s + CudaStream.seconds_between(previous, event)
         self._last_event = (event, time_s)
         return time_s
 

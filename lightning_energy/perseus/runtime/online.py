@@ -394,7 +394,7 @@ class OnlinePerseus:
         self._pending_target: tuple[float | None] | None = None
         self._counter_period_s = gpu.energy_counter_period_s()
         self._min_profile_s = min_profile_s(self._counter_period_s)
-        self._device = runtime.device  # the stage's GPU: instructions are timed on its stream
+        self._stream = runtime.stream  # instructions are timed on the stage's stream
         # One timeline per profiled clock: the waits of each are labelled apart, as the
         # power of a GPU blocked in NCCL depends on the clock.
         self._meters: dict[int, InstructionMeter] = {}
@@ -468,7 +468,7 @@ class OnlinePerseus:
         if freq not in self._meters:
             timeline = EnergyTimeline(self._counter_period_s)
             self._meters[freq] = InstructionMeter(
-                self.gpu, timeline, self._label, self.clock, device=self._device
+                self.gpu, timeline, self._label, self.clock, stream=self._stream
             )
         return self._meters[freq]
 

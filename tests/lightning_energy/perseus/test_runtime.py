@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_energy.device import SimulatedSpec, simulated_gpus
+from lightning_energy.device import SimulatedSpec, cuda_stream, simulated_gpus
 from lightning_energy.device.guard import GPUGuard
 from lightning_energy.errors import ConfigError
 from lightning_energy.perseus import Instruction, PerseusPlanner, Plan, evaluate, one_f_one_b
@@ -395,7 +395,7 @@ def test_instructions_are_timed_on_the_stage_stream_not_around_counter_reads(
         timeline,
         lambda inst: "forward",
         gpu.clock,
-        device=_STAGE,
+        stream=cuda_stream(_STAGE),
     )
     inst = Instruction(0, 0, "forward")
     meter.mark(BLOCKED_LABEL)
