@@ -355,11 +355,6 @@ class AcceleratorEnergy(EnergyAdapter):
                 gradient_group(setting, prepared.process_group), allreduce_hook
             )
             return
-        if self.search is not None:
-            raise ConfigError(
-                "kareus.data_parallel_search: a second model was prepared in DDP; the search "
-                "measures the steps of one DDP model: prepare one, or set it to false"
-            )
         self._start_search(prepared)
 
     def _start_search(self, prepared: DistributedDataParallel) -> None:
@@ -376,6 +371,11 @@ class AcceleratorEnergy(EnergyAdapter):
         section = self.config.kareus
         assert section.data_parallel_search_ctas is not None  # validated with the config
         try:
+            if self.search is not None:
+                raise ConfigError(
+                    "kareus.data_parallel_search: a second model was prepared in DDP; the "
+                    "search measures the steps of one DDP model: prepare one, or set it to false"
+                )
             groups = GradientGroups(prepared.process_group, section.data_parallel_search_ctas)
             self.search = DataParallelSearch(
                 controller,

@@ -118,6 +118,11 @@ def accelerate_config(tmp_path: Path, **kareus: Any) -> dict[str, Any]:
             {"data_parallel_ctas": 4},
             "comm_wrapper='bf16'",
         ),
+        (
+            DistributedDataParallelKwargs(comm_hook="fp16"),
+            {"data_parallel_search": True, "data_parallel_search_ctas": [4, 8]},
+            "comm_hook='fp16'.*drop it or kareus.data_parallel_search",
+        ),
     ],
 )
 def test_accelerate_refuses_ddp_arguments_the_setting_decides(
@@ -180,6 +185,22 @@ def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) 
             assert rank["prepared"][name] == pytest.approx(rank["plain"][name], rel=1e-6), name
         # Closed: Accelerate's own DDP arguments and prepare_model again.
         assert rank["after_end"] == {"ddp_handler": "None", "prepare_model_replaced": False}
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_accelerate_searches_one_ddp_model(tmp_path: Path) -> None:
+    config = accelerate_config(
+        tmp_path, data_parallel_search=True, data_parallel_search_ctas=[2, 4]
+    )
+    config["power_limit"] = {"enabled": False}
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator, config)
+    first = accelerator.prepare_model(DistributedDataParallel(torch.nn.Linear(4, 4)))
+    assert energy.search is not None and energy.search.groups.ctas == 2
+    assert [hook.__name__ for hook, _ in first._comm_hooks] == ["cta_allreduce_hook"]
+    with pytest.raises(ConfigError, match="a second model was prepared in DDP"):
+        accelerator.prepare_model(DistributedDataParallel(torch.nn.Linear(4, 4)))
+    assert not energy.running  # the run ended, every GPU restored
 
 
 @pytest.mark.slow
