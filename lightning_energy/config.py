@@ -294,9 +294,16 @@ class KareusConfig:
             (None: DDP's 25 MB).
         data_parallel_clock_mhz: data-parallel training: the SM clock locked for training,
             one the GPUs support (None: left as it is).
+        data_parallel_search: data-parallel training under Accelerate: measure every
+            candidate ``(CTAs, clock)`` during training and apply the best (see
+            :mod:`lightning_energy.kareus.dp_search`).
+        data_parallel_search_ctas: the search's CTA counts, each 1 to 32.
+        data_parallel_search_clocks_mhz: the search's clocks (None: the clock is not
+            searched).
+        data_parallel_search_steps: measured steps per candidate at least, >= 1.
 
     The ``data_parallel_*`` keys are applied by the Lightning energy DDP strategy and by
-    Accelerate's ``attach_energy``.
+    Accelerate's ``attach_energy``; the search only by ``attach_energy``.
     """
 
     enabled: bool = False
@@ -307,6 +314,10 @@ class KareusConfig:
     data_parallel_ctas: int | None = None
     data_parallel_bucket_cap_mb: float | None = None
     data_parallel_clock_mhz: int | None = None
+    data_parallel_search: bool = False
+    data_parallel_search_ctas: tuple[int, ...] | None = None
+    data_parallel_search_clocks_mhz: tuple[int, ...] | None = None
+    data_parallel_search_steps: int = 5
 
     def data_parallel(self) -> DataParallelSetting | None:
         """The data-parallel setting of the section (None: no such key set)."""
@@ -821,6 +832,7 @@ def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: lis
         from lightning_energy.kareus.data_parallel import setting_problems
 
         problems.extend(setting_problems(*values, "kareus.data_parallel_"))
+    _check_data_parallel_search(section, problems)
     if section.enabled:
         # A key given with a bad value is reported as such, not as missing.
         missing = [
@@ -833,6 +845,49 @@ def _check_kareus(section: KareusConfig, given: Mapping[str, Any], problems: lis
                 f"kareus.enabled: true is not allowed without {', '.join(missing)}; set them "
                 "or use false"
             )
+
+
+def _check_data_parallel_search(section: KareusConfig, problems: list[str]) -> None:
+    default = KareusConfig()
+    search_keys = [  # set to other than their defaults (a written-out config has them all)
+        f"kareus.{key}"
+        for key in (
+            "data_parallel_search_ctas",
+            "data_parallel_search_clocks_mhz",
+            "data_parallel_search_steps",
+        )
+        if getattr(section, key) != getattr(default, key)
+    ]
+    if not section.data_parallel_search:
+        if search_keys:
+            problems.append(
+                f"{', '.join(search_keys)}: set kareus.data_parallel_search: true to search, "
+                "or leave them out"
+            )
+        return
+    from lightning_energy.kareus.dp_search import search_problems
+
+    problems.extend(
+        search_problems(
+            section.data_parallel_search_ctas,
+            section.data_parallel_search_clocks_mhz,
+            section.data_parallel_search_steps,
+        )
+    )
+    if section.data_parallel_ctas is not None:
+        problems.append(
+            "kareus.data_parallel_ctas: not allowed with kareus.data_parallel_search: true (the "
+            "search chooses the CTAs among kareus.data_parallel_search_ctas); use null"
+        )
+    if (
+        section.data_parallel_clock_mhz is not None
+        and section.data_parallel_search_clocks_mhz is not None
+    ):
+        problems.append(
+            "kareus.data_parallel_clock_mhz: not allowed with "
+            "kareus.data_parallel_search_clocks_mhz (the search chooses the clock); use null "
+            "for one of them"
+        )
 
 
 def _check_batch_size(section: BatchSizeConfig, problems: list[str]) -> None:

@@ -327,7 +327,8 @@ class KareusDDPCore:
 
     Raises:
         ConfigError: a setting together with DDP's ``bucket_cap_mb`` or ``process_group``
-            (the setting decides them); at train start, a clock the GPUs do not support or
+            (the setting decides them); ``kareus.data_parallel_search`` (Accelerate only);
+            at train start, a clock the GPUs do not support or
             may not be locked at, or a clock without an energy run to hold it.
     """
 
@@ -338,6 +339,13 @@ class KareusDDPCore:
         self, *args: Any, data_parallel: DataParallelSetting | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        if self.energy_callback.config.kareus.data_parallel_search:
+            raise ConfigError(
+                f"kareus.data_parallel_search: {type(self).__name__} cannot search online (DDP "
+                "reduces in the group it was built with; the search switches groups through a "
+                "communication hook, under Accelerate's attach_energy); set "
+                "kareus.data_parallel_ctas and kareus.data_parallel_clock_mhz instead, or false"
+            )
         if data_parallel is None:
             data_parallel = self.energy_callback.config.kareus.data_parallel()
         if data_parallel is not None:

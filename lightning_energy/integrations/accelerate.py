@@ -31,7 +31,11 @@ What :func:`attach_energy` wires up (nothing at all when inactive):
   prepared, and the CTA-limited gradient group into a DDP communication hook
   (``allreduce_hook``, averaging over the DDP model's own group) registered on the DDP
   model as Accelerate wraps it (attach before ``prepare`` then); its clock is locked
-  through the run's guard from ``attach_energy`` until the run ends.
+  through the run's guard from ``attach_energy`` until the run ends. With
+  ``data_parallel_search``, the hook's state holds one CTA-limited group per candidate and
+  :class:`~lightning_energy.kareus.dp_search.DataParallelSearch` measures the candidate
+  CTAs (and clocks) over the training steps, then applies the best
+  (:attr:`AcceleratorEnergy.search`).
 * checkpoints: ``save_state`` writes the power-limit profile and choice to a file of its
   own (:data:`CHECKPOINT_FILE`) and ``load_state`` reads it when it is there (no profiling
   again after a restart); Accelerate's own files and custom objects are left as they are.
@@ -96,6 +100,7 @@ from lightning_energy.integrations.adapter import (
 
 if TYPE_CHECKING:
     from lightning_energy.kareus.data_parallel import DataParallelSetting
+    from lightning_energy.kareus.dp_search import DataParallelSearch
 
 __all__ = ["CHECKPOINT_FILE", "AcceleratorEnergy", "EnergyTracker", "attach_energy"]
 
@@ -139,6 +144,9 @@ def attach_energy(
             ``DistributedDataParallelKwargs`` whose ``bucket_cap_mb`` differs from the
             setting's, or with one that sets ``comm_hook`` or ``comm_wrapper``; a setting's
             clock the GPUs do not support or this job may not lock (the run is ended).
+            Under ``kareus.data_parallel_search``, when the model is prepared: a second DDP
+            model, a clock the GPUs do not support, or CTAs searched beside power-limit
+            profiling (the run is ended).
         EnergyError: energy optimisation is already attached to ``accelerator``; in strict
             mode, the GPUs cannot be controlled.
 
@@ -179,6 +187,8 @@ class AcceleratorEnergy(EnergyAdapter):
         summary: the run summary once closed.
         data_parallel: the Kareus data-parallel setting applied to the DDP models prepared
             while the run is open (None: DDP's own; always None when inactive).
+        search: the Kareus online data-parallel search of the DDP model prepared in this
+            run (None: not searching, or no DDP model prepared yet).
     """
 
     ended_by: ClassVar[str] = (
@@ -209,6 +219,8 @@ class AcceleratorEnergy(EnergyAdapter):
         self._freed: weakref.finalize | None = None
         self._pid = os.getpid()
         self.data_parallel = self.config.kareus.data_parallel() if self._active else None
+        self._searches = self._active and self.config.kareus.data_parallel_search
+        self.search: DataParallelSearch | None = None
         self._ddp_handler: DistributedDataParallelKwargs | None = None  # the user's own
 
     @property
@@ -241,8 +253,8 @@ class AcceleratorEnergy(EnergyAdapter):
         accelerator = self._accelerator()
         if self.controller is not None or accelerator is None:
             return
-        if self.data_parallel is not None:
-            _refuse_ddp_conflicts(accelerator, self.data_parallel)
+        if self.data_parallel is not None or self._searches:
+            _refuse_ddp_conflicts(accelerator, self.data_parallel, searches=self._searches)
         controller = EnergyController(
             self.config,
             collective=tensor_collective(
@@ -280,8 +292,9 @@ class AcceleratorEnergy(EnergyAdapter):
         the GPUs when the script never ends the run."""
         _EndTraining(accelerator, self)
         _PrepareOptimizer(accelerator, self)
-        if self.data_parallel is not None:
+        if self.data_parallel is not None or self._searches:
             _PrepareModel(accelerator, self)
+        if self.data_parallel is not None:
             self._ddp_handler = accelerator.ddp_handler
             accelerator.ddp_handler = dataclasses.replace(
                 self._ddp_handler or DistributedDataParallelKwargs(),
@@ -321,23 +334,59 @@ class AcceleratorEnergy(EnergyAdapter):
     def _hook_gradients(self, prepared: object) -> None:
         """A model Accelerate just wrapped in DDP: its gradients are all-reduced in the
         setting's CTA-limited copy of the DDP model's own group (a collective: every rank
-        prepares its models at the same point), averaged over that group's ranks."""
-        if (
-            not isinstance(prepared, DistributedDataParallel)
-            or self.data_parallel is None
-            or self.data_parallel.ctas is None
-        ):
+        prepares its models at the same point), averaged over that group's ranks. Under the
+        online search, in the copy the search uses now, one per candidate CTA count."""
+        if not isinstance(prepared, DistributedDataParallel):
             return
+        setting = self.data_parallel
+        if not self._searches and (setting is None or setting.ctas is None):
+            return
+        key = "kareus.data_parallel_search" if self._searches else "kareus.data_parallel_ctas"
         if prepared._comm_hooks:
             raise ConfigError(
-                "kareus.data_parallel_ctas: the DDP model Accelerate prepared already has a "
-                "communication hook; the setting's CTAs need their own: drop that hook or "
-                "kareus.data_parallel_ctas"
+                f"{key}: the DDP model Accelerate prepared already has a communication hook; "
+                f"the CTAs need their own: drop that hook or {key}"
             )
-        from lightning_energy.kareus.data_parallel import gradient_group
+        if not self._searches:
+            from lightning_energy.kareus.data_parallel import gradient_group
 
-        group = gradient_group(self.data_parallel, prepared.process_group)
-        prepared.register_comm_hook(group, allreduce_hook)
+            assert setting is not None
+            prepared.register_comm_hook(
+                gradient_group(setting, prepared.process_group), allreduce_hook
+            )
+            return
+        self._start_search(prepared)
+
+    def _start_search(self, prepared: DistributedDataParallel) -> None:
+        """Search the CTAs (and clocks) of ``prepared``'s gradient all-reduce from the next
+        step on; when it cannot run, end the run (every GPU restored) and raise."""
+        from lightning_energy.kareus.dp_search import (
+            DataParallelSearch,
+            GradientGroups,
+            cta_allreduce_hook,
+        )
+
+        controller = self.controller
+        assert controller is not None  # a run is open while prepare_model is replaced
+        section = self.config.kareus
+        assert section.data_parallel_search_ctas is not None  # validated with the config
+        try:
+            if self.search is not None:
+                raise ConfigError(
+                    "kareus.data_parallel_search: a second model was prepared in DDP; the "
+                    "search measures the steps of one DDP model: prepare one, or set it to false"
+                )
+            groups = GradientGroups(prepared.process_group, section.data_parallel_search_ctas)
+            self.search = DataParallelSearch(
+                controller,
+                groups,
+                section.data_parallel_search_clocks_mhz,
+                steps=section.data_parallel_search_steps,
+            )
+        except BaseException as exc:
+            self._abort(type(exc).__name__)
+            raise
+        prepared.register_comm_hook(groups, cta_allreduce_hook)
 
     def _prepared(self, optimizer: torch.optim.Optimizer) -> bool:
         accelerator = self._accelerator()
@@ -376,6 +425,8 @@ class AcceleratorEnergy(EnergyAdapter):
         if not self._step_open:
             controller.handle(StepStart())
             self._step_open = True
+            if self.search is not None:
+                self.search.step_start()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         controller = self.controller
@@ -384,7 +435,12 @@ class AcceleratorEnergy(EnergyAdapter):
         # A step runs from one optimizer step to the next, so a measurement window covers
         # whole iterations (forward, backward, data loading) and nothing is left out.
         self._publish(controller.handle(StepEnd()), controller.steps)
+        search = self.search
+        if search is not None:
+            search.step_end()
         controller.handle(StepStart())
+        if search is not None:
+            search.step_start()
 
     def _declare_workload(
         self, controller: EnergyController, optimizer: torch.optim.Optimizer
@@ -395,6 +451,8 @@ class AcceleratorEnergy(EnergyAdapter):
         accelerator = self._accelerator()
         assert accelerator is not None  # it prepared the optimizer stepping now
         controller.handle(Interruption("a new training"))
+        if self.search is not None:
+            self.search.pause()
         controller.set_workload(
             workload_key(
                 batch_size=_batch_size(accelerator),
@@ -445,6 +503,8 @@ class AcceleratorEnergy(EnergyAdapter):
         """
         if self.controller is not None:
             self.controller.handle(Interruption(reason))
+        if self.search is not None:
+            self.search.pause()
 
     def set_workload(self, key: str) -> None:
         """Declare a new workload (batch size or model change): it is profiled again.
@@ -476,6 +536,7 @@ class AcceleratorEnergy(EnergyAdapter):
                 override.remove(accelerator, self)
             if self.data_parallel is not None:
                 accelerator.ddp_handler = self._ddp_handler
+        self.search = None
         if self._freed is not None:
             self._freed.detach()
         self._step_open = False
@@ -693,16 +754,22 @@ class _PrepareModel(_Override):
         return prepared
 
 
-def _refuse_ddp_conflicts(accelerator: Accelerator, setting: DataParallelSetting) -> None:
-    """Refuse what a data-parallel setting cannot be applied beside.
+def _refuse_ddp_conflicts(
+    accelerator: Accelerator, setting: DataParallelSetting | None, *, searches: bool
+) -> None:
+    """Refuse what a data-parallel setting (or the online search, when ``searches``)
+    cannot be applied beside.
 
     Raises:
         ConfigError: a model already prepared in DDP (its buckets and group are fixed), or
             the Accelerator's ``DistributedDataParallelKwargs`` sets another bucket size or,
-            with the setting's CTAs, a communication hook.
+            with the setting's CTAs or the search, a communication hook.
     """
-    bucket_cap_mb = setting.bucket_cap_mb
-    where = "kareus.data_parallel_ctas / kareus.data_parallel_bucket_cap_mb"
+    where = (
+        "kareus.data_parallel_search"
+        if searches
+        else "kareus.data_parallel_ctas / kareus.data_parallel_bucket_cap_mb"
+    )
     if any(isinstance(model, DistributedDataParallel) for model in accelerator._models):
         raise ConfigError(
             f"{where}: a model was already prepared in DDP, whose buckets and gradient group "
@@ -712,6 +779,7 @@ def _refuse_ddp_conflicts(accelerator: Accelerator, setting: DataParallelSetting
     if handler is None:
         return
     default = DistributedDataParallelKwargs().bucket_cap_mb
+    bucket_cap_mb = default if setting is None else setting.bucket_cap_mb
     if handler.bucket_cap_mb not in (default, bucket_cap_mb):
         raise ConfigError(
             f"{where}: DistributedDataParallelKwargs(bucket_cap_mb={handler.bucket_cap_mb}) "
@@ -723,11 +791,11 @@ def _refuse_ddp_conflicts(accelerator: Accelerator, setting: DataParallelSetting
         "comm_wrapper": DDPCommunicationHookType(handler.comm_wrapper),
     }
     given = [f"{k}={v.value!r}" for k, v in hooks.items() if v != DDPCommunicationHookType.NO]
-    if given and setting.ctas is not None:
+    key = "kareus.data_parallel_search" if searches else "kareus.data_parallel_ctas"
+    if given and (searches or (setting is not None and setting.ctas is not None)):
         raise ConfigError(
             f"{where}: DistributedDataParallelKwargs({', '.join(given)}) replaces the "
-            "gradient all-reduce the setting's CTA-limited group runs in; drop it or "
-            "kareus.data_parallel_ctas"
+            f"gradient all-reduce the CTA-limited groups run in; drop it or {key}"
         )
 
 

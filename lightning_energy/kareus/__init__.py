@@ -20,6 +20,9 @@ The pieces, in the order a user meets them:
   the model;
 * :mod:`.dp_workload`: the simulated GPU's answer for data-parallel training, a backward
   with its gradient all-reduce in overlapped buckets, measured for the partition search;
+* :mod:`.dp_search`: the data-parallel CTAs and clock measured online, during training
+  (switchable CTA-limited gradient groups behind a DDP hook; Accelerate's ``attach_energy``
+  runs it);
 * :mod:`.megatron_layer` (needs Megatron-Core; not imported here): the runtime for
   Megatron-Core, a layer spec whose layers overlap two nano-batches at a plan's settings
   (``KareusMegatron``, given to ``MegatronEnergy(kareus=...)``, which applies the plan's

@@ -43,11 +43,13 @@ __all__ = [
     "DDP_DEFAULT_BUCKET_CAP_MB",
     "DataParallelClock",
     "DataParallelSetting",
+    "agree",
     "ddp_kwargs",
     "gradient_group",
     "hold_clock",
     "refuse_decided",
     "setting_problems",
+    "unsupported_clock",
     "wrap_ddp",
 ]
 
@@ -262,18 +264,19 @@ def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelCloc
             "owner of the clocks at a time); use null here, or run without it"
         )
     knob = DataParallelClock(clock_mhz)
-    _agree(controller, _unsupported(controller, clock_mhz))
+    key = "kareus.data_parallel_clock_mhz"
+    agree(controller, unsupported_clock(controller, clock_mhz), key)
     controller.add_knob(knob)
     refusal = None
     if guard.observe_only:
         refusal = f"this job only observes its GPUs ({guard.observe_only_reason})"
     elif guard.lock_clocks_mhz(clock_mhz, clock_mhz, refusal_stops_clocks=True) is None:
         refusal = f"the GPUs' clocks may not be locked ({guard.clocks_off_reason})"
-    _agree(controller, refusal)
+    agree(controller, refusal, key)
     return knob
 
 
-def _unsupported(controller: EnergyController, clock_mhz: int) -> str | None:
+def unsupported_clock(controller: EnergyController, clock_mhz: int) -> str | None:
     """Why this rank's GPUs cannot run at ``clock_mhz`` (None: every one supports it)."""
     try:
         supported = [gpu.supported_sm_clocks_mhz() for gpu in controller.devices.gpus]
@@ -288,8 +291,8 @@ def _unsupported(controller: EnergyController, clock_mhz: int) -> str | None:
     return f"{clock_mhz} MHz is not a supported SM clock; use one of {shown}"
 
 
-def _agree(controller: EnergyController, refusal: str | None) -> None:
-    """Raise on every rank when ``refusal`` is set on any.
+def agree(controller: EnergyController, refusal: str | None, key: str) -> None:
+    """Raise on every rank when ``refusal`` is set on any; ``key`` names the setting.
 
     Raises:
         ConfigError: some rank refused, naming this rank's reason (or that another rank
@@ -299,6 +302,6 @@ def _agree(controller: EnergyController, refusal: str | None) -> None:
     if refusals > 0:
         reason = refusal or "another rank of the job cannot lock its GPUs at this clock"
         raise ConfigError(
-            f"kareus.data_parallel_clock_mhz: {reason}; use a clock the GPUs support where "
+            f"{key}: {reason}; use a clock the GPUs support where "
             "the job may lock clocks, or null (the clock is left as it is)"
         )

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lightning_energy.device.base import StageWork
 from lightning_energy.errors import ConfigError
 from lightning_energy.kareus.data_parallel import DataParallelSetting
 from lightning_energy.kareus.model import OverlapModel, Prediction
@@ -129,6 +130,33 @@ class SimulatedDataParallel:
             bucket_cap_mb=self.bucket_caps_mb[point.slot],
             clock_mhz=point.clock_mhz,
         )
+
+    def step_work(self, ctas: int, bucket_cap_mb: float, max_clock_mhz: int) -> StageWork:
+        """The backward under ``ctas`` and ``bucket_cap_mb`` as work a simulated GPU runs
+        (:class:`~lightning_energy.device.simulated.work.DataParallelSimulation`): its time
+        at ``max_clock_mhz`` and the share of it that scales with the clock, both from this
+        model without noise (the share from the time at half that clock). The GPU then runs
+        it at the clock it is locked to, drawing its own power.
+
+        Args:
+            ctas: the CTAs of the gradient all-reduce.
+            bucket_cap_mb: one of :attr:`bucket_caps_mb`.
+            max_clock_mhz: the simulated GPU's highest SM clock.
+
+        Raises:
+            ConfigError: ``bucket_cap_mb`` is not one of :attr:`bucket_caps_mb`.
+        """
+        if bucket_cap_mb not in self.bucket_caps_mb:
+            raise ConfigError(
+                f"bucket_cap_mb: {bucket_cap_mb!r} is not allowed; use one of "
+                f"{', '.join(f'{c:g}' for c in self.bucket_caps_mb)}"
+            )
+        slot = self.bucket_caps_mb.index(bucket_cap_mb)
+        half = max_clock_mhz // 2
+        settings = [PartitionSetting(max_clock_mhz, ctas, slot), PartitionSetting(half, ctas, slot)]
+        (fast_s, _), (slow_s, _) = self.exact(DP_KEY, settings)
+        share = (slow_s / fast_s - 1.0) / (max_clock_mhz / half - 1.0)
+        return StageWork(fast_s, min(1.0, max(0.0, share)))
 
     def buckets(self, bucket_cap_mb: float) -> list[tuple[tuple[ComputeOp, ...], float]]:
         """The buckets under ``bucket_cap_mb``, in backward order: the compute ops that

@@ -85,6 +85,13 @@ def test_a_setting_with_ddps_bucket_size_is_refused(strategy_class: Any) -> None
         strategy_class(energy={"kareus": {"data_parallel_ctas": 4}}, process_group=None)
 
 
+@pytest.mark.parametrize("strategy_class", NAMESPACES)
+def test_the_strategy_refuses_the_online_search_clearly(strategy_class: Any) -> None:
+    kareus = {"data_parallel_search": True, "data_parallel_search_ctas": [4, 8]}
+    with pytest.raises(ConfigError, match=r"cannot search online .* under Accelerate"):
+        strategy_class(energy={"kareus": kareus})
+
+
 def accelerate_config(tmp_path: Path, **kareus: Any) -> dict[str, Any]:
     """A simulated GPU and the ``kareus`` section ``kareus``; leases in ``tmp_path``."""
     return {
@@ -110,6 +117,11 @@ def accelerate_config(tmp_path: Path, **kareus: Any) -> dict[str, Any]:
             DistributedDataParallelKwargs(comm_wrapper="bf16"),
             {"data_parallel_ctas": 4},
             "comm_wrapper='bf16'",
+        ),
+        (
+            DistributedDataParallelKwargs(comm_hook="fp16"),
+            {"data_parallel_search": True, "data_parallel_search_ctas": [4, 8]},
+            "comm_hook='fp16'.*drop it or kareus.data_parallel_search",
         ),
     ],
 )
@@ -173,6 +185,73 @@ def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) 
             assert rank["prepared"][name] == pytest.approx(rank["plain"][name], rel=1e-6), name
         # Closed: Accelerate's own DDP arguments and prepare_model again.
         assert rank["after_end"] == {"ddp_handler": "None", "prepare_model_replaced": False}
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_accelerate_searches_one_ddp_model(tmp_path: Path) -> None:
+    config = accelerate_config(
+        tmp_path, data_parallel_search=True, data_parallel_search_ctas=[2, 4]
+    )
+    config["power_limit"] = {"enabled": False}
+    accelerator = Accelerator(cpu=True)
+    energy = attach_energy(accelerator, config)
+    first = accelerator.prepare_model(DistributedDataParallel(torch.nn.Linear(4, 4)))
+    assert energy.search is not None and energy.search.groups.ctas == 2
+    assert [hook.__name__ for hook, _ in first._comm_hooks] == ["cta_allreduce_hook"]
+    with pytest.raises(ConfigError, match="a second model was prepared in DDP"):
+        accelerator.prepare_model(DistributedDataParallel(torch.nn.Linear(4, 4)))
+    assert not energy.running  # the run ended, every GPU restored
+
+
+@pytest.mark.slow
+def test_accelerate_searches_the_ctas_and_clock_online_and_applies_the_choice(
+    tmp_path: Path,
+) -> None:
+    clocks = a100_clocks()
+    candidates = [clocks[0], clocks[len(clocks) // 2]]
+    config = accelerate_config(
+        tmp_path,
+        data_parallel_search=True,
+        data_parallel_search_ctas=[2, 16],
+        data_parallel_search_clocks_mhz=candidates,
+        data_parallel_search_steps=2,
+    )
+    config["device"]["gpu"] = "a100"
+    config["power_limit"] = {"warmup_steps": 2, "settle_steps": 1, "selector": "energy"}
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        ENERGY_CFG=json.dumps(config),
+        OUT_DIR=str(tmp_path),
+    )
+    envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
+    module = "tests.lightning_energy.integrations.accelerate_dp_search_worker"
+    run_ranks([[sys.executable, "-m", module]] * 2, tmp_path, envs=envs, timeout_s=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    grid = {(n, c) for n in (2, 16) for c in candidates}
+    for rank in ranks:
+        assert rank["hook"] == "cta_allreduce_hook"
+        # Averaged over both ranks in the CTA-limited group, as plain DDP does.
+        for mine, plain in zip(rank["prepared"], rank["plain"], strict=True):
+            assert mine == pytest.approx(plain, rel=1e-6, abs=1e-8)
+        # Every candidate ran with its CTAs and clock, then the choice for good.
+        ran = {(n, lock[1]) for n, lock in rank["steps"] if lock is not None}
+        assert ran == grid
+        assert {(p["ctas"], p["clock_mhz"]) for p in rank["profile"]} == grid
+        least = min(rank["profile"], key=lambda p: p["energy_per_step_j"])
+        assert rank["chosen"] == [least["ctas"], least["clock_mhz"]]
+        chosen_ctas, chosen_clock = rank["chosen"]
+        assert rank["steps"][-1] == [chosen_ctas, [chosen_clock, chosen_clock]]
+        measured = [d for d in rank["decisions"] if d[0] == "kareus_dp_measured_energy_per_step_j"]
+        assert len(measured) == len(grid)
+        assert rank["clock_after_end"] is None  # released when the run ended
+    # Decided alike on every rank, on the job-wide windows.
+    assert ranks[0]["chosen"] == ranks[1]["chosen"]
+    assert ranks[0]["profile"] == ranks[1]["profile"]
 
 
 def a100_clocks() -> list[int]:
@@ -286,6 +365,10 @@ def test_lightning_locks_the_settings_clock_for_training_and_releases_it(
         enable_checkpointing=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(module_class(ns)(), make_loader())
+    try:
+        trainer.fit(module_class(ns)(), make_loader())
+    finally:  # Lightning's DDP leaves its process group for the process: not for later tests
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert seen == [(clock, clock)] * 4
     assert gpus[0].locked_clocks_mhz() is None  # released at the end of the fit

@@ -56,7 +56,9 @@ def test_every_bad_value_is_reported_at_once() -> None:
     assert any(
         p.startswith(
             "kareus.nanobatches: unknown key; allowed keys: data_parallel_bucket_cap_mb, "
-            "data_parallel_clock_mhz, data_parallel_ctas, enabled,"
+            "data_parallel_clock_mhz, data_parallel_ctas, data_parallel_search, "
+            "data_parallel_search_clocks_mhz, data_parallel_search_ctas, "
+            "data_parallel_search_steps, enabled,"
         )
         for p in found
     )
