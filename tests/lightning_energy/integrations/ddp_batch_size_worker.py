@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as ns
+import torch.distributed as dist
 
 from lightning_energy.integrations.lightning import BatchSizeCallback, EnergyCallback
 from lightning_energy.store import Store
@@ -70,3 +71,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Lightning leaves the process group to the program, which ends it before it exits.
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as ns
+import torch.distributed as dist
 
 from lightning_energy.integrations.lightning import EnergyCallback
 from tests.lightning_energy.integrations._models import make_loader, module_class
@@ -45,3 +46,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Lightning leaves the process group to the program, which ends it before it exits.
+    if dist.is_initialized():
+        dist.destroy_process_group()
