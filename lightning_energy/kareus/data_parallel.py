@@ -38,6 +38,7 @@ from lightning_energy.kareus.runtime import NCCL_MAX_CTAS, cta_groups
 
 if TYPE_CHECKING:
     from lightning_energy.controller import EnergyController
+    from lightning_energy.device.guard import GPUGuard
 
 __all__ = [
     "DDP_DEFAULT_BUCKET_CAP_MB",
@@ -47,7 +48,9 @@ __all__ = [
     "ddp_kwargs",
     "gradient_group",
     "hold_clock",
+    "lock_refusal",
     "refuse_decided",
+    "refuse_other_clock_owners",
     "setting_problems",
     "unsupported_clock",
     "wrap_ddp",
@@ -255,25 +258,40 @@ def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelCloc
             "kareus.data_parallel_clock_mhz: the energy run is not set up; lock the clock "
             "after it starts"
         )
+    key = "kareus.data_parallel_clock_mhz"
+    refuse_other_clock_owners(controller, key)
+    knob = DataParallelClock(clock_mhz)
+    agree(controller, unsupported_clock(controller, clock_mhz), key)
+    controller.add_knob(knob)
+    agree(controller, lock_refusal(guard, clock_mhz), key)
+    return knob
+
+
+def refuse_other_clock_owners(controller: EnergyController, key: str) -> None:
+    """Refuse ``key``'s clock beside another knob that holds the clocks (one owner of the
+    clocks at a time; the built-in locked-clock knob yields them).
+
+    Raises:
+        ConfigError: another knob holds the clocks, naming it.
+    """
     owners = [
         k.name for k in controller.knobs if k.holds_clocks and k is not controller.locked_clock
     ]
     if owners:
         raise ConfigError(
-            f"kareus.data_parallel_clock_mhz: {', '.join(owners)} already holds the clocks (one "
-            "owner of the clocks at a time); use null here, or run without it"
+            f"{key}: {', '.join(owners)} already holds the clocks (one owner of the clocks "
+            "at a time); use null here, or run without it"
         )
-    knob = DataParallelClock(clock_mhz)
-    key = "kareus.data_parallel_clock_mhz"
-    agree(controller, unsupported_clock(controller, clock_mhz), key)
-    controller.add_knob(knob)
-    refusal = None
+
+
+def lock_refusal(guard: GPUGuard, clock_mhz: int) -> str | None:
+    """Lock this rank's GPUs at ``clock_mhz`` through the run's guard; why they were not
+    locked (None: they were)."""
     if guard.observe_only:
-        refusal = f"this job only observes its GPUs ({guard.observe_only_reason})"
-    elif guard.lock_clocks_mhz(clock_mhz, clock_mhz, refusal_stops_clocks=True) is None:
-        refusal = f"the GPUs' clocks may not be locked ({guard.clocks_off_reason})"
-    agree(controller, refusal, key)
-    return knob
+        return f"this job only observes its GPUs ({guard.observe_only_reason})"
+    if guard.lock_clocks_mhz(clock_mhz, clock_mhz, refusal_stops_clocks=True) is None:
+        return f"the GPUs' clocks may not be locked ({guard.clocks_off_reason})"
+    return None
 
 
 def unsupported_clock(controller: EnergyController, clock_mhz: int) -> str | None:

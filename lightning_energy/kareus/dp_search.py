@@ -40,7 +40,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_energy.errors import ConfigError
-from lightning_energy.kareus.data_parallel import agree, unsupported_clock
+from lightning_energy.kareus.data_parallel import (
+    agree,
+    lock_refusal,
+    refuse_other_clock_owners,
+    unsupported_clock,
+)
 from lightning_energy.kareus.runtime import NCCL_MAX_CTAS, cta_groups
 from lightning_energy.optimize.power_limit import min_window_s
 from lightning_energy.optimize.selectors import Measurement
@@ -251,24 +256,13 @@ class DataParallelSearch:
     def _check_clocks(self, clocks_mhz: list[int]) -> None:
         controller = self.controller
         key = "kareus.data_parallel_search_clocks_mhz"
-        owners = [
-            k.name for k in controller.knobs if k.holds_clocks and k is not controller.locked_clock
-        ]
-        if owners:
-            raise ConfigError(
-                f"{key}: {', '.join(owners)} already holds the clocks (one owner of the clocks "
-                "at a time); use null here, or run without it"
-            )
+        refuse_other_clock_owners(controller, key)
         guard = controller.run_guard
         if guard is None:
             raise ConfigError(f"{key}: the energy run is not set up; search after it starts")
         refusal = next(filter(None, (unsupported_clock(controller, c) for c in clocks_mhz)), None)
-        if refusal is None and guard.observe_only:
-            refusal = f"this job only observes its GPUs ({guard.observe_only_reason})"
-        elif refusal is None:
-            first = clocks_mhz[0]  # the first candidate's: locking it tells whether locks hold
-            if guard.lock_clocks_mhz(first, first, refusal_stops_clocks=True) is None:
-                refusal = f"the GPUs' clocks may not be locked ({guard.clocks_off_reason})"
+        if refusal is None:  # locking the first candidate tells whether locks hold
+            refusal = lock_refusal(guard, clocks_mhz[0])
         agree(controller, refusal, key)
 
     # ------------------------------------------------------------------ steps

@@ -21,23 +21,7 @@ from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_energy.integrations.accelerate import attach_energy
-
-
-def model() -> torch.nn.Module:
-    """The same weights on every rank."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
-    )
-
-
-def grads(module: torch.nn.Module) -> dict[str, list[float]]:
-    """Every parameter's gradient, flat."""
-    out = {}
-    for name, param in module.named_parameters():
-        assert param.grad is not None, name
-        out[name] = param.grad.flatten().tolist()
-    return out
+from tests.lightning_energy.kareus.ddp_knobs_worker import grads, model
 
 
 def main() -> None:

@@ -157,23 +157,30 @@ def test_accelerate_refuses_a_setting_after_a_model_was_prepared_in_ddp(tmp_path
         attach_energy(accelerator, accelerate_config(tmp_path, data_parallel_ctas=2))
 
 
-@pytest.mark.slow
-def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) -> None:
-    config = accelerate_config(tmp_path, data_parallel_ctas=4, data_parallel_bucket_cap_mb=0.001)
-    port = str(free_port())
+def _run_accelerate_ranks(
+    worker: str, config: dict[str, Any], tmp_path: Path
+) -> list[dict[str, Any]]:
+    """Run ``worker`` (a module of this package) on 2 ranks with the energy ``config``;
+    what each rank wrote to ``rank<r>.json``."""
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
     env.update(
         PYTHONPATH=str(ROOT),
         WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
+        MASTER_PORT=str(free_port()),
         ENERGY_CFG=json.dumps(config),
         OUT_DIR=str(tmp_path),
     )
     envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
-    module = "tests.lightning_energy.integrations.accelerate_kareus_worker"
+    module = f"tests.lightning_energy.integrations.{worker}"
     run_ranks([[sys.executable, "-m", module]] * 2, tmp_path, envs=envs, timeout_s=240)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_accelerate_averages_gradients_in_the_cta_limited_group(tmp_path: Path) -> None:
+    config = accelerate_config(tmp_path, data_parallel_ctas=4, data_parallel_bucket_cap_mb=0.001)
+    ranks = _run_accelerate_ranks("accelerate_kareus_worker", config, tmp_path)
     for rank in ranks:
         assert rank["bucket_bytes_cap"] == int(0.001 * 1024 * 1024)
         # The CTA-limited copy of the DDP model's group, all of its ranks: averaged over both.
@@ -218,20 +225,7 @@ def test_accelerate_searches_the_ctas_and_clock_online_and_applies_the_choice(
     )
     config["device"]["gpu"] = "a100"
     config["power_limit"] = {"warmup_steps": 2, "settle_steps": 1, "selector": "energy"}
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
-        ENERGY_CFG=json.dumps(config),
-        OUT_DIR=str(tmp_path),
-    )
-    envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
-    module = "tests.lightning_energy.integrations.accelerate_dp_search_worker"
-    run_ranks([[sys.executable, "-m", module]] * 2, tmp_path, envs=envs, timeout_s=240)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = _run_accelerate_ranks("accelerate_dp_search_worker", config, tmp_path)
     grid = {(n, c) for n in (2, 16) for c in candidates}
     for rank in ranks:
         assert rank["hook"] == "cta_allreduce_hook"
