@@ -72,6 +72,8 @@ class CarbonPacing:
         self.run = run
         self.config = config
         self.pacer: CarbonPacer | None = None
+        # The knob the current scale was applied to.
+        self._paced: Knob | None = None
         self._wake: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,10 +167,13 @@ class CarbonPacing:
         ledger.set_intensity(update.intensity_g_per_kwh)
         if update.scale is None or not run.changes_settings():
             return
-        if update.scale != ledger.scale:  # a scale comes with rank 0's frontier of the knob
+        # A scale comes with rank 0's frontier of the knob. It is applied again where
+        # another knob took the pace since (a lock refused: power limits, once profiled).
+        if update.scale != ledger.scale or run.paced_knob() is not self._paced:
             ledger.set_scale(update.scale)
             decision = run.paced_knob().apply_pace(update.scale)
             if decision is not None:
+                self._paced = run.paced_knob()
                 reason = f"carbon pace x{update.scale:.3f}: {update.reason}"
                 ledger.decide(decision.kind, decision.value, reason, decision.purpose)
         if update.pause:

@@ -35,6 +35,7 @@ from lightning_energy.optimize.power_limit import LOCKED_CLOCK, POWER_LIMIT
 from lightning_energy.optimize.selectors import select_across
 
 if TYPE_CHECKING:
+    from lightning_energy.controller.knobs import KnobDecision
     from lightning_energy.controller.power_limits import PowerLimitKnob
     from lightning_energy.device.guard import GPUGuard
     from lightning_energy.optimize.power_limit import PowerLimitOptimizer
@@ -307,6 +308,19 @@ class LockedClockKnob(SettingKnob):
         self._agree(None if guard.observe_only else guard.clocks_off_reason)
         if not self.active:
             self.limits.reuse_known_choice()
+
+    def apply_pace(self, scale: float) -> KnobDecision | None:
+        """The carbon pace's lock; where a rank's GPUs refuse it, every rank falls back to
+        power limits, which take the pace (where they were profiled already: ``auto``;
+        otherwise once they are)."""
+        decision = super().apply_pace(scale)
+        if decision is None and self.session.profile_by_limit():
+            guard = self._guard
+            self._agree(None if guard.observe_only else guard.clocks_off_reason)
+            if not self.active:
+                self.limits.reuse_known_choice()
+                return self.limits.apply_pace(scale)
+        return decision
 
     def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
         """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM

@@ -3,6 +3,7 @@ checkpoints, and the ``power_limit.knob`` choice (simulated A100, whose clocks a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -24,7 +25,7 @@ from lightning_energy.controller.locked_clock import thin_clocks_mhz
 from lightning_energy.device import NVMLGPU, DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import recover
 from lightning_energy.device.simulated import Phase
-from lightning_energy.errors import ConfigError
+from lightning_energy.errors import ConfigError, NoPermissionError
 from lightning_energy.optimize.selectors import Measurement, make_selector, select_across
 
 PRE_JOB_W = 400.0  # the simulated A100's default limit
@@ -715,6 +716,67 @@ def test_the_carbon_pace_moves_the_locked_clock(tmp_path: Path) -> None:
     assert not [d for d in controller.decisions if d["kind"] == "power_limit"]
     assert summary.carbon is not None and summary.carbon["deadline_met"] is True
     assert gpu.settings()[1] is None
+
+
+@pytest.mark.parametrize("knob", ["auto", "locked_clock"])
+def test_a_lock_refused_while_pacing_hands_the_pace_to_power_limits(
+    tmp_path: Path, knob: str
+) -> None:
+    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
+    config = EnergyConfig.from_yaml(example).merged(
+        {
+            "device": {
+                "backend": "simulated",
+                "gpu": "a100",
+                "step_time_s": 36.0,  # 1200 steps are half a day of the grid
+                "lease_dir": str(tmp_path / "leases"),
+            },
+            "power_limit": {
+                "knob": knob,
+                "selector": "energy",
+                "clock_step_mhz": 150,
+                "power_limits_w": [400, 350, 300, 250, 200, 150],
+            },
+            "carbon": {"max_slowdown": 1.1},
+            "report": None,
+        }
+    )
+    # Phased work: under auto the lock measures cheaper than every power limit and wins.
+    spec = dataclasses.replace(config.device.simulated_spec(), step_phases=AUTO_MODELS["phased"][0])
+    (gpu,) = simulated_gpus(spec)
+    devices = DeviceSet(gpus=[gpu], clock=gpu.clock.now, backend="simulated", run_step=gpu.run_step)
+    controller = EnergyController(config, devices=devices, install_signal_handlers=False)
+    controller.setup()
+    controller.set_total_steps(1200)
+    refused_from = None
+    for step in range(1200):
+        controller.on_step_start()
+        controller.on_step_end()
+        paced = [d for d in controller.decisions if "carbon pace" in d["reason"]]
+        if refused_from is None and paced:
+            assert {d["kind"] for d in paced} == {"locked_clock"}
+            # The pace set a lock; from now on the driver refuses every lock.
+            gpu.inject_fault("set_locked_clocks", NoPermissionError)
+            refused_from = step + 1
+    assert refused_from is not None
+    assert not controller.locked_clock.active  # a later pace was refused
+    assert controller.paced_knob() is controller.power_limit
+    assert gpu.settings()[1] is None  # the lock in force was released
+    later = [d for d in controller.decisions if d["step"] > refused_from]
+    limits = [i for i, d in enumerate(later) if d["kind"] == "power_limit"]
+    assert limits
+    assert not [d for d in later[limits[0] :] if d["kind"] == "locked_clock"]
+    # The pace moves the power limit from then on (once profiled, where only locks were).
+    paced_limits = [d for d in later if d["kind"] == "power_limit" and "carbon pace" in d["reason"]]
+    assert paced_limits
+    assert controller.power_limit.value == paced_limits[-1]["value"]
+    assert gpu.settings()[0] == paced_limits[-1]["value"]
+    summary = controller.teardown()
+    assert summary.carbon is not None
+    if knob == "auto":  # power limits were profiled already (forced locks: a profile of
+        # power limits runs mid-job, out of the slack the pace had planned with)
+        assert summary.carbon["deadline_met"] is True
+    assert gpu.settings() == (PRE_JOB_W, None)
 
 
 def test_the_clocks_power_limits_ran_at_are_candidates_once_limits_were_profiled(
