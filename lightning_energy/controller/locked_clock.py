@@ -312,15 +312,17 @@ class LockedClockKnob(SettingKnob):
     def apply_pace(self, scale: float) -> KnobDecision | None:
         """The carbon pace's lock; where a rank's GPUs refuse it, every rank falls back to
         power limits, which take the pace (where they were profiled already: ``auto``;
-        otherwise once they are)."""
+        otherwise once they are). Every rank agrees after each paced lock (the profile is
+        job-wide, so all ranks get here alike), not only one whose lock was refused."""
         decision = super().apply_pace(scale)
-        if decision is None and self.session.profile_by_limit():
-            guard = self._guard
-            self._agree(None if guard.observe_only else guard.clocks_off_reason)
-            if not self.active:
-                self.limits.reuse_known_choice()
-                return self.limits.apply_pace(scale)
-        return decision
+        if not self.session.profile_by_limit():
+            return decision
+        guard = self._guard
+        self._agree(None if guard.observe_only else guard.clocks_off_reason)
+        if self.active:
+            return decision
+        self.limits.reuse_known_choice()
+        return self.limits.apply_pace(scale)
 
     def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
         """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM

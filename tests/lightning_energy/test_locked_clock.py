@@ -779,6 +779,31 @@ def test_a_lock_refused_while_pacing_hands_the_pace_to_power_limits(
     assert gpu.settings() == (PRE_JOB_W, None)
 
 
+def test_a_lock_refused_on_one_rank_while_pacing_moves_every_rank_to_power_limits(
+    tmp_path: Path,
+) -> None:
+    from tests.lightning_energy.processes import free_port, run_module_ranks
+
+    port = str(free_port())
+    run_module_ranks(
+        "tests.lightning_energy.paced_lock_worker",
+        [[str(r), port, str(tmp_path), str(tmp_path / "leases")] for r in range(2)],
+        tmp_path,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["refused_from"] is not None  # the pace moved the lock first
+    assert not ranks[0]["locks_on"] and not ranks[1]["locks_on"]  # rank 1's refusal: both
+    for rank in ranks:
+        kinds = [d["kind"] for d in rank["decisions"] if "carbon pace" in d["reason"]]
+        assert kinds[0] == "locked_clock" and kinds[-1] == "power_limit"
+        assert rank["settings"][1] is None  # no lock left on either rank
+        assert rank["restored"] == [PRE_JOB_W, None]
+    # Both ranks ran the same settings from the fall-back on.
+    assert [(d["kind"], d["value"]) for d in ranks[0]["decisions"]] == [
+        (d["kind"], d["value"]) for d in ranks[1]["decisions"]
+    ]
+
+
 def test_the_clocks_power_limits_ran_at_are_candidates_once_limits_were_profiled(
     tmp_path: Path,
 ) -> None:
