@@ -192,14 +192,17 @@ class EnergyController(ControllerQueries):
     def add_knob(self, knob: Knob) -> None:
         """Coordinate ``knob`` in this job from now on (every rank alike, before training).
 
-        The carbon pace moves the knob holding the clocks registered last (the setting knob
-        when none is); a knob that holds the clocks switches power-limit profiling off
-        (limits measured while clocks move say nothing), saying so once at INFO, and
-        switches the locked-clock knob off (one owner of the clocks at a time: its lock is
-        released). A knob that leaves the clocks alone (the batch size) changes neither.
+        The carbon pace moves the knob holding the clocks (the setting knob when none
+        does); a knob that holds the clocks switches power-limit profiling off (limits
+        measured while clocks move say nothing), saying so once at INFO, and switches the
+        locked-clock knob off (one owner of the clocks at a time: its lock is released). A
+        knob that leaves the clocks alone (the batch size) changes neither. Knobs stay
+        registered for this controller's later runs; a knob of the name of one registered
+        (the same adapter's next fit) takes its place.
 
         Raises:
             EnergyError: training has started (its steps were profiled or paced already).
+            ConfigError: ``knob`` holds the clocks beside another registered knob that does.
         """
         self._registered.add(knob, steps_run=self._ledger.step, rank=self.collective.rank)
 

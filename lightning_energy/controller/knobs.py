@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from lightning_energy.errors import EnergyError
+from lightning_energy.errors import ConfigError, EnergyError
 
 if TYPE_CHECKING:
     from lightning_energy.collectives import Collective
@@ -140,8 +140,10 @@ class RegisteredKnobs:
 
     def add(self, knob: Knob, *, steps_run: int, rank: int) -> None:
         """Register ``knob``: one holding the clocks switches power-limit profiling off
-        (said once at INFO on rank 0) and the locked-clock knob off (one owner of the
-        clocks at a time).
+        (said once at INFO on rank 0) and the locked-clock knob off. One owner of the
+        clocks at a time: a knob holding them beside another one that does is refused. A
+        knob of the name of one registered (a later fit's, of the same adapter) takes its
+        place.
 
         Args:
             knob: the knob.
@@ -150,12 +152,23 @@ class RegisteredKnobs:
 
         Raises:
             EnergyError: training has started.
+            ConfigError: ``knob`` holds the clocks beside another knob that does, naming it.
         """
         if steps_run:
             raise EnergyError(
                 f"add_knob({knob.name!r}): add knobs before training starts (step {steps_run} ran)"
             )
-        self._knobs.append(knob)
+        owners = self.clock_owners(except_name=knob.name)
+        if knob.holds_clocks and owners:
+            raise ConfigError(
+                f"add_knob({knob.name!r}): {', '.join(owners)} already holds the clocks (one "
+                "owner of the clocks at a time); register one of them"
+            )
+        same = [i for i, k in enumerate(self._knobs) if k.name == knob.name]
+        if same:
+            self._knobs[same[0]] = knob
+        else:
+            self._knobs.append(knob)
         if not knob.holds_clocks:
             return
         limits = self._power_limit
@@ -165,6 +178,10 @@ class RegisteredKnobs:
                 log.info("Power limits are not profiled: %s.", limits.profiling_off)
         self._locked_clock.yield_clocks(knob.name)
 
+    def clock_owners(self, *, except_name: str | None = None) -> list[str]:
+        """The names of the registered knobs holding the clocks (but ``except_name``)."""
+        return [k.name for k in self._knobs if k.holds_clocks and k.name != except_name]
+
     def check(self, knob: Knob) -> None:
         """Raises:
         EnergyError: ``knob`` is not registered."""
@@ -172,6 +189,5 @@ class RegisteredKnobs:
             raise EnergyError(f"record({knob.name!r}): register the knob first (add_knob)")
 
     def holding_clocks(self) -> Knob | None:
-        """The knob holding the clocks registered last (None: none does)."""
-        holding = [knob for knob in self._knobs if knob.holds_clocks]
-        return holding[-1] if holding else None
+        """The knob holding the clocks (None: none does; never more than one)."""
+        return next((knob for knob in self._knobs if knob.holds_clocks), None)

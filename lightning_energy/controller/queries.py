@@ -61,9 +61,14 @@ class ControllerQueries:
         those registered."""
         return [*self._built_in.active(), *self._registered]
 
+    def clock_owners(self, *, except_name: str | None = None) -> list[str]:
+        """The names of the registered knobs holding the clocks (one at most; but the one
+        named ``except_name``, which a later fit's knob of that name replaces)."""
+        return self._registered.clock_owners(except_name=except_name)
+
     def paced_knob(self) -> Knob:
-        """The knob the carbon pace moves: the one holding the clocks registered last, else
-        the setting knob (a knob that leaves the clocks alone leaves the GPU's pace to it)."""
+        """The knob the carbon pace moves: the one holding the clocks, else the setting
+        knob (a knob that leaves the clocks alone leaves the GPU's pace to it)."""
         return self._registered.holding_clocks() or self.setting
 
     def current_power_limit_w(self) -> float | None:

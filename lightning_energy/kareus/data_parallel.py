@@ -259,7 +259,7 @@ def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelCloc
             "after it starts"
         )
     key = "kareus.data_parallel_clock_mhz"
-    refuse_other_clock_owners(controller, key)
+    refuse_other_clock_owners(controller, key, DataParallelClock.name)
     knob = DataParallelClock(clock_mhz)
     agree(controller, unsupported_clock(controller, clock_mhz), key)
     controller.add_knob(knob)
@@ -267,16 +267,15 @@ def hold_clock(controller: EnergyController, clock_mhz: int) -> DataParallelCloc
     return knob
 
 
-def refuse_other_clock_owners(controller: EnergyController, key: str) -> None:
-    """Refuse ``key``'s clock beside another knob that holds the clocks (one owner of the
-    clocks at a time; the built-in locked-clock knob yields them).
+def refuse_other_clock_owners(controller: EnergyController, key: str, name: str) -> None:
+    """Refuse ``key``'s clock, held by the knob ``name``, beside another knob that holds
+    the clocks (one owner of the clocks at a time; the built-in locked-clock knob yields
+    them; a knob ``name`` of an earlier fit is replaced), before anything is locked.
 
     Raises:
         ConfigError: another knob holds the clocks, naming it.
     """
-    owners = [
-        k.name for k in controller.knobs if k.holds_clocks and k is not controller.locked_clock
-    ]
+    owners = controller.clock_owners(except_name=name)
     if owners:
         raise ConfigError(
             f"{key}: {', '.join(owners)} already holds the clocks (one owner of the clocks "

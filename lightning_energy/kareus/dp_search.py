@@ -256,7 +256,7 @@ class DataParallelSearch:
     def _check_clocks(self, clocks_mhz: list[int]) -> None:
         controller = self.controller
         key = "kareus.data_parallel_search_clocks_mhz"
-        refuse_other_clock_owners(controller, key)
+        refuse_other_clock_owners(controller, key, self.name)
         guard = controller.run_guard
         if guard is None:
             raise ConfigError(f"{key}: the energy run is not set up; search after it starts")

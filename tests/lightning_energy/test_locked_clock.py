@@ -667,6 +667,30 @@ def test_a_knob_holding_the_clocks_switches_the_clock_knob_off(tmp_path: Path) -
     controller.teardown()
 
 
+def test_one_knob_holds_the_clocks_and_a_later_fits_knob_of_its_name_replaces_it(
+    tmp_path: Path,
+) -> None:
+    from lightning_energy.kareus.data_parallel import DataParallelClock
+    from lightning_energy.perseus.data_parallel import StragglerClocks
+
+    devices = _devices()
+    controller = EnergyController(_config(tmp_path), devices=devices, install_signal_handlers=False)
+    controller.setup()
+    first = StragglerClocks()
+    controller.add_knob(first)
+    with pytest.raises(ConfigError, match=r"straggler_clocks already holds the clocks"):
+        controller.add_knob(DataParallelClock(1005))
+    assert controller.knobs == [controller.power_limit, first]  # nothing registered
+    assert _sim(devices).settings() == (PRE_JOB_W, None)  # nothing changed
+    controller.teardown()
+    controller.setup()  # the next fit registers its own knob of that name
+    second = StragglerClocks()
+    controller.add_knob(second)
+    assert controller.knobs == [controller.power_limit, second]
+    assert controller.paced_knob() is second
+    controller.teardown()
+
+
 def test_a_lock_already_applied_is_released_when_another_knob_takes_the_clocks(
     tmp_path: Path,
 ) -> None:

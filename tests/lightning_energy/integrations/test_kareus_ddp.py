@@ -359,10 +359,16 @@ def test_lightning_locks_the_settings_clock_for_training_and_releases_it(
         enable_checkpointing=False,
         default_root_dir=tmp_path,
     )
+    model = module_class(ns)()
     try:
-        trainer.fit(module_class(ns)(), make_loader())
+        trainer.fit(model, make_loader())
+        assert seen == [(clock, clock)] * 4
+        assert gpus[0].locked_clocks_mhz() is None  # released at the end of the fit
+        # A second fit of the same Trainer (4 more steps) locks it again.
+        trainer.fit_loop.epoch_loop.max_steps = 8
+        trainer.fit(model, make_loader())
     finally:  # Lightning's DDP leaves its process group for the process: not for later tests
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert seen == [(clock, clock)] * 4
-    assert gpus[0].locked_clocks_mhz() is None  # released at the end of the fit
+    assert seen == [(clock, clock)] * 8
+    assert gpus[-1].locked_clocks_mhz() is None
