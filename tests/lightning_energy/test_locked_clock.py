@@ -27,6 +27,7 @@ from lightning_energy.device.guard import recover
 from lightning_energy.device.simulated import Phase
 from lightning_energy.errors import ConfigError, NoPermissionError
 from lightning_energy.optimize.selectors import Measurement, make_selector, select_across
+from tests.lightning_energy.paced_lock_worker import paced_config
 
 PRE_JOB_W = 400.0  # the simulated A100's default limit
 WORKER = Path(__file__).with_name("clock_worker.py")
@@ -710,20 +711,7 @@ def test_a_lock_already_applied_is_released_when_another_knob_takes_the_clocks(
 
 # ---------------------------------------------------------------- the carbon pace
 def test_the_carbon_pace_moves_the_locked_clock(tmp_path: Path) -> None:
-    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
-    config = EnergyConfig.from_yaml(example).merged(
-        {
-            "device": {
-                "backend": "simulated",
-                "gpu": "a100",
-                "step_time_s": 36.0,  # 1200 steps are half a day of the grid
-                "lease_dir": str(tmp_path / "leases"),
-            },
-            "power_limit": {"knob": "locked_clock", "clock_step_mhz": 150},
-            "carbon": {"max_slowdown": 1.1},
-            "report": None,
-        }
-    )
+    config = paced_config(tmp_path / "leases", knob="locked_clock", clock_step_mhz=150)
     (gpu,) = simulated_gpus(config.device.simulated_spec())
     devices = DeviceSet(gpus=[gpu], clock=gpu.clock.now, backend="simulated", run_step=gpu.run_step)
     controller = EnergyController(config, devices=devices, install_signal_handlers=False)
@@ -746,24 +734,12 @@ def test_the_carbon_pace_moves_the_locked_clock(tmp_path: Path) -> None:
 def test_a_lock_refused_while_pacing_hands_the_pace_to_power_limits(
     tmp_path: Path, knob: str
 ) -> None:
-    example = Path(__file__).parents[2] / "examples" / "carbon_pacing.yaml"
-    config = EnergyConfig.from_yaml(example).merged(
-        {
-            "device": {
-                "backend": "simulated",
-                "gpu": "a100",
-                "step_time_s": 36.0,  # 1200 steps are half a day of the grid
-                "lease_dir": str(tmp_path / "leases"),
-            },
-            "power_limit": {
-                "knob": knob,
-                "selector": "energy",
-                "clock_step_mhz": 150,
-                "power_limits_w": [400, 350, 300, 250, 200, 150],
-            },
-            "carbon": {"max_slowdown": 1.1},
-            "report": None,
-        }
+    config = paced_config(
+        tmp_path / "leases",
+        knob=knob,
+        selector="energy",
+        clock_step_mhz=150,
+        power_limits_w=[400, 350, 300, 250, 200, 150],
     )
     # Phased work: under auto the lock measures cheaper than every power limit and wins.
     spec = dataclasses.replace(config.device.simulated_spec(), step_phases=AUTO_MODELS["phased"][0])
