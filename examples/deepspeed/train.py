@@ -104,6 +104,16 @@ def main() -> None:
         # DeepSpeed's CPU shared-memory collectives are a JIT-compiled op; gloo needs none.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        run(args)
+    finally:
+        # Before the interpreter exits: gloo's worker threads must not outlive it (an abort,
+        # "terminate called without an active exception", otherwise).
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Train the pipeline on this rank; rank 0 prints the result."""
     stages = dist.get_world_size()
     times = args.stage_times_s or [[0.2, 0.4]] * (stages - 1) + [[0.3, 0.6]]
     if len(times) != stages:

@@ -368,6 +368,7 @@ def main() -> None:
     torch.distributed.barrier()  # rank 0 wrote the plan
     results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()  # gloo's threads must not outlive the interpreter
 
 
 if __name__ == "__main__":
