@@ -72,7 +72,7 @@ class CarbonPacing:
         self.run = run
         self.config = config
         self.pacer: CarbonPacer | None = None
-        # The knob the current scale was applied to.
+        # The knob the current scale was applied to (rank 0's is the one that counts).
         self._paced: Knob | None = None
         self._wake: socket.socket | None = None
 
@@ -160,16 +160,19 @@ class CarbonPacing:
     def pace(self) -> None:
         """At a logging boundary: agree on the carbon pace and apply it (every rank)."""
         run = self.run
-        update: PaceUpdate | None = run.collective.broadcast(self._update())
+        # A scale comes with rank 0's frontier of the knob. It is applied again where
+        # another knob took the pace since (a lock refused: power limits, once profiled),
+        # as rank 0 saw it: every rank applies alike.
+        update, moved = run.collective.broadcast(
+            (self._update(), run.paced_knob() is not self._paced)
+        )
         if update is None:
             return
         ledger = run.ledger
         ledger.set_intensity(update.intensity_g_per_kwh)
         if update.scale is None or not run.changes_settings():
             return
-        # A scale comes with rank 0's frontier of the knob. It is applied again where
-        # another knob took the pace since (a lock refused: power limits, once profiled).
-        if update.scale != ledger.scale or run.paced_knob() is not self._paced:
+        if update.scale != ledger.scale or moved:
             ledger.set_scale(update.scale)
             decision = run.paced_knob().apply_pace(update.scale)
             if decision is not None:
