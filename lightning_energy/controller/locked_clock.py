@@ -302,12 +302,8 @@ class LockedClockKnob(SettingKnob):
         the first lock or any later one, every rank falls back to power limits from here
         on, and applies their choice where they were profiled already (``auto``)."""
         super()._apply(value, reason, purpose)
-        if value is None or not self.active:
-            return
-        guard = self._guard
-        self._agree(None if guard.observe_only else guard.clocks_off_reason)
-        if not self.active:
-            self.limits.reuse_known_choice()
+        if value is not None and self.active:
+            self._lock_held()
 
     def apply_pace(self, scale: float) -> KnobDecision | None:
         """The carbon pace's lock; where a rank's GPUs refuse it, every rank falls back to
@@ -315,14 +311,19 @@ class LockedClockKnob(SettingKnob):
         otherwise once they are). Every rank agrees after each paced lock (the profile is
         job-wide, so all ranks get here alike), not only one whose lock was refused."""
         decision = super().apply_pace(scale)
-        if not self.session.profile_by_limit():
+        if not self.session.profile_by_limit() or self._lock_held():
             return decision
+        return self.limits.apply_pace(scale)
+
+    def _lock_held(self) -> bool:
+        """After a lock, every rank alike: whether every rank's GPUs accepted it. Where a
+        rank's refused, power limits from here on, their choice applied where they were
+        profiled already."""
         guard = self._guard
         self._agree(None if guard.observe_only else guard.clocks_off_reason)
-        if self.active:
-            return decision
-        self.limits.reuse_known_choice()
-        return self.limits.apply_pace(scale)
+        if not self.active:
+            self.limits.reuse_known_choice()
+        return self.active
 
     def _throttled(self, reasons: int, clock_mhz: int | None) -> bool:
         """A busy GPU ran below the lock: power or thermal clock-event reasons, or its SM
