@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,6 +78,7 @@ def test_a_job_running_past_the_end_of_an_irregular_trace_finishes(bench: Module
         grams = {name: result[name][k] for name in bench.REPORTED}
         assert all(np.isfinite(list(grams.values())))
         assert grams["oracle_all_limits"] <= grams["oracle"] + 1e-9
+        assert grams["oracle"] <= grams["oracle_same_action"] + 1e-9
         for name in bench.POLICIES:
             assert grams["oracle"] <= grams[name] + 1e-9
 
@@ -99,6 +102,50 @@ def test_the_oracle_is_the_planner_on_the_frontier_without_idle_power(
             intensity, durations, need, MEASURED, allow_pause=allow_pause, idle_power_w=0.0
         )
         assert every <= got * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("allow_pause", [False, True])
+def test_the_same_action_oracle_is_the_best_hourly_plan_run_on_the_trace(
+    bench: ModuleType, allow_pause: bool
+) -> None:
+    """Every sequence of one setting or a pause per hour, each run on the trace until the
+    work is done: the same-action oracle emits the least of those that finish by
+    the deadline (within its work grid), and no less than the oracle that may share hours."""
+    points = bench.efficient_points(MEASURED)
+    rng = np.random.default_rng(7)
+    hours = 5
+    for _ in range(10):
+        times_s = T0_S + np.arange(2 * hours + 2) * 1800.0
+        values = np.repeat(rng.uniform(50.0, 600.0, hours + 1), 2)  # constant within an hour
+        trace = bench._Trace("random", times_s, values)
+        deadline_s = T0_S + (hours - rng.uniform(0.0, 0.5)) * HOUR_S
+        steps = int(rng.uniform(0.4, 0.8) * (deadline_s - T0_S) / points[0].time_per_step_s)
+        best = math.inf
+        actions = [*range(len(points)), *([-1] if allow_pause else [])]
+        for plan in itertools.product(actions, repeat=hours):
+            grams, left, t_s = 0.0, float(steps), T0_S
+            for action in plan:
+                end_s = min(t_s + HOUR_S, deadline_s)
+                if left <= 0.0:
+                    break
+                if action < 0:
+                    grams += bench._grams_at_constant_power(trace, t_s, end_s, 30.0)
+                else:
+                    run_s = min(end_s - t_s, left * points[action].time_per_step_s)
+                    grams += bench._grams_at_constant_power(
+                        trace, t_s, t_s + run_s, points[action].power_w
+                    )
+                    left -= run_s / points[action].time_per_step_s
+                t_s = end_s
+            if left <= 1e-6 * steps:
+                best = min(best, grams)
+        got = bench.simulate_same_action_oracle(
+            trace, points, steps, T0_S, deadline_s, allow_pause, 30.0
+        )
+        assert best <= got * (1 + 1e-9)
+        assert got == pytest.approx(best, rel=1e-6)
+        relaxed = bench.simulate_oracle(trace, points, steps, T0_S, deadline_s, allow_pause, 30.0)
+        assert relaxed <= got * (1 + 1e-9)
 
 
 def test_slow_limits_off_the_frontier_lower_the_no_pause_oracle(bench: ModuleType) -> None:
@@ -159,6 +206,7 @@ def test_json_reports_both_forecasts_pause_modes_and_idle_power(
             "forecast",
             "oracle",
             "oracle_all_limits",
+            "oracle_same_action",
         }
         forecast = result["policies"]["forecast"]
         for key in (
