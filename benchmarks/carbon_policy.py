@@ -431,7 +431,7 @@ def simulate_same_action_oracle(
     assert plan.feasible, "the full-speed run always ends before the deadline"
     grams, left = 0.0, float(steps)
     for choice, (a_s, b_s) in zip(plan.choices, pairwise(edges), strict=True):
-        if left <= 0.0:
+        if left <= 1e-9 * steps:  # done: the plan's pauses from here are no pauses
             break
         if choice < 0:
             grams += _grams_at_constant_power(trace, a_s, b_s, idle_power_w)
