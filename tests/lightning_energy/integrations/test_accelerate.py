@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from tests.lightning_energy.integrations._accelerate import (
     train,
     training_parts,
 )
-from tests.lightning_energy.processes import free_port
+from tests.lightning_energy.processes import free_port, run_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO_ROOT / "examples" / "accelerate"
@@ -269,33 +267,9 @@ def test_energy_tracker_keeps_energy_and_carbon_values_only(tmp_path: Path) -> N
 
 
 def _launch(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
-    """Run the example on 2 processes; its exit status, JSON events and stderr's tail.
-
-    A launch whose processes all finished (every rank printed its summary) and then
-    aborted in torch's C++ teardown at exit, with no Python frame left ("terminate called
-    without an active exception"; about 1 launch in 40 here, after
-    ``destroy_process_group``), is launched again once: none of the example's code runs
-    then, and the second launch is checked like the first.
-    """
-    code, events, stderr = _launch_once(tmp_path, *script_args)
-    summaries = {e["rank"] for e in events if e["event"] == "summary"}
-    if code != 0 and summaries == {0, 1} and _ABORTED_AT_EXIT.search(stderr):
-        code, events, stderr = _launch_once(tmp_path, *script_args)
-    return code, events, stderr[-4000:]
-
-
-# What faulthandler prints for a process aborted after its Python code has ended: one
-# thread, with no Python frame.
-_ABORTED_AT_EXIT = re.compile(
-    r"Fatal Python error: Aborted\n\nThread 0x[0-9a-f]+ \(most recent call first\):\n"
-    r"  <no Python frame>\n\nExtension modules"
-)
-
-
-def _launch_once(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the example on 2 processes; its exit status, JSON events and stderr's tail."""
     env = dict(
         os.environ,
-        PYTHONFAULTHANDLER="1",
         LIGHTNING_ENERGY_CONFIG=str(EXAMPLE / "energy.yaml"),
         LIGHTNING_ENERGY_LEASE_DIR=str(tmp_path / "leases"),
     )
@@ -317,9 +291,9 @@ def _launch_once(tmp_path: Path, *script_args: str) -> tuple[int, list[dict[str,
         str(EXAMPLE / "train.py"),
         *script_args,
     ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    out = run_launch(cmd, env=env, timeout_s=240)
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return out.returncode, events, out.stderr
+    return out.returncode, events, out.stderr[-4000:]
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from lightning_energy.errors import ConfigError, StoreError
 from lightning_energy.integrations.batch_size import batch_size_callback_class
 from lightning_energy.store import Store
 from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.processes import run_launch
 
 # Epochs each batch size needs to reach the target; 8 never does.
 EPOCHS_TO_TARGET = {8: None, 16: 2, 32: 3}
@@ -250,9 +250,7 @@ def test_two_process_ddp_only_rank_zero_uses_the_store(tmp_path: Path) -> None:
         PL_DISABLE_FORK="1",
     )
     worker = "tests.lightning_energy.integrations.ddp_batch_size_worker"
-    out = subprocess.run(
-        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=240
-    )
+    out = run_launch([sys.executable, "-m", worker], env=env, timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["opened"] for r in ranks] == [1, 0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.processes import run_launch
 
 STEPS = 1200
 # The simulated job's clock starts here, so every run replays the same days of each trace.
@@ -130,9 +130,7 @@ def test_two_process_ddp_ranks_follow_the_same_pace(tmp_path: Path) -> None:
         STEPS=str(STEPS),
     )
     worker = "tests.lightning_energy.integrations.ddp_carbon_worker"
-    out = subprocess.run(
-        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=300
-    )
+    out = run_launch([sys.executable, "-m", worker], env=env, timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["decisions"] == rank1["decisions"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from lightning_energy.integrations.deepspeed import DeepSpeedEnergy, train_sched
 from lightning_energy.perseus import one_f_one_b
 
 from .. import processes
-from ..processes import ROOT, free_port
+from ..processes import ROOT, free_port, run_launch
 from . import deepspeed_worker
 
 
@@ -213,9 +212,7 @@ def test_the_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(
     command += ["--iterations", "36"]  # the example's default stages: a heavier last one
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     env.pop("LIGHTNING_ENERGY_CONFIG", None)
-    done = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    done = run_launch(command, cwd=tmp_path, env=env, timeout_s=300)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, done.stdout[-4000:]

@@ -15,6 +15,7 @@ import pytest
 from lightning_energy.device import SimulatedSpec, TraceModel
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
 from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.processes import run_launch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -359,9 +360,7 @@ def test_two_process_ddp_picks_one_limit_on_all_ranks(tmp_path: Path) -> None:
         PL_DISABLE_FORK="1",
     )
     worker = "tests.lightning_energy.integrations.ddp_strategy_worker"
-    out = subprocess.run(
-        [sys.executable, "-m", worker], env=env, capture_output=True, text=True, timeout=240
-    )
+    out = run_launch([sys.executable, "-m", worker], env=env, timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["power_limit_w"] == ranks[1]["power_limit_w"] is not None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from lightning_energy.integrations.megatron import MegatronEnergy, megatron_sche
 from lightning_energy.perseus.planning.schedule import one_f_one_b
 
 from .. import processes
-from ..processes import ROOT, free_port
+from ..processes import ROOT, free_port, run_launch
 
 MEGATRON_012_ENV = "MEGATRON_CORE_012_PATH"
 
@@ -133,7 +132,7 @@ def test_bad_input_is_reported_before_any_gpu_is_touched() -> None:
 def test_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
+    done = run_launch(
         [
             sys.executable,
             "-m",
@@ -150,9 +149,7 @@ def test_example_saves_energy_at_no_slowdown_on_an_imbalanced_pipeline(tmp_path:
         ],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        timeout_s=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.strip().splitlines()

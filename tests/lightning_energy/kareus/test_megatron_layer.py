@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from lightning_energy.kareus.runtime import BASELINE, RUNTIME_OPS, Overlap
 from lightning_energy.perseus.planning.schedule import Instruction
 
 from .. import processes
-from ..processes import ROOT, free_port
+from ..processes import ROOT, free_port, run_launch
 from .megatron_layer_worker import PP, setting
 from .test_runtime import FakeDist, plan, tp_group
 
@@ -182,7 +181,7 @@ def test_the_example_trains_as_megatron_with_a_plan(tmp_path: Path) -> None:
     plan(PartitionSetting(1110, 3, 2)).save(tmp_path / "plan.json")  # 1F1B, 2 micro-batches
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENERGY_CONFIG"}
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
+    done = run_launch(
         [
             sys.executable,
             "-m",
@@ -198,9 +197,7 @@ def test_the_example_trains_as_megatron_with_a_plan(tmp_path: Path) -> None:
         ],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        timeout_s=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     (line,) = done.stdout.strip().splitlines()

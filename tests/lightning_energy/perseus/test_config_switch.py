@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations._entry_point import configured_callbacks
 from lightning_energy.integrations.lightning import EnergyCallback, callbacks_factory
+from tests.lightning_energy.processes import run_launch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,13 +50,13 @@ def test_a_config_file_alone_equalises_ddp_ranks_over_the_energy_callbacks_gpus(
         "PERSEUS_TEST_OUT": str(tmp_path),
         "PYTHONPATH": str(ROOT),
     }
-    subprocess.run(
+    done = run_launch(
         [sys.executable, "-m", "tests.lightning_energy.perseus.config_fit"],
         cwd=tmp_path,
         env=env,
-        check=True,
-        timeout=300,
+        timeout_s=300,
     )
+    assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         # One opening, one guard, one lease: Perseus drives the energy callback's GPU.

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from lightning_energy.errors import ConfigError
+from tests.lightning_energy.processes import run_launch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,7 +51,7 @@ def fit(
         "PYTHONPATH": str(ROOT),
         **(env or {}),
     }
-    subprocess.run(
+    done = run_launch(
         [
             sys.executable,
             "-m",
@@ -61,9 +62,9 @@ def fit(
         ],
         cwd=tmp_path,
         env=env,
-        check=True,
-        timeout=300,
+        timeout_s=300,
     )
+    assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
