@@ -34,9 +34,9 @@ _FAULT = re.compile(
 
 def aborted_at_exit(output: str) -> bool:
     """Whether a process's output shows it aborted in torch's C++ teardown at exit, after
-    every line of Python it ran ("terminate called without an active exception", about 1
-    two-process launch in 40 here, after ``destroy_process_group``): faulthandler's dump
-    for the abort lists no Python frame in any thread.
+    every line of Python it ran ("terminate called without an active exception", 1 in 40
+    to 1 in 100 two-process launches here, after ``destroy_process_group``):
+    faulthandler's dump for the abort lists no Python frame in any thread.
 
     Args:
         output: the process's stderr (or several processes'), with faulthandler enabled.
