@@ -153,6 +153,7 @@ class EnergyController(ControllerQueries):
                 self.setting.pause_window(reason)
             case CheckpointSave():
                 state = self.state_dict()
+                self.setting.pause_window("checkpoint")
             case CheckpointLoad(state=saved):
                 self.load_state_dict(saved)
             case End():

@@ -53,7 +53,8 @@ class Interruption:
 
 @dataclass(frozen=True)
 class CheckpointSave:
-    """A checkpoint is being written: the result's ``state`` is what to store."""
+    """A checkpoint is being written: the result's ``state`` is what to store. Writing it
+    is not training: the profiling window in progress pauses, as at an :class:`Interruption`."""
 
 
 @dataclass(frozen=True)

@@ -219,8 +219,9 @@ class EnergyCallbackCore(EnergyAdapter, _CallbackBase):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
-        """Leave validation out of the profiling window in progress."""
-        if self.running and self.controller is not None and trainer.training:
+        """Leave validation out of the profiling window in progress (inside ``fit``,
+        Lightning has already set its stage to validating: ``trainer.training`` is False)."""
+        if self.running and self.controller is not None:
             self.controller.handle(Interruption("validation"))
 
     @override

@@ -165,9 +165,18 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Close an optimizer step (its metrics reach the Trainer's next log, in ``on_log``)."""
+        """Close an optimizer step (its metrics reach the Trainer's next log, in ``on_log``).
+
+        An evaluation or a checkpoint the Trainer runs after this step (its flow callback,
+        called first, has set ``control.should_evaluate`` / ``should_save``) is left out
+        of the profiling window in progress: ``on_evaluate`` comes only once the
+        evaluation has run."""
         if self.running and self.controller is not None:
             self.controller.handle(StepEnd())
+            if control.should_evaluate or control.should_save:
+                self.controller.handle(
+                    Interruption("evaluation" if control.should_evaluate else "checkpoint")
+                )
         self._expect_training_log(state, control)
 
     @override
@@ -178,7 +187,8 @@ class EnergyTrainerCallback(EnergyAdapter, TrainerCallback, ExportableState):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Discard a profiling window that spanned the evaluation (it is retried)."""
+        """An evaluation run some other way than the step's ``control`` (already over):
+        the window that spanned it is paused from here."""
         if self.running and self.controller is not None:
             self.controller.handle(Interruption("evaluation"))
 

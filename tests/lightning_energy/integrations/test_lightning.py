@@ -129,6 +129,79 @@ def test_validation_mid_profile_is_discarded_and_retried(tmp_path: Path) -> None
     assert sorted(m["power_limit_w"] for m in controller.profile()) == sorted(CANDIDATES)
 
 
+def test_validation_inside_fit_is_left_out_of_every_window(
+    namespace: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """Lightning runs validation during ``fit`` with ``trainer.training`` False (its stage
+    is already ``validating``): the window in progress must still pause, or validation's
+    GPU time and energy are charged to the limit being measured."""
+    ns, integ = namespace
+    callback = integ.EnergyCallback(_energy_config(tmp_path, "energy"))
+
+    class HeavyValidation(module_class(ns)):  # type: ignore[misc]
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            callback.controller.devices.run_step()  # the GPU is as busy as in training
+            super().validation_step(batch, batch_idx)
+
+    trainer = ns.Trainer(
+        max_steps=160,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        val_check_interval=7,
+        logger=False,
+    )
+    trainer.fit(HeavyValidation(), make_loader(), make_loader(n=32))
+    _assert_profile_is_the_workloads(callback.controller.profile())
+
+
+def _assert_profile_is_the_workloads(profile: list[dict[str, float]]) -> None:
+    """Every candidate measured at the noiseless A40 trace's own step time and energy."""
+    model = SimulatedSpec(gpu="a40", steps_per_epoch=100).model()
+    assert isinstance(model, TraceModel)
+    assert sorted(m["power_limit_w"] for m in profile) == sorted(CANDIDATES)
+    for m in profile:
+        epoch_s = model.workload.time_per_epoch_s(m["power_limit_w"])
+        energy_j = epoch_s * model.workload.average_power_w(m["power_limit_w"])
+        assert m["time_per_step_s"] == pytest.approx(epoch_s / model.steps_per_epoch, rel=0.01)
+        assert m["energy_per_step_j"] == pytest.approx(energy_j / model.steps_per_epoch, rel=0.01)
+
+
+def test_checkpoints_written_during_profiling_are_left_out_of_every_window(
+    namespace: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """``ModelCheckpoint(every_n_train_steps=...)`` writes after the step has ended, in
+    the gap the window measures (data loading): the write is not training."""
+    ns, integ = namespace
+    callback = integ.EnergyCallback(_energy_config(tmp_path, "energy"))
+
+    class SlowCheckpoint(module_class(ns)):  # type: ignore[misc]
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            callback.controller.devices.gpus[0].idle(60.0)  # a large model to disk
+
+    trainer = ns.Trainer(
+        max_steps=120,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[
+            callback,
+            ns.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3),
+        ],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        logger=False,
+    )
+    trainer.fit(SlowCheckpoint(), make_loader())
+    _assert_profile_is_the_workloads(callback.controller.profile())
+
+
 def test_resume_from_checkpoint_does_not_profile_again(tmp_path: Path) -> None:
     import lightning.pytorch as ns
 

@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.controller import EnergyController, Event, Interruption, StepResult
+from lightning_energy.device import SimulatedSpec, TraceModel
 from lightning_energy.errors import ConfigError
 from lightning_energy.integrations.transformers import EnergyTrainerCallback
 from tests.lightning_energy.integrations._hf import (
@@ -117,15 +118,66 @@ def test_evaluation_interrupts_profiling_which_still_completes(
         return original(self, event)
 
     monkeypatch.setattr(EnergyController, "handle", spy)
-    callback = EnergyTrainerCallback(hf_config(selector="energy"))
+    config = hf_config(selector="energy")
+    config["device"]["noise_std"] = 0.0
+    callback = EnergyTrainerCallback(config)
+
+    class BusyEvaluation(TrainerCallback):
+        """Evaluation keeps the simulated GPU as busy as training does."""
+
+        def on_prediction_step(self, *args: Any, **kwargs: Any) -> None:
+            assert callback.controller is not None
+            run_step = callback.controller.devices.run_step
+            assert run_step is not None
+            run_step()
+
     trainer = hf_trainer(
         example, tmp_path, callback, max_steps=90, eval_strategy="steps", eval_steps=7
     )
+    trainer.add_callback(BusyEvaluation())
     trainer.train()
     assert "evaluation" in reasons
     controller = callback.controller
     assert controller is not None and controller.profile_done
-    assert sorted(m["power_limit_w"] for m in controller.profile()) == sorted(CANDIDATES_W)
+    # The evaluation, which runs after the step's end but before ``on_evaluate``, is in
+    # no window: every limit's step time is the workload's own.
+    _assert_profile_is_the_workloads(controller.profile())
+
+
+@pytest.mark.slow
+def test_checkpoints_written_during_profiling_are_left_out_of_every_window(
+    example: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Trainer writes the model before it asks the callbacks for their state: the
+    window pauses at the step's end, when the Trainer has decided to save."""
+    config = hf_config(selector="energy")
+    config["device"]["noise_std"] = 0.0
+    callback = EnergyTrainerCallback(config)
+    trainer = hf_trainer(
+        example, tmp_path, callback, max_steps=90, save_strategy="steps", save_steps=4
+    )
+    save_model = trainer.save_model
+
+    def slow_save_model(*args: Any, **kwargs: Any) -> None:
+        assert callback.controller is not None
+        callback.controller.devices.gpus[0].idle(60.0)  # a large model to disk
+        save_model(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_model", slow_save_model)
+    trainer.train()
+    controller = callback.controller
+    assert controller is not None and controller.profile_done
+    _assert_profile_is_the_workloads(controller.profile())
+
+
+def _assert_profile_is_the_workloads(profile: list[dict[str, float]]) -> None:
+    """Every candidate measured at the noiseless A40 trace's own step time."""
+    model = SimulatedSpec(gpu="a40", steps_per_epoch=100).model()
+    assert isinstance(model, TraceModel)
+    assert sorted(m["power_limit_w"] for m in profile) == sorted(CANDIDATES_W)
+    for m in profile:
+        true_s = model.workload.time_per_epoch_s(m["power_limit_w"]) / model.steps_per_epoch
+        assert m["time_per_step_s"] == pytest.approx(true_s, rel=0.01), m
 
 
 def _fail_once_the_limit_is_lowered(
