@@ -49,6 +49,7 @@ import re
 import socket
 import sys
 import tempfile
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -511,24 +512,45 @@ class LeaseLock:
     """An exclusive ``flock`` on a GPU's lock file, held until :meth:`release`.
 
     ``flock`` locks belong to the open file, so two guards in one process exclude each
-    other too, and the kernel releases the lock when the process dies.
+    other too, and the kernel releases the lock when the process dies. A forked child
+    (a DataLoader worker, a pool process) shares the open file: it closes its copy at the
+    fork (:func:`os.register_at_fork`), or a worker that outlives a killed job would hold
+    the job's lock, and ``recover`` and the next job would take the dead job for alive.
+    The descriptor is not inherited across ``exec`` either (Python opens it close-on-exec).
     """
 
     def __init__(self, fd: int | None, path: Path) -> None:
         self._fd = fd
         self._held = True
         self.path = path
+        if fd is not None:
+            _OPEN_LOCKS.add(self)
 
     @property
     def held(self) -> bool:
-        """Whether the lock is still held."""
+        """Whether the lock is still held (by this process: never in a forked child)."""
         return self._held
 
     def release(self) -> None:
         """Release the lock (idempotent)."""
+        _OPEN_LOCKS.discard(self)
         fd, self._fd, self._held = self._fd, None, False
         if fd is not None:
             os.close(fd)  # closing the file drops the flock
+
+
+#: The locks this process holds, whose files a forked child must close.
+_OPEN_LOCKS: weakref.WeakSet[LeaseLock] = weakref.WeakSet()
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close the parent's lock files (the parent keeps its locks)."""
+    for lock in list(_OPEN_LOCKS):
+        lock.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 class LeaseStore:

@@ -10,7 +10,6 @@ text must be printable (no terminal escapes reach a log).
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 __all__ = [
@@ -123,9 +122,10 @@ def read_bool(data: dict[str, Any], key: str) -> bool:
 
 
 def read_watts(data: dict[str, Any], key: str) -> float:
-    """A finite number of watts in ``(0, MAX_POWER_W]``."""
+    """A finite number of watts in ``(0, MAX_POWER_W]`` (compared, not converted first:
+    JSON integers may lie past a float's range; NaN and infinities fail the comparison)."""
     value = field(data, key)
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0 < value <= MAX_POWER_W:
+    if type(value) not in (int, float) or not 0 < value <= MAX_POWER_W:
         raise ValueError(f"{key}: {show(value)} is not a number of watts in (0, {MAX_POWER_W:g}]")
     return float(value)
 

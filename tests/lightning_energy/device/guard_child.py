@@ -13,6 +13,8 @@ Options:
     --power-w W: the power limit to set (default 150).
     --chain MARKER: before the guard, install a SIGTERM handler that writes MARKER and then
         dies of SIGTERM, to check that the guard chains to it.
+    --fork-worker: once the limit is set, fork a child that outlives the job (as a
+        DataLoader worker or a pool process may); its pid is in the JSON line.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--power-w", type=float, default=150.0)
     parser.add_argument("--chain", default=None)
+    parser.add_argument("--fork-worker", action="store_true")
     args = parser.parse_args()
 
     if args.mode == "identity":
@@ -66,16 +69,21 @@ def main() -> None:
         _report(guard, guard.set_power_limit_w(args.power_w))
         sys.exit(3)
     with guard:
-        _report(guard, guard.set_power_limit_w(args.power_w))
+        applied_w = guard.set_power_limit_w(args.power_w)
+        worker = os.fork() if args.fork_worker else None
+        if worker == 0:
+            _wait_for_signals()
+        _report(guard, applied_w, worker=worker)
         _wait_for_signals()
 
 
-def _report(guard: GPUGuard, applied_w: float) -> None:
+def _report(guard: GPUGuard, applied_w: float, *, worker: int | None = None) -> None:
     state = {
         "pid": os.getpid(),
         "observe_only": guard.observe_only,
         "reason": guard.observe_only_reason,
         "applied_w": applied_w,
+        "worker": worker,
     }
     print(json.dumps(state), flush=True)
 

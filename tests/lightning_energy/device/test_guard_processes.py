@@ -8,6 +8,7 @@ settings in state files, as a driver would, so another process sees what a job l
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -162,6 +163,29 @@ def test_sigkill_leaves_a_lease_that_recover_restores(
     assert "no longer running" in results[0].message
     assert [read_power_w(state_dir, f"GPU-sim-a40-{i}") for i in range(2)] == [300.0, 300.0]
     assert lease_files(lease_dir) == []
+
+
+@pytest.mark.gpu_state_may_change
+def test_a_forked_worker_that_outlives_a_killed_job_does_not_keep_its_lease(
+    start_job: Any, dirs: tuple[Path, Path]
+) -> None:
+    """``flock`` belongs to the open file, which a forked child shares: a DataLoader
+    worker still alive after the job was killed must not look like the job."""
+    lease_dir, state_dir = dirs
+    job = start_job("hold", "--fork-worker")
+    worker = job.ready["worker"]
+    try:
+        job.proc.send_signal(signal.SIGKILL)
+        assert job.proc.wait() == -signal.SIGKILL  # not communicate(): the worker has stdout
+        os.kill(worker, 0)  # the worker lives on
+        (result,) = recover(lease_dir)
+        assert result.status == "restored", result.message
+        assert read_power_w(state_dir) == 300.0
+        gpus = simulated_gpus(SimulatedSpec(gpu="a40", state_dir=str(state_dir)))
+        with GPUGuard(gpus, lease_dir=lease_dir) as guard:
+            assert not guard.observe_only, guard.observe_only_reason
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.gpu_state_may_change

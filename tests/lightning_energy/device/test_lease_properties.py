@@ -33,6 +33,7 @@ json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([10**400, -(10**400)])  # JSON integers past a float's range
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
@@ -136,6 +137,37 @@ def test_each_bad_lease_is_named(content: bytes, why: str) -> None:
         result, gpu = run_recover(content, untrusted=untrusted)
         assert why in result.message
         assert result.status == ("refused" if untrusted or why == "larger than" else "failed")
+        assert gpu.settings() == gpu.initial_settings
+
+
+HUGE = 10**400  # JSON allows integers past a float's range; ``json`` reads them exactly
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("power_limit_w",), HUGE),
+        (("power_limit_w",), -HUGE),
+        (("gpu_index",), HUGE),
+        (("format",), HUGE),
+        (("owner", "pid"), HUGE),
+        (("owner", "start_time"), HUGE),
+        (("locked_clocks_mhz",), [HUGE, HUGE]),
+    ],
+    ids=["watts", "negative-watts", "index", "format", "pid", "start-time", "clocks"],
+)
+def test_integers_past_a_floats_range_are_refused_like_any_bad_number(
+    path: tuple[str, ...], value: object
+) -> None:
+    data = lease_dict(UUID)
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    for untrusted in (True, False):
+        result, gpu = run_recover(data, untrusted=untrusted)
+        assert result.status == ("refused" if untrusted else "failed"), result.message
+        assert "malformed lease" in result.message and path[-1] in result.message
         assert gpu.settings() == gpu.initial_settings
 
 
