@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -48,6 +47,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, SQLAlchemyError
 
 from lightning_energy.errors import StoreError
+from lightning_energy.numbers import is_finite
 
 __all__ = [
     "ENV_STORE_URL",
@@ -423,8 +423,9 @@ class Store:
                         )
                     elif self._schema_version(row[0]) > _SCHEMA_VERSION:
                         raise StoreError(
-                            f"the store {self.url} has schema version {row[0]}, written by a "
-                            f"newer lightning-energy (this one reads version {_SCHEMA_VERSION})"
+                            f"the store {self.url} has schema version {str(row[0])[:40]}, "
+                            "written by a newer lightning-energy (this one reads version "
+                            f"{_SCHEMA_VERSION})"
                         )
                 return
             except SQLAlchemyError as exc:
@@ -641,7 +642,8 @@ class Store:
     # ------------------------------------------------------------------ helpers
     def _schema_version(self, value: object) -> int:
         """The ``schema_version`` row as a number >= 1, or a StoreError explaining it."""
-        if isinstance(value, str) and value.isascii() and value.isdigit():
+        # At most 18 digits: int() refuses more than 4300, and no version has so many.
+        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
@@ -695,10 +697,6 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 #: The last second of the year 9999, the end of Python's calendar, in Unix seconds.
 _LAST_TIME_S = 253_402_300_799
 
@@ -717,13 +715,13 @@ _TRIAL_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "gpu_count": (lambda v: _is_count(v) and v != 0, "a count >= 1"),
     "batch_size": (lambda v: _is_count(v) and v != 0, "a count >= 1"),
     "epochs": (_is_count, "a count >= 0"),
-    "power_limit_w": (lambda v: v is None or _is_number(v), "a number of watts or null"),
-    "energy_j": (_is_number, "a finite number"),
-    "time_s": (_is_number, "a finite number"),
-    "cost": (_is_number, "a finite number"),
-    "eta": (_is_number, "a finite number"),
+    "power_limit_w": (lambda v: v is None or is_finite(v), "a number of watts or null"),
+    "energy_j": (is_finite, "a finite number"),
+    "time_s": (is_finite, "a finite number"),
+    "cost": (is_finite, "a finite number"),
+    "eta": (is_finite, "a finite number"),
     "converged": (lambda v: v in (0, 1) and not isinstance(v, float), "true or false"),
-    "metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    "metric": (lambda v: v is None or is_finite(v), "a number or null"),
     "started_at": (_is_time, "a time (Unix seconds from 1970 to 9999)"),
     "finished_at": (_is_time, "a time (Unix seconds from 1970 to 9999)"),
 }

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lightning_energy.controller.knobs import ControllerRun, KnobDecision
 from lightning_energy.controller.session import ProfilingSession, WindowProgress
 from lightning_energy.controller.windows import WINDOW
-from lightning_energy.errors import DeviceError
+from lightning_energy.errors import DeviceError, ProfileError
+from lightning_energy.numbers import is_finite
 
 if TYPE_CHECKING:
     from lightning_energy.controller.records import Profile
@@ -475,8 +476,14 @@ class SettingKnob(ABC):
     def load_state_dict(self, state: Mapping[str, Any], *, running: bool) -> None:
         """Resume the profiles and the current workload; a complete one applies its
         choice at once when a run is set up."""
+        rows = state.get("sm_clocks_mhz", [])
+        if not (isinstance(rows, list) and all(_is_clock_row(row) for row in rows)):
+            raise ProfileError(
+                f"malformed {self.name} state: sm_clocks_mhz {str(rows)[:80]} is not allowed; "
+                "use a list of [workload, setting, clock in MHz] rows of finite numbers"
+            )
         self.discard_window("checkpoint restore")
-        for workload, setting, clock_mhz in state.get("sm_clocks_mhz", []):
+        for workload, setting, clock_mhz in rows:
             self._clocks_mhz[(str(workload), float(setting))] = [float(clock_mhz)]
         self.session.load_state_dict(
             state.get("optimizers", {}), str(state.get("workload", "default"))
@@ -491,3 +498,14 @@ class SettingKnob(ABC):
         chosen = self.session.known_choice()
         if chosen is not None:
             self.use_choice(chosen, "resumed from checkpoint")
+
+
+def _is_clock_row(row: object) -> bool:
+    """Whether a checkpoint's ``sm_clocks_mhz`` row is ``[workload, setting, clock]``."""
+    return (
+        isinstance(row, list)
+        and len(row) == 3
+        and isinstance(row[0], str)
+        and is_finite(row[1])
+        and is_finite(row[2])
+    )

@@ -189,7 +189,7 @@ class ZeusdAddress:
 def _host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
         raise ValueError(f"{show(text)} is not host:port with a port in 1..65535")
     if not host.isprintable() or any(c.isspace() for c in host):
         raise ValueError(f"{show(text)} has a host that is not a host name")

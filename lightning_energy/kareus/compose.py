@@ -363,7 +363,8 @@ class KareusPlan:
             tp = None if tp_size is None else int(tp_size)
         except ProfileError:
             raise
-        except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        except (ConfigError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: an infinity where an integer goes, or an integer beyond any float
             raise ProfileError(f"malformed kareus plan: {exc!r}") from exc
         return cls(schedule, choices, metadata, layers_per_stage, tp)
 
@@ -376,7 +377,7 @@ class KareusPlan:
         """
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or a number too long
             raise ProfileError(f"cannot read the kareus plan {path}: {exc}") from exc
         return cls.from_dict(data)
 

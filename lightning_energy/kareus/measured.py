@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_energy.errors import ProfileError, raise_profile_problems
+from lightning_energy.kareus.partition import MAX_SETTING
 
 __all__ = ["PartitionMeasurements", "parse_partition_csv", "read_partition_csv"]
 
@@ -180,6 +181,11 @@ def parse_partition_csv(f: TextIO, *, source: str) -> PartitionMeasurements:
 
 
 def _check_row(start: int, end: int, ctas: int, threads: int, values: Iterable[float]) -> str:
+    if not all(abs(v) < MAX_SETTING for v in (start, end, ctas, threads)):
+        return (
+            f"{', '.join(_SETTING_COLUMNS)}: an integer of size {MAX_SETTING} or more is not "
+            "allowed; use smaller ones"
+        )
     if (start < 0 or end < 0) and (start, end) != (-1, -1):
         return f"overlap window ({start}, {end}): use -1,-1 or two op indices >= 0"
     if end < start:

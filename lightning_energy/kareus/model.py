@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ from lightning_energy.errors import ConfigError, ProfileError
 from lightning_energy.files import write_atomically
 from lightning_energy.kareus.measured import PartitionMeasurements
 from lightning_energy.kareus.partition import SEQUENTIAL, ComputeOp, Partition
+from lightning_energy.numbers import is_finite
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -162,7 +162,7 @@ class OverlapPhysics:
             value = getattr(self, f.name)
             if f.name == "gpu":
                 continue
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            if not (is_finite(value) and value >= 0):
                 problems.append(f"{f.name}: {value!r} is not allowed; use a finite number >= 0")
         for name in ("memory_gbps", "gemm_tflops", "attention_tflops", "cta_gbps", "link_gbps"):
             if not getattr(self, name) > 0:
@@ -716,7 +716,7 @@ def load_calibration(path: str | os.PathLike[str]) -> tuple[OverlapPhysics, dict
     """
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or a number too long
         raise ProfileError(f"cannot read the overlap calibration {path}: {exc}") from exc
     return _parse_calibration(data, str(path))
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from lightning_energy.errors import ConfigError
 
 __all__ = [
+    "MAX_SETTING",
     "OP_CLASSES",
     "PARTITION_KEYS",
     "SEQUENTIAL",
@@ -46,6 +47,10 @@ OP_CLASSES = ("memory", "gemm", "attention")
 
 #: The slot of a collective that runs alone, before the compute (no overlap).
 SEQUENTIAL = -1
+
+#: A setting read from a file (clock, CTAs, slot, threads, op index) is an integer of size
+#: below this: larger ones are no setting, and would not fit numpy's integers.
+MAX_SETTING = 2**31
 
 
 @dataclass(frozen=True)

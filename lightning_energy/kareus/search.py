@@ -47,7 +47,7 @@ import numpy as np
 
 from lightning_energy.errors import ConfigError, ProfileError, raise_profile_problems
 from lightning_energy.files import write_atomically
-from lightning_energy.kareus.partition import SEQUENTIAL, PartitionSetting
+from lightning_energy.kareus.partition import MAX_SETTING, SEQUENTIAL, PartitionSetting
 
 __all__ = [
     "CACHE_FORMAT",
@@ -252,7 +252,7 @@ def read_measurements(path: str | os.PathLike[str], key: str | None = None) -> l
         raise ProfileError(f"cannot read the partition measurements {path}: {exc}") from exc
     try:
         head = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or a number too long
         head = None
     if not isinstance(head, dict) or head.get("format") != CACHE_FORMAT:
         raise ProfileError(f"{path}: not a partition measurement file (format {CACHE_FORMAT!r})")
@@ -269,8 +269,18 @@ def read_measurements(path: str | os.PathLike[str], key: str | None = None) -> l
                 int(row["clock_mhz"]), int(row["ctas"]), int(row["slot"]), int(row["block_threads"])
             )
             time_s, energy_j = float(row["time_s"]), float(row["energy_j"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: an infinity where an integer goes, or an integer beyond any float
             problems.append(f"line {number}: {exc!r}")
+            continue
+        if not all(
+            abs(v) < MAX_SETTING
+            for v in (setting.clock_mhz, setting.ctas, setting.slot, setting.block_threads)
+        ):
+            problems.append(
+                f"line {number}: clock_mhz, ctas, slot and block_threads must be integers of "
+                f"size below {MAX_SETTING}"
+            )
             continue
         if not (math.isfinite(time_s) and time_s > 0 and math.isfinite(energy_j) and energy_j > 0):
             problems.append(f"line {number}: time_s and energy_j must be finite and > 0")

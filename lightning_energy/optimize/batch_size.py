@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from lightning_energy.errors import ConfigError
+from lightning_energy.numbers import is_finite
 from lightning_energy.store import JobId, TrialRecord
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "Trial",
     "best_choice",
     "is_int",
-    "is_number",
     "pruning_state",
     "thompson_choice",
 ]
@@ -110,11 +110,11 @@ class JobSpec:
                 f"default_batch_size: {self.default_batch_size!r} is not allowed; "
                 f"use one of batch_sizes {sorted(b for b in sizes if is_int(b))}"
             )
-        if not is_number(self.target_metric) or not math.isfinite(self.target_metric):
+        if not is_finite(self.target_metric):
             problems.append(f"target_metric: {self.target_metric!r} is not allowed; use a number")
         if not is_int(self.max_epochs) or self.max_epochs < 1:
             problems.append(f"max_epochs: {self.max_epochs!r} is not allowed; use an integer >= 1")
-        if not is_number(self.max_power_limit_w) or not self.max_power_limit_w > 0:
+        if not is_finite(self.max_power_limit_w) or not self.max_power_limit_w > 0:
             problems.append(
                 f"max_power_limit_w: {self.max_power_limit_w!r} is not allowed; use watts > 0"
             )
@@ -367,8 +367,3 @@ def best_choice(
 def is_int(value: object) -> bool:
     """Whether ``value`` is an integer (numpy's too), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_number(value: object) -> bool:
-    """Whether ``value`` is a real number (numpy's too), not a bool."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

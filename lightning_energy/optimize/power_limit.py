@@ -616,7 +616,7 @@ class PowerLimitOptimizer:
             chosen = state["chosen_power_limit_w"]
             chosen = None if chosen is None else float(chosen)
             excluded = {float(x) for x in state.get("excluded", [])}
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ProfileError(f"malformed power-limit optimizer state: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ProfileError(

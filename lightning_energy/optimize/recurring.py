@@ -52,6 +52,7 @@ import numpy as np
 from lightning_energy.config import BatchSizeConfig
 from lightning_energy.controller.knobs import KnobDecision
 from lightning_energy.errors import ConfigError, EnergyError
+from lightning_energy.numbers import is_finite
 from lightning_energy.optimize.batch_size import (
     BestChoice,
     JobSpec,
@@ -59,7 +60,6 @@ from lightning_energy.optimize.batch_size import (
     Trial,
     best_choice,
     is_int,
-    is_number,
     pruning_state,
     thompson_choice,
 )
@@ -147,7 +147,7 @@ class BatchSizeOptimizer:
         pruning_rounds: int = 2,
     ) -> None:
         problems = check_eta(eta)
-        if not is_number(beta) or not beta >= 1.0:
+        if not (is_finite(beta) or beta == math.inf) or not beta >= 1.0:
             problems.append(
                 f"beta: {beta!r} is not allowed; use a number >= 1 (math.inf disables it)"
             )
@@ -285,7 +285,7 @@ class BatchSizeOptimizer:
             )
         for name in ("energy_j", "time_s", "epochs"):
             value = getattr(trial, name)
-            if not is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_finite(value) or value < 0:
                 problems.append(f"{name}: {value!r} is not allowed; use a finite number >= 0")
         if problems:
             raise ConfigError(problems)

@@ -49,6 +49,7 @@ scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-(10**400), max_value=10**400),
+    st.sampled_from([10**400, -(10**400)]),  # JSON integers beyond any float
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=30),
     planted,

@@ -51,6 +51,7 @@ _RUDE = st.sampled_from(
         0,
         2**64,
         10**400,
+        -(10**400),
     ]
 )
 _SCALARS = st.one_of(

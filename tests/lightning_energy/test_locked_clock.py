@@ -25,7 +25,7 @@ from lightning_energy.controller.locked_clock import thin_clocks_mhz
 from lightning_energy.device import NVMLGPU, DeviceSet, SimulatedGPU, SimulatedSpec, simulated_gpus
 from lightning_energy.device.guard import recover
 from lightning_energy.device.simulated import Phase
-from lightning_energy.errors import ConfigError, NoPermissionError
+from lightning_energy.errors import ConfigError, NoPermissionError, ProfileError
 from lightning_energy.optimize.selectors import Measurement, make_selector, select_across
 from tests.lightning_energy.paced_lock_worker import paced_config
 
@@ -849,3 +849,21 @@ def test_an_administrators_lock_is_never_replaced_and_power_limits_are_profiled(
     assert [d for d in controller.decisions if d["kind"] == "power_limit"]
     controller.teardown()
     assert gpu.foreign_clock_lock_mhz() == (1005, 1005)
+
+
+@pytest.mark.parametrize("huge", [10**400, -(10**400)])
+def test_a_checkpoint_clock_no_float_holds_is_named(tmp_path: Path, huge: int) -> None:
+    controller = EnergyController(
+        _config(tmp_path), devices=_devices(), install_signal_handlers=False
+    )
+    _profile(controller)
+    state = json.loads(json.dumps(controller.state_dict()))
+    controller.teardown()
+    state["locked_clock"]["sm_clocks_mhz"] = [["default", 1410.0, huge]]
+    resumed = EnergyController(_config(tmp_path), devices=_devices(), install_signal_handlers=False)
+    resumed.setup()
+    try:
+        with pytest.raises(ProfileError, match="sm_clocks_mhz"):
+            resumed.load_state_dict(state)
+    finally:
+        resumed.teardown()

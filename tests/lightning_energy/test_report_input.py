@@ -33,7 +33,7 @@ _JSON = st.recursive(
     | st.integers()
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=10)
-    | st.sampled_from([1e308, -1e308, 10**30, "2023-06-01T00:00:00Z", [], {}]),
+    | st.sampled_from([1e308, -1e308, 10**30, 10**400, "2023-06-01T00:00:00Z", [], {}]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
     max_leaves=5,
 )

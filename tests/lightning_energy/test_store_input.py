@@ -23,6 +23,8 @@ _SETTINGS = settings(
 _CELLS = st.one_of(
     st.text(max_size=20),
     st.sampled_from(["1", "0", "-1", " 1", "1.0", "٣", "[]", "null", "{", "[" * 5000, "{}"]),
+    # JSON integers beyond any float, and digits beyond what int() reads
+    st.sampled_from([str(10**400), str(-(10**400)), "1" * 5000]),
     st.integers(min_value=-(2**63), max_value=2**63 - 1),
     st.floats(allow_nan=False),
     st.binary(max_size=10),
@@ -175,3 +177,12 @@ def test_history_names_the_field_that_holds_text(
     assert main(["history", "--store", f"sqlite:///{path}"]) == EXIT_FAILURE
     err = capsys.readouterr().err
     assert "energy_j holds 'a lot' (str), not a finite number" in err
+
+
+@pytest.mark.parametrize("value", ["1" * 5000, "1" + "0" * 400])
+def test_a_schema_version_no_integer_holds_is_named(tmp_path: Path, value: str) -> None:
+    path = _fresh(tmp_path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE le_meta SET value = ? WHERE name = 'schema_version'", (value,))
+    with pytest.raises(StoreError, match=f"schema_version {value[:40]!r} in le_meta"):
+        Store.open(f"sqlite:///{path}")

@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -42,6 +41,7 @@ from typing import Any
 
 from lightning_energy.device.simulated.clocked_model import ClockedModel
 from lightning_energy.errors import ConfigError
+from lightning_energy.numbers import is_finite
 
 __all__ = ["CALIBRATION_FORMAT", "CalibratedModel", "Calibration", "load_calibration"]
 
@@ -153,11 +153,8 @@ class _Reader:
         value = data.get(key)
         if value is None and optional:
             return None
-        number = math.nan
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            with contextlib.suppress(OverflowError):  # an integer beyond any float
-                number = float(value)
-        if not (number > low if strict else number >= low) or not math.isfinite(number):
+        number = float(value) if is_finite(value) else math.nan
+        if not (number > low if strict else number >= low):
             shown = "missing" if key not in data else f"{_shown(value)} is not allowed"
             bound = f"> {low:g}" if strict else f">= {low:g}"
             name = f"{where}.{key}" if where else key
@@ -170,7 +167,7 @@ class _Reader:
         if (
             not isinstance(value, list)
             or not value
-            or not all(isinstance(f, int) and not isinstance(f, bool) and f > 0 for f in value)
+            or not all(isinstance(f, int) and is_finite(f) and f > 0 for f in value)
         ):
             shown = (
                 "missing"

@@ -67,6 +67,7 @@ from lightning_energy.errors import (
     NotSupportedError,
 )
 from lightning_energy.files import write_atomically
+from lightning_energy.numbers import is_finite
 
 __all__ = [
     "BOARDS",
@@ -992,10 +993,16 @@ class SimulatedGPU:
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
             uuid = state["uuid"]
-            limit_w = float(state["power_limit_w"])
+            limit_w = state["power_limit_w"]
             locked = state["locked_clocks_mhz"]
+            if not is_finite(limit_w):
+                raise ValueError(f"power_limit_w {str(limit_w)[:40]} is not a finite number")
+            if locked is not None and not (
+                isinstance(locked, list) and len(locked) == 2 and all(map(is_finite, locked))
+            ):
+                raise ValueError(f"locked_clocks_mhz {str(locked)[:40]} is not null or 2 clocks")
             locked_t = None if locked is None else (int(locked[0]), int(locked[1]))
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DriverError(
                 f"simulated GPU state file {path} is unreadable or malformed: {exc}",
                 gpu_index=self._index,
@@ -1007,7 +1014,7 @@ class SimulatedGPU:
                 gpu_index=self._index,
                 operation="load_state",
             )
-        self._power_limit_w = limit_w
+        self._power_limit_w = float(limit_w)
         self._locked = locked_t
 
     def _save_state(self) -> None:

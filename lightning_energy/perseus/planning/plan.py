@@ -201,7 +201,8 @@ class Plan:
             metadata = {str(k): float(v) for k, v in dict(data.get("metadata") or {}).items()}
         except ProfileError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: an infinity where an integer goes, or an integer beyond any float
             raise ProfileError(f"malformed plan: {exc!r}") from exc
         missing = [str(inst) for inst in schedule.nodes if inst not in freqs]
         extra = [str(inst) for inst in freqs if inst not in schedule.index]
@@ -221,7 +222,7 @@ class Plan:
         """
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # not JSON, or a number too long
             raise ProfileError(f"plan is not valid JSON: {exc}") from exc
         return cls.from_dict(data, schedule=schedule)
 

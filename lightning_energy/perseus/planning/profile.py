@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_energy.errors import ProfileError, raise_profile_problems
+from lightning_energy.numbers import is_finite
 
 __all__ = [
     "BACKWARD",
@@ -164,7 +165,7 @@ class PipelineProfile:
             if int(freq) in table:
                 problems.append(f"stage {stage} {kind} at {freq} MHz: duplicate row")
                 continue
-            table[int(freq)] = (float(time_s), float(energy_j))
+            table[int(freq)] = (_float(time_s), _float(energy_j))
         entries = []
         for (stage, kind), table in grouped.items():
             freqs = sorted(table, reverse=True)
@@ -219,7 +220,8 @@ class PipelineProfile:
                                 float(record["energy"]),
                             )
                         )
-                    except (TypeError, ValueError, AttributeError):
+                    except (TypeError, ValueError, AttributeError, OverflowError):
+                        # OverflowError: a frequency of 1e400 (or more digits) is no integer
                         problems.append(f"line {line}: not numeric where expected: {record}")
         except OSError as exc:
             raise ProfileError(f"cannot read the pipeline profile {path}: {exc}") from exc
@@ -326,6 +328,15 @@ class PipelineProfile:
         )
 
 
+def _float(value: float) -> float:
+    """``value`` as a float, or as it is when no float holds it (an integer of 400 digits):
+    the validation then names it."""
+    try:
+        return float(value)
+    except OverflowError:
+        return value
+
+
 def _kind_order(kind: str) -> tuple[int, str]:
     order = {FORWARD: 0, BACKWARD: 1}
     return (order.get(kind, 2), kind)
@@ -339,7 +350,7 @@ def _validate(entries: list[InstructionProfile], blocked_power_w: BlockedPower) 
         where = "blocked_power_w" if freq is None else f"blocked_power_w at {freq} MHz"
         try:
             value = float(power_w)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             value = math.nan
         if not (math.isfinite(value) and value >= 0):
             problems.append(f"{where}: {power_w!r} is not allowed; use a finite power >= 0 W")
@@ -371,7 +382,7 @@ def _validate(entries: list[InstructionProfile], blocked_power_w: BlockedPower) 
             bad = [
                 f"{name}={value!r}"
                 for name, value in (("frequency", f), ("time", t), ("energy", e))
-                if not (math.isfinite(value) and value > 0)
+                if not (is_finite(value) and value > 0)
             ]
             if bad:
                 problems.append(f"{where} at {f} MHz: {', '.join(bad)}: must be > 0")

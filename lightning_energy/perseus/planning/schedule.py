@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -210,12 +211,31 @@ class PipelineSchedule:
         return float(self.finish_times(durations_s).max())
 
 
+#: The most instructions a schedule holds: a plan file may ask for any count (JSON allows
+#: 1 followed by 400 zeros), which is refused rather than built for ever.
+MAX_INSTRUCTIONS = 10_000_000
+
+
 def _check(name: str, **values: int) -> None:
     problems = [
-        f"{key}: {value!r} is not allowed; use >= 1" for key, value in values.items() if value < 1
+        f"{key}: {_shown(value)} is not allowed; use >= 1"
+        for key, value in values.items()
+        if value < 1
     ]
+    if not problems and 2 * math.prod(values.values()) > MAX_INSTRUCTIONS:
+        counts = ", ".join(f"{key}={_shown(value)}" for key, value in values.items())
+        problems.append(
+            f"{counts}: 2 x {' x '.join(values)} instructions is not allowed; use at most "
+            f"{MAX_INSTRUCTIONS:,}"
+        )
     if problems:
         raise ConfigError(problems, source=f"schedule {name!r}")
+
+
+def _shown(value: int) -> str:
+    """``repr(value)`` cut to a readable length (a count can have hundreds of digits)."""
+    text = repr(value)
+    return text if len(text) <= 20 else text[:17] + "..."
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> PipelineSchedule:

@@ -133,7 +133,7 @@ def _name(path: tuple[str | int, ...]) -> str:
 
 
 _MISSING = object()
-_NOT_NUMBERS = [_MISSING, None, "fast", True, [], {}, -1.0, math.inf, math.nan, 10**400]
+_NOT_NUMBERS = [_MISSING, None, "fast", True, [], {}, -1.0, math.inf, math.nan, 10**400, -(10**400)]
 # Each field, and values it must refuse.
 _FIELDS: list[tuple[tuple[str | int, ...], list[Any]]] = [
     (("counter", "period_s"), _NOT_NUMBERS),
@@ -144,7 +144,10 @@ _FIELDS: list[tuple[tuple[str | int, ...], list[Any]]] = [
     (("power_limit_sweep", 0, "sm_clock_mhz"), [*_NOT_NUMBERS, 0]),
     (("clock_sweep", 0, "time_per_step_s"), [*_NOT_NUMBERS, 0]),
     (("clock_sweep", 0, "power_w"), [*_NOT_NUMBERS, 0]),
-    (("clocks", "supported_sm_clocks_mhz"), [_MISSING, None, "many", [], [0], ["1400"], [1.5], {}]),
+    (
+        ("clocks", "supported_sm_clocks_mhz"),
+        [_MISSING, None, "many", [], [0], ["1400"], [1.5], {}, [10**400], [1400, -(10**400)]],
+    ),
     (("gpu", "name"), [_MISSING, None, "", "  ", 3]),
     (("gpu",), [_MISSING, None, "H200", [], 3]),
     (("counter",), [_MISSING, None, 0.1, []]),
@@ -214,4 +217,11 @@ def test_one_clock_only_is_not_enough(tmp_path: Path) -> None:
 def test_limits_out_of_order(tmp_path: Path) -> None:
     document = _set(VALID, ("limits", "default_power_limit_w"), 400.0)
     with pytest.raises(ConfigError, match=r"use min <= default <= max"):
+        load_calibration(_write(tmp_path, document))
+
+
+@pytest.mark.parametrize("clock", [10**400, -(10**400)])
+def test_a_clock_no_float_holds_is_named(tmp_path: Path, clock: int) -> None:
+    document = _set(VALID, ("clocks", "supported_sm_clocks_mhz"), [1400, clock])
+    with pytest.raises(ConfigError, match=r"clocks.supported_sm_clocks_mhz: .* is not allowed"):
         load_calibration(_write(tmp_path, document))

@@ -316,3 +316,24 @@ def test_a_simulated_gpu_runs_the_work_it_is_given_on_its_virtual_clock() -> Non
     assert compute_end[0] - start[0] == pytest.approx(compute_s)
     assert compute_end[1] > start_j
     assert end == compute_end
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("power_limit_w", "1" + "0" * 400),
+        ("power_limit_w", "-1" + "0" * 400),
+        ("power_limit_w", "1e400"),
+        ("locked_clocks_mhz", "[1e400, 1410]"),
+        ("locked_clocks_mhz", "[1410, 1%s]" % ("0" * 400)),
+    ],
+)
+def test_a_state_file_number_no_float_holds_is_named(
+    tmp_path: Path, field: str, value: str
+) -> None:
+    fields = {"uuid": '"GPU-sim-a100-0"', "power_limit_w": "300", "locked_clocks_mhz": "null"}
+    fields[field] = value
+    text = "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+    (tmp_path / "GPU-sim-a100-0.json").write_text(text)
+    with pytest.raises(DriverError, match=f"malformed.*{field}"):
+        simulated_gpus(SimulatedSpec(gpu="a100", state_dir=str(tmp_path)))

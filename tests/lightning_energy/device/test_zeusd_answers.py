@@ -30,7 +30,7 @@ scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-(1 << 80), max_value=1 << 80),
-    st.sampled_from([_U32, 1 << 64, 10**30, -1]),
+    st.sampled_from([_U32, 1 << 64, 10**30, -1, 10**400, -(10**400)]),
     st.floats(allow_nan=False),
     st.text(max_size=8),
 )

@@ -209,3 +209,23 @@ def test_a_plan_is_costed_again_on_other_values_of_its_settings(
     }
     slower = planner.evaluate(point, reprice(planner.options, doubled, rest, LAYERS))
     assert slower.iteration_time_s > 1.5 * point.iteration_time_s
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("metadata", 10**400), ("metadata", -(10**400)), ("num_stages", float("inf"))],
+)
+def test_a_plan_number_no_float_holds_is_malformed(where: str, value: float) -> None:
+    data: dict[str, object] = {
+        "format": "lightning-energy/kareus-plan",
+        "version": 1,
+        "schedule": {"name": "1f1b", "num_stages": 1, "num_microbatches": 1},
+        "stages": [],
+        "metadata": {"time_s": 1.0},
+    }
+    if where == "metadata":
+        data["metadata"] = {"time_s": value}
+    else:
+        data["schedule"] = {"name": "1f1b", "num_stages": value, "num_microbatches": 1}
+    with pytest.raises(ProfileError, match="malformed kareus plan"):
+        KareusPlan.from_dict(data)

@@ -71,3 +71,13 @@ def test_missing_columns_and_files_are_named(tmp_path: Path) -> None:
         )
     with pytest.raises(ProfileError, match="cannot read"):
         read_partition_csv(tmp_path / "nothing.csv")
+
+
+@pytest.mark.parametrize("value", [str(10**400), str(-(10**400))])
+@pytest.mark.parametrize("column", range(4))
+def test_a_setting_no_integer_column_holds_is_named(column: int, value: str) -> None:
+    settings = ["0", "6", "4", "1024"]
+    settings[column] = value
+    text = HEADER + ",".join(settings) + ",1.0,10.0,1.0,10.0\n"
+    with pytest.raises(ProfileError, match="line 2: "):
+        parse_partition_csv(io.StringIO(text), source="bad.csv")

@@ -209,3 +209,14 @@ def test_calibration_files_round_trip_and_bad_ones_are_refused(tmp_path: Path) -
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="warp_speed"):
         load_calibration(path)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_a_calibration_constant_no_float_holds_is_named(tmp_path: Path, value: int) -> None:
+    path = tmp_path / "calibration.json"
+    physics = {"static_power_w": value}
+    path.write_text(
+        json.dumps({"format": "lightning-energy/kareus-overlap-calibration", "physics": physics})
+    )
+    with pytest.raises(ProfileError, match=r"static_power_w: .* use a finite number >= 0"):
+        load_calibration(path)

@@ -204,3 +204,17 @@ def test_a_sampler_without_optuna_says_how_to_install_it(monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna -> ImportError
     with pytest.raises(ConfigError, match=r"lightning-energy\[kareus\].*sampler='exhaustive'"):
         search_partition(ExactMeter(), "fwd_attn", SMALL, budget=4, static_power_w=STATIC_W)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), "1e400"])
+@pytest.mark.parametrize("field", ["clock_mhz", "ctas", "time_s", "energy_j"])
+def test_a_number_no_float_holds_is_a_bad_line(tmp_path: Path, field: str, value: object) -> None:
+    """JSON reads 1 followed by 400 zeros as an exact int (and 1e400 as infinity): the line
+    is named as bad, no OverflowError escapes."""
+    header = json.dumps({"format": "lightning-energy/kareus-measurements", "key": "fwd_mlp"})
+    row = json.dumps({"clock_mhz": 1410, "ctas": 4, "slot": 0, "block_threads": 1024})[:-1]
+    shown = value if isinstance(value, str) else json.dumps(value)
+    path = tmp_path / "m.jsonl"
+    path.write_text(f'{header}\n{row}, "time_s": 1.0, "energy_j": 2.0, "{field}": {shown}}}\n')
+    with pytest.raises(ProfileError, match="line 2"):
+        read_measurements(path, "fwd_mlp")

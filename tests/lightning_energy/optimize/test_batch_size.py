@@ -336,3 +336,26 @@ def test_power_profiles_are_kept_per_batch_size(store: Store) -> None:
     later = BatchSizeOptimizer(_spec(), store)
     assert later.load_power_profile(64) == {"chosen_w": 200.0}
     assert later.load_power_profile(32) is None
+
+
+@pytest.mark.parametrize("huge", [10**400, -(10**400)])
+def test_numbers_no_float_holds_are_refused_by_name(store: Store, huge: int) -> None:
+    with pytest.raises(ConfigError) as bad:
+        _spec(target_metric=huge, max_power_limit_w=huge)
+    assert [p.split(":")[0] for p in bad.value.problems] == ["target_metric", "max_power_limit_w"]
+    with pytest.raises(ConfigError, match="beta: "):
+        BatchSizeOptimizer(_spec(), store, beta=huge)
+    optimizer = BatchSizeOptimizer(_spec(), store)
+    with pytest.raises(ConfigError) as bad:
+        optimizer.record(
+            Trial(
+                batch_size=64,
+                epochs=huge,
+                energy_j=huge,
+                time_s=huge,
+                converged=True,
+                started_at=0.0,
+                finished_at=1.0,
+            )
+        )
+    assert [p.split(":")[0] for p in bad.value.problems] == ["energy_j", "time_s", "epochs"]

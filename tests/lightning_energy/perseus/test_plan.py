@@ -108,3 +108,27 @@ def test_evaluate_rejects_a_clock_the_profile_lacks() -> None:
     profile = PipelineProfile.from_rows(rows, blocked_power_w=70.0)
     with pytest.raises(ProfileError, match="1200 MHz is not in the profile"):
         evaluate(Plan.uniform(one_f_one_b(2, 2), 1200), profile)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '"metadata": {"time_s": 1%s}' % ("0" * 400),
+        '"metadata": {"time_s": -1%s}' % ("0" * 400),
+        '"schedule": {"name": "1f1b", "num_stages": 1e400, "num_microbatches": 2}',
+    ],
+)
+def test_a_plan_number_no_float_holds_is_malformed(text: str) -> None:
+    good = Plan.uniform(one_f_one_b(2, 2), 1200).to_dict()
+    key = text.split('"')[1]
+    data = json.dumps({k: v for k, v in good.items() if k != key})
+    with pytest.raises(ProfileError, match="malformed plan"):
+        Plan.from_json(data[:-1] + ", " + text + "}")
+
+
+@pytest.mark.parametrize("count", ["num_stages", "num_microbatches"])
+def test_a_plan_for_more_instructions_than_a_schedule_holds_is_refused(count: str) -> None:
+    data = Plan.uniform(one_f_one_b(2, 2), 1200).to_dict()
+    data["schedule"][count] = 10**400
+    with pytest.raises(ProfileError, match=f"{count}=.*instructions is not allowed"):
+        Plan.from_dict(data)

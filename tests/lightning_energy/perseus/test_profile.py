@@ -104,3 +104,25 @@ def test_blocked_power_per_clock(tmp_path: Path) -> None:
     assert "blocked_power_w at 1410 MHz: -1.0 is not allowed" in message
     assert "blocked_power_w at 1000 MHz: nan is not allowed" in message
     assert "blocked_power_w: no value at [1200] MHz" in message
+
+
+@pytest.mark.parametrize("column", ["frequency", "time", "energy"])
+@pytest.mark.parametrize("value", ["1e400", str(10**400), str(-(10**400))])
+def test_a_csv_number_no_float_holds_is_named(tmp_path: Path, column: str, value: str) -> None:
+    row = {"stage": "0", "instruction": "forward", "frequency": "1410", "time": "1", "energy": "1"}
+    row[column] = value
+    path = tmp_path / "p.csv"
+    path.write_text("stage,instruction,frequency,time,energy\n" + ",".join(row.values()) + "\n")
+    with pytest.raises(ProfileError, match=r"line 2: |at 1410 MHz: "):
+        PipelineProfile.from_csv(path, blocked_power_w=70.0)
+
+
+@pytest.mark.parametrize("huge", [10**400, -(10**400)])
+def test_numbers_no_float_holds_are_named(huge: int) -> None:
+    with pytest.raises(ProfileError, match=r"blocked_power_w: .* is not allowed"):
+        PipelineProfile.from_rows(_rows(), blocked_power_w=huge)
+    with pytest.raises(ProfileError, match=r"blocked_power_w at 1410 MHz: .* is not allowed"):
+        PipelineProfile.from_rows(_rows(), blocked_power_w={1410: huge, 1200: 70.0})
+    rows = [*_rows()[1:], (0, "forward", 1410, huge, 1.0)]
+    with pytest.raises(ProfileError, match="stage 0 forward at 1410 MHz: time="):
+        PipelineProfile.from_rows(rows, blocked_power_w=70.0)
