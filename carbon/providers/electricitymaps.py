@@ -59,6 +59,9 @@ _ZONE = re.compile(r"^[A-Z]{2,3}(-[A-Z0-9]+)*$")
 _LAT_LON = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*$")
 _VERSION_SUFFIX = re.compile(r"/(v\d+)/*$")
 _HISTORY_SPAN = timedelta(hours=24)
+#: A range that starts this much before the last 24 hours is still asked of ``/history``:
+#: callers compute "the last day" from their own, earlier reading of the clock.
+_HISTORY_LEEWAY = timedelta(hours=1)
 _PAST_RANGE_MAX = timedelta(days=10)
 
 
@@ -218,7 +221,8 @@ class ElectricityMapsProvider(HttpProvider):
 
     def history(self, start: datetime, end: datetime) -> list[IntensityPoint]:
         """Past values in ``[start, end)``: ``/history`` when the range lies within the last
-        24 hours, otherwise ``/past-range`` in windows of at most 10 days (not in the free
+        24 hours (or starts up to an hour before them, whose first hour ``/history`` may then
+        lack), otherwise ``/past-range`` in windows of at most 10 days (not in the free
         tier: replay older periods from a trace).
 
         Raises:
@@ -227,7 +231,7 @@ class ElectricityMapsProvider(HttpProvider):
         start, end = as_utc(start), as_utc(end)
         if end <= start:
             return []
-        if start >= self._clock() - _HISTORY_SPAN:
+        if start >= self._clock() - _HISTORY_SPAN - _HISTORY_LEEWAY:
             body = self._get("/carbon-intensity/history", "history")
             return points_between(
                 self._points(body, "history", "history", PointKind.MEASURED), start, end

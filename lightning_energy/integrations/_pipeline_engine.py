@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import (
     EnergyController,
+    Interruption,
     RunSummary,
     StepEnd,
     StepResult,
@@ -203,6 +204,12 @@ class PipelineEngineAdapter(EnergyAdapter):
         self.controller.handle(StepStart())
         pipeline.iteration_start()
         self._step_start_s = pipeline.rank.clock()
+
+    def _outside_training(self, reason: str) -> None:
+        """Every rank runs something other than a training iteration next (an
+        evaluation): the profiling window in progress leaves it out."""
+        if self.running and self.controller is not None:
+            self.controller.handle(Interruption(reason))
 
     def _before(self, inst: Instruction) -> None:
         """``inst`` is about to run on this rank."""

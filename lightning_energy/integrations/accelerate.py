@@ -302,6 +302,7 @@ class AcceleratorEnergy(EnergyAdapter):
             )
         accelerator.register_save_state_pre_hook(_StateHook(self, save=True))
         accelerator.register_load_state_pre_hook(_StateHook(self, save=False))
+        self._training_boundary()
         for prepared in accelerator._optimizers:
             self._discover(prepared)
         # Holds the attachment until the Accelerator is gone, then ends the run it left open.
@@ -317,15 +318,19 @@ class AcceleratorEnergy(EnergyAdapter):
         )
 
     # ------------------------------------------------------------------ steps
-    def _discover(self, prepared: object) -> None:
-        """Hook an optimizer this Accelerator prepared; after ``free_memory()`` (the
-        optimizer counted so far is no longer prepared) it starts a new training."""
-        optimizer = getattr(prepared, "optimizer", prepared)  # inside AcceleratedOptimizer
-        if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._hooked:
-            return
+    def _training_boundary(self) -> None:
+        """Before an optimizer is prepared: when none counted so far is prepared (the
+        first training, or ``free_memory()`` let go of it, even if the same optimizer is
+        prepared again next), the next one to step starts a new training."""
         if self._counted_optimizer() is None:
             self._counted = None
             self._workload_pending = True
+
+    def _discover(self, prepared: object) -> None:
+        """Hook an optimizer this Accelerator prepared (once)."""
+        optimizer = getattr(prepared, "optimizer", prepared)  # inside AcceleratedOptimizer
+        if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._hooked:
+            return
         self._hooked[optimizer] = [
             optimizer.register_step_pre_hook(_StepHook(self, before=True)),
             optimizer.register_step_post_hook(_StepHook(self, before=False)),
@@ -737,6 +742,7 @@ class _PrepareOptimizer(_Override):
     name = "prepare_optimizer"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.energy._training_boundary()
         prepared = self.original()(*args, **kwargs)
         self.energy._discover(prepared)
         return prepared

@@ -23,7 +23,8 @@ DeepSpeed classes are left alone):
   forward and backward passes run between the pipeline's ``before`` / ``after``; the
   micro-batch of each comes from the schedule step the engine is executing, so the order
   Perseus checks after the first iteration is the order the engine actually ran;
-* the iterations: ``train_batch`` is one iteration (a controller step too);
+* the iterations: ``train_batch`` is one iteration (a controller step too); ``eval_batch``
+  is none, and the profiling window in progress leaves it out;
 * the end: :meth:`DeepSpeedEnergy.close` or the end of the ``with`` block restores the
   clocks and power limits and writes the report; an exception raised by ``train_batch``
   restores them at once (without a collective) and propagates. The hooks are removed in
@@ -58,7 +59,7 @@ ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | EnergyConfig
 
 _KINDS: dict[type, str] = {ForwardPass: FORWARD, BackwardPass: BACKWARD}
 #: The engine's attributes the attachment sets on the instance (never on the class).
-_HOOKED = ("_INSTRUCTION_MAP", "_train_schedule", "train_batch")
+_HOOKED = ("_INSTRUCTION_MAP", "_train_schedule", "train_batch", "eval_batch")
 
 
 def _instruction(schedule: TrainSchedule, step_id: int, kind: str) -> Instruction:
@@ -242,6 +243,7 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         engine._INSTRUCTION_MAP = instruction_map
         engine._train_schedule = self._tracked_schedule(engine._train_schedule)
         engine.train_batch = _TrainBatch(self, engine.train_batch)
+        engine.eval_batch = self._evaluation(engine.eval_batch)
         self._hooked = True
 
     def _unhook(self) -> None:
@@ -255,6 +257,15 @@ class DeepSpeedEnergy(PipelineEngineAdapter):
         attributes.update(self._shadowed)
         self._shadowed = {}
         self._executing = None
+
+    def _evaluation(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The engine's ``eval_batch`` (every stage runs it), left out of the window."""
+
+        def eval_batch(*args: Any, **kwargs: Any) -> Any:
+            self._outside_training("evaluation")
+            return original(*args, **kwargs)
+
+        return eval_batch
 
     def _tracked_schedule(self, original: Callable[[], Any]) -> Callable[[], Any]:
         """The engine's ``_train_schedule``, recording which step the engine executes."""

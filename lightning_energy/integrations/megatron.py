@@ -254,7 +254,8 @@ class MegatronEnergy(PipelineEngineAdapter):
 
         @functools.wraps(forward_backward_func)
         def forward_backward(**kwargs: Any) -> Any:
-            if kwargs.get("forward_only", False):
+            if kwargs.get("forward_only", False):  # evaluation: no training step
+                self._outside_training("evaluation")
                 return forward_backward_func(**kwargs)
             return self._iteration(forward_backward_func, name, kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -233,8 +234,7 @@ def make_v4(
         base_url=server.url + "/v4",
         sleep=sleep,
         timeout_s=(2.0, 2.0),
-        now=lambda: V4_NOW,
-        **kw,
+        **{"now": lambda: V4_NOW, **kw},
     )
 
 
@@ -366,6 +366,31 @@ def test_v4_history_and_past_range(
     (seen,) = api_server.requests_to("/v4/carbon-intensity/past-range")
     assert seen.query["start"] == ["2026-01-05T00:00:00Z"]
     assert seen.query["disableCallerLookup"] == ["true"]
+
+
+def test_the_last_day_comes_from_history_on_a_clock_that_moves(
+    api_server: ApiServer, api_dir: Path, fake_sleep: FakeSleep
+) -> None:
+    """A caller asks for "the last 24 hours" from its own reading of the clock, which is
+    earlier than the provider's: the free tier's ``/history`` must still answer it, not
+    ``/past-range`` (outside the free tier: a 401 and no history at all)."""
+    api_server.route(
+        "/v4/carbon-intensity/history", Reply.file(api_dir / EM / "em_v4_history_DE_direct.json")
+    )
+    api_server.route(
+        "/v4/carbon-intensity/past-range", Reply.json({"message": "Unauthorized"}, 401)
+    )
+    ticks = itertools.count()
+
+    def clock() -> datetime:
+        return V4_NOW + timedelta(seconds=next(ticks))
+
+    provider = make_v4(api_server, fake_sleep, now=clock)
+    now = clock()
+    recent = provider.history(now - timedelta(hours=24), now)
+    assert len(recent) == 23
+    assert len(api_server.requests_to("/v4/carbon-intensity/history")) == 1
+    assert api_server.requests_to("/v4/carbon-intensity/past-range") == []
 
 
 def test_a_401_after_the_token_was_accepted_is_the_plan_not_the_token(

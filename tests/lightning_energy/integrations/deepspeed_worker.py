@@ -15,6 +15,8 @@ engine it runs, in order:
 3. ``batch_size_change``: a second attach refused; the micro-batch count changed after
    attach ends the run while training goes on.
 4. ``observed``: ``perseus.enabled: false``: the clocks after each iteration, the summary.
+   ``evaluated``: power limits profiled with and without a busy ``eval_batch`` between
+   iterations.
 5. ``paced``: online planning under a carbon pace replayed from a grid trace; the target
    iteration time Perseus was given at each iteration.
 6. ``failure``: attached again with the plan of step 1; a layer raises in the middle of
@@ -25,6 +27,7 @@ Results go to ``OUT_DIR/rank<R>.json``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -169,7 +172,7 @@ def gpu_settings(out_dir: Path, local_rank: int) -> list[Any]:
 
 def hooked(engine: Any, recorder: dict[Any, Any] | None = None) -> list[str]:
     """The engine's instance attributes the adapter sets, other than the test's recorder."""
-    names = ("_INSTRUCTION_MAP", "_train_schedule", "train_batch")
+    names = ("_INSTRUCTION_MAP", "_train_schedule", "train_batch", "eval_batch")
     return [n for n in names if n in vars(engine) and vars(engine)[n] is not recorder]
 
 
@@ -294,6 +297,36 @@ def run_observed(engine: Any, out_dir: Path, local_rank: int) -> dict[str, Any]:
     return {"clocks": clocks, "steps": summary.steps, "energy_j": summary.energy_j}
 
 
+def run_evaluated(engine: Any, tripwire: Tripwire, out_dir: Path) -> dict[str, Any]:
+    """Power limits profiled with Perseus off, twice: alone, then with an ``eval_batch``
+    after every third iteration that keeps the GPU busy (each stage's layer runs 2 s at
+    idle power). The profile each run measured, per limit: [time, energy] per step."""
+    config = energy_config(out_dir, enabled=False)
+    config["power_limit"] = {"power_limits_w": [400.0, 300.0, 200.0], "settle_steps": 1}
+    profiles = []
+    for evaluate in (False, True):
+        energy = attach_energy(engine, config, stage_times_s=STAGE_TIMES_S)
+        assert energy.controller is not None
+        gpu = energy.controller.devices.gpus[0]
+        data = batches()
+        with energy:
+            for iteration in itertools.count(1):
+                if energy.controller.profile_done or iteration > 200:
+                    break
+                engine.train_batch(data)
+                if evaluate and iteration % 3 == 0:
+                    busy = tripwire.register_forward_hook(lambda *_, gpu=gpu: gpu.idle(2.0))
+                    engine.eval_batch(data)
+                    busy.remove()
+            profiles.append(
+                {
+                    str(m["power_limit_w"]): [m["time_per_step_s"], m["energy_per_step_j"]]
+                    for m in energy.controller.profile()
+                }
+            )
+    return {"alone": profiles[0], "with_evaluation": profiles[1]}
+
+
 def run_paced(engine: Any, out_dir: Path) -> dict[str, Any]:
     """Online planning under a carbon pace (a replayed grid trace): the pace's target
     iteration time reaches Perseus."""
@@ -364,6 +397,7 @@ def main() -> None:
     results["bad"] = run_bad(engine, out_dir)
     results["batch_size_change"] = run_batch_size_change(engine, out_dir, local_rank)
     results["observed"] = run_observed(engine, out_dir, local_rank)
+    results["evaluated"] = run_evaluated(engine, tripwire, out_dir)
     results["paced"] = run_paced(engine, out_dir)
     torch.distributed.barrier()  # rank 0 wrote the plan
     results["failure"] = run_failure(engine, tripwire, out_dir, local_rank)

@@ -170,8 +170,19 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
     if virtual == 1:
         iterate()
         locked_during = gpu.locked_clocks_mhz() if gpu is not None else None
-        # Evaluation (forward_only) runs untouched: nothing fed, not an iteration.
+        # Evaluation (forward_only) runs untouched: nothing fed, not an iteration, and the
+        # profiling window in progress is paused before it (an Interruption).
         fed_before = len(fed)
+        controller = energy.controller
+        assert controller is not None
+        handled: list[str] = []
+        handle = controller.handle
+
+        def recorded(event: Any) -> Any:
+            handled.append(type(event).__name__)
+            return handle(event)
+
+        controller.handle = recorded  # type: ignore[method-assign]
         losses = forward_backward(
             forward_step_func=mc.forward_step,
             data_iterator=data(1, 99),
@@ -181,7 +192,8 @@ def run_schedule(virtual: int, out_dir: Path, rank: int) -> dict[str, Any]:
             micro_batch_size=mc.MICRO_BATCH_SIZE,
             forward_only=True,
         )
-        evaluation = {"fed": len(fed) - fed_before, "losses": len(losses)}
+        del controller.handle
+        evaluation = {"fed": len(fed) - fed_before, "losses": len(losses), "events": handled}
         energy.close()
     else:
         with energy:

@@ -31,6 +31,7 @@ from accelerate import Accelerator, debug_launcher
 from accelerate.tracking import GeneralTracker
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
+from torch.utils.data import DataLoader
 
 from lightning_energy.config import CONFIG_ENV_VAR
 from lightning_energy.device import SimulatedSpec, simulated_gpus
@@ -267,6 +268,27 @@ def test_free_memory_between_two_trainings_counts_the_second_as_a_new_workload(
         train(accelerator, model, optimizer, loader)
 
         assert energy.controller is not None and energy.controller.steps == 10
+        state = energy.state_dict()
+        assert state["workload"] != first_workload
+        assert set(state["optimizers"]) == {first_workload, state["workload"]}
+
+
+def test_the_same_optimizer_prepared_again_after_free_memory_starts_a_new_training(
+    tmp_path: Path,
+) -> None:
+    """``free_memory()`` without arguments, the user keeping the model and optimizer, then
+    ``prepare`` again with another loader: Accelerate wraps the same optimizer again."""
+    accelerator = Accelerator(cpu=True)
+    with attach_energy(accelerator, energy_config(tmp_path)) as energy:
+        raw_model, raw_optimizer, loader = training_parts(micro_batches=5)
+        train(accelerator, *accelerator.prepare(raw_model, raw_optimizer, loader))
+        first_workload = energy.state_dict()["workload"]
+        accelerator.free_memory()
+
+        wider = DataLoader(loader.dataset, batch_size=8)
+        train(accelerator, *accelerator.prepare(raw_model, raw_optimizer, wider))
+
+        assert energy.controller is not None and energy.controller.steps == 8
         state = energy.state_dict()
         assert state["workload"] != first_workload
         assert set(state["optimizers"]) == {first_workload, state["workload"]}

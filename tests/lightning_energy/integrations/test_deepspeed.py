@@ -144,6 +144,19 @@ def test_with_perseus_off_energy_is_measured_and_reported_and_clocks_untouched(
     assert summary["job_energy_j"] == pytest.approx(sum(r["observed"]["energy_j"] for r in ranks))
 
 
+def test_eval_batch_is_left_out_of_the_power_limit_profile(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``eval_batch`` runs between iterations, where a window measures: the busy
+    evaluation must change no limit's measured time or energy per step."""
+    for result in ranks:
+        alone, evaluated = result["evaluated"]["alone"], result["evaluated"]["with_evaluation"]
+        assert sorted(alone) == sorted(evaluated) == ["200.0", "300.0", "400.0"]
+        for limit, (time_s, energy_j) in alone.items():
+            assert evaluated[limit][0] == pytest.approx(time_s, rel=0.01), limit
+            assert evaluated[limit][1] == pytest.approx(energy_j, rel=0.01), limit
+
+
 # ------------------------------------------------------------------- restore
 def test_clocks_and_power_limit_are_restored_after_a_normal_end(
     ranks: list[dict[str, Any]],
