@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -141,6 +142,7 @@ class CarbonMonitor:
         self._lifecycle_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        self._polled = threading.Event()  # set once a first poll has ended, however
         self._scheduler: BackgroundScheduler | None = None
         self._last_good: IntensityPoint | None = None
         self._last_good_at: float | None = None
@@ -359,6 +361,19 @@ class CarbonMonitor:
             with self._state_lock:
                 self._poll_started = None
                 self._overrun_noted = False
+            self._polled.set()
+
+    def wait_for_first_poll(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a first poll to end (answered or failed), so that
+        :meth:`latest` gives the provider's value rather than the fallback of a poll still
+        on its way; whether one has ended.
+
+        Raises:
+            CarbonConfigError: ``timeout_s`` is not a number >= 0.
+        """
+        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s >= 0):
+            raise CarbonConfigError(f"timeout_s: {timeout_s!r} is not allowed; use a finite >= 0")
+        return self._polled.wait(timeout_s)
 
     def _note_overrun(self) -> None:
         """A run came due while a poll is still going: start an outage (one WARNING) once

@@ -43,6 +43,10 @@ __all__ = ["CarbonPacer", "PaceUpdate"]
 
 log = logging.getLogger(__name__)
 
+#: How long :meth:`CarbonPacer.start` waits for the first poll of a provider that makes no
+#: HTTP request (a trace, a constant), on a real clock.
+_LOCAL_POLL_WAIT_S = 5.0
+
 #: Providers that read local data, so polling them on a virtual clock costs nothing.
 _LOCAL_PROVIDERS = ("trace", "constant")
 
@@ -203,11 +207,22 @@ class CarbonPacer:
         return self.config.deadline is not None or self.config.max_slowdown is not None
 
     def start(self) -> None:
-        """Poll once now, then keep polling (in the background on a real clock)."""
+        """Poll once now, then keep polling (in the background on a real clock).
+
+        On a real clock the first poll runs in the background, and this waits for it as
+        long as one request to the provider may take (its connect and read timeouts, no
+        retries): the intensity read next charges the run's first logging interval, and
+        should be the grid's, not the fallback of a poll on its way. A slower provider
+        leaves the fallback there, as before; training is never held longer."""
+        from carbon.providers.base import HttpProvider
+
         if self._poll_on_clock:
             self._poll_local()
-        else:
-            self.monitor.start()
+            return
+        self.monitor.start()
+        provider = self.monitor.provider
+        one_request_s = sum(provider.timeout_s) if isinstance(provider, HttpProvider) else 0.0
+        self.monitor.wait_for_first_poll(max(one_request_s, _LOCAL_POLL_WAIT_S))
 
     def _poll_local(self) -> None:
         """Read local data on the virtual clock; read it again after ``poll_interval_s``

@@ -164,6 +164,17 @@ def test_forecast_and_history_in_memory() -> None:
     assert [p.time.hour for p in monitor.history()] == [0, 2]
 
 
+def test_waiting_for_the_first_poll() -> None:
+    clock = Clock()
+    monitor = CarbonMonitor(ScriptedProvider(clock), seed_history_s=0, clock=clock)
+    assert monitor.wait_for_first_poll(0) is False  # none has run
+    for bad in (float("nan"), float("inf"), -1.0, "1"):
+        with pytest.raises(CarbonConfigError, match="timeout_s"):
+            monitor.wait_for_first_poll(bad)  # type: ignore[arg-type]
+    monitor.poll_now()
+    assert monitor.wait_for_first_poll(0) is True
+
+
 def test_history_window_is_trimmed() -> None:
     clock = Clock()
     provider = ScriptedProvider(clock)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from carbon.config import CarbonConfig
 from lightning_energy.pacing import CarbonPacer
+from tests.carbon.conftest import ApiServer, Reply
 
 T0 = datetime(2023, 3, 1, tzinfo=timezone.utc)
 SPAN_S = 3 * 86400.0
@@ -110,6 +111,33 @@ def _in_thread(call: Callable[[], Any]) -> Any:
     thread.join(timeout=60)
     assert not thread.is_alive(), "the caller waited for the decision"
     return out[0]
+
+
+def test_on_the_wall_clock_the_first_interval_is_charged_at_the_grids_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first poll runs in the background; the intensity read right after ``start()``
+    charges the run's first logging interval, so it must be the grid's, not the fallback
+    (400 g/kWh) of a poll still on its way: a real API answers in tens of milliseconds."""
+    now = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+    server = ApiServer()
+    server.route(
+        "/v4/carbon-intensity/latest",
+        Reply.json({"zone": "FR", "carbonIntensity": 35, "datetime": now.isoformat()}, delay_s=0.2),
+    )
+    server.start()
+    monkeypatch.setenv("ELECTRICITYMAPS_TOKEN", "a-token")
+    config = CarbonConfig(
+        provider="electricitymaps", region="FR", base_url=server.url + "/v4", poll_interval_s=600
+    )
+    pacer = CarbonPacer(config, now=lambda: datetime.now(timezone.utc), virtual_clock=False)
+    try:
+        pacer.start()
+        assert pacer.intensity_g_per_kwh() == 35.0
+        assert len(server.requests_to("/v4/carbon-intensity/latest")) == 1
+    finally:
+        pacer.stop()
+        server.stop()
 
 
 def test_on_the_wall_clock_the_policy_decides_in_the_background(tmp_path: Path) -> None:
