@@ -14,7 +14,7 @@ import pytest
 
 from lightning_energy.device import SimulatedSpec, TraceModel
 from lightning_energy.errors import CheckpointMismatchError, ConfigError
-from tests.lightning_energy.integrations._models import make_loader, module_class
+from tests.lightning_energy.integrations._models import make_loader, module_class, quiet_trainer
 from tests.lightning_energy.processes import run_launch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -143,19 +143,7 @@ def test_validation_inside_fit_is_left_out_of_every_window(
             callback.controller.devices.run_step()  # the GPU is as busy as in training
             super().validation_step(batch, batch_idx)
 
-    trainer = ns.Trainer(
-        max_steps=160,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[callback],
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        val_check_interval=7,
-        logger=False,
-    )
+    trainer = quiet_trainer(ns, callback, tmp_path, 160, val_check_interval=7)
     trainer.fit(HeavyValidation(), make_loader(), make_loader(n=32))
     _assert_profile_is_the_workloads(callback.controller.profile())
 
@@ -184,19 +172,9 @@ def test_checkpoints_written_during_profiling_are_left_out_of_every_window(
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             callback.controller.devices.gpus[0].idle(60.0)  # a large model to disk
 
-    trainer = ns.Trainer(
-        max_steps=120,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[
-            callback,
-            ns.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3),
-        ],
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        logger=False,
+    checkpoints = ns.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)
+    trainer = quiet_trainer(
+        ns, callback, tmp_path, 120, callbacks=[callback, checkpoints], enable_checkpointing=True
     )
     trainer.fit(SlowCheckpoint(), make_loader())
     _assert_profile_is_the_workloads(callback.controller.profile())
