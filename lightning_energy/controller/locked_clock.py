@@ -280,7 +280,11 @@ class LockedClockKnob(SettingKnob):
         gpus = run.devices.gpus
         common = set.intersection(*(set(g.supported_sm_clocks_mhz()) for g in gpus))
         supported = sorted(common or set(gpus[0].supported_sm_clocks_mhz()))
-        candidates = thin_clocks_mhz(supported, run.config.power_limit.clock_step_mhz)
+        # Rank 0's, on every rank: another GPU model elsewhere supports other clocks, and
+        # a rank with other windows would wait in a collective the others never reach.
+        candidates = run.collective.broadcast(
+            thin_clocks_mhz(supported, run.config.power_limit.clock_step_mhz)
+        )
         seen = self.limits.average_clocks_mhz(self.session.workload).values()
         seeds: list[float] = run.collective.broadcast(sorted(seen))
         nearest = {float(min(supported, key=lambda c: abs(c - s))) for s in seeds}

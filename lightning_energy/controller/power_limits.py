@@ -130,7 +130,7 @@ class PowerLimitKnob(SettingKnob):
     def _new_optimizer(self) -> PowerLimitOptimizer:
         run = self.run
         section = run.config.power_limit
-        lo, hi = self.limit_range()
+        lo, hi = self.job_limit_range()
         # What the guard would apply: above the pre-job limit (or an enforced one below
         # it) limits do not differ, so the profile is labelled with the limits applied.
         requested = section.candidates_w(lo, hi)
@@ -148,12 +148,33 @@ class PowerLimitKnob(SettingKnob):
 
     def limit_range(self) -> tuple[float, float]:
         """The range every local GPU accepts, capped at the lowest pre-job limit and at a
-        board or rack limiter below it."""
+        board or rack limiter below it (this rank's: see :meth:`job_limit_range`)."""
         guard, devices = self._guard, self.run.devices
         los, his = zip(*(g.power_limit_constraints_w() for g in devices.gpus), strict=True)
         pre = [guard.pre_job_power_limit_w(i) for i in range(len(devices))]
         enforced = [] if self._enforced_limit_w is None else [self._enforced_limit_w]
         return max(los), min(*his, *pre, *enforced)
+
+    def job_limit_range(self) -> tuple[float, float]:
+        """The range every GPU of the job accepts (a collective): every rank profiles the
+        same candidates, or one with fewer windows would end its profile while another
+        waits in a window's collective (a GPU capped by an administrator, another model).
+
+        Raises:
+            ConfigError: no limit lies in every GPU's range (every rank).
+        """
+        lo, hi = self.limit_range()
+        _, (lo, neg_hi) = self.run.collective.sum_and_max([], [lo, -hi])
+        if lo > -neg_hi:
+            raise ConfigError(
+                [
+                    f"power limits: no limit lies in every GPU's range: the highest minimum "
+                    f"is {lo:g} W and the lowest maximum (or pre-job limit) {-neg_hi:g} W; "
+                    "profile GPUs of one kind, or use power_limit.enabled: false"
+                ],
+                self.run.config.source,
+            )
+        return lo, -neg_hi
 
     def restore_highest(self, reason: str) -> None:
         """Back to the highest limit this job may set (its pre-job limit, or a board

@@ -139,11 +139,13 @@ class SettingKnob(ABC):
         section = run.config.power_limit
         devices = run.devices
         # The Zeus cost weighs time by the highest power limit of the GPUs (x every
-        # GPU of the job), not the highest candidate, whatever the knob.
+        # GPU of the job), not the highest candidate, whatever the knob: the job's lowest,
+        # so that every rank's selector chooses alike.
         top_w = min(g.power_limit_constraints_w()[1] for g in devices.gpus)
         # Every rank sizes its windows alike: by the slowest energy counter of the job.
         period = max(g.energy_counter_period_s() for g in devices.gpus)
-        _, (period,) = run.collective.sum_and_max([], [period])
+        _, (period, neg_top_w) = run.collective.sum_and_max([], [period, -top_w])
+        top_w = -neg_top_w
         self.session.counter_period_s = period
         return PowerLimitOptimizer(
             candidates,

@@ -235,6 +235,28 @@ def test_two_ranks_on_one_gpu_measure_it_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_ranks_whose_gpus_allow_different_limits_profile_the_same_candidates(
+    tmp_path: Path,
+) -> None:
+    """An administrator left one GPU capped at 200 W (or a node has another GPU model):
+    every rank must profile the limits the whole job can set, or the rank with fewer
+    windows ends its profile while the other waits in a window's collective."""
+    capped = simulated_gpus(
+        SimulatedSpec(gpu="a40", first_index=1, state_dir=str(tmp_path / "gpus"))
+    )[0]
+    capped.set_power_limit_w(200.0)
+    try:
+        ranks = _run(tmp_path, [{"local_rank": 0}, {"local_rank": 1}])
+    finally:
+        capped.set_power_limit_w(300.0)
+    assert [r.get("error") for r in ranks] == [None, None]
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    profiled = sorted(m["power_limit_w"] for m in ranks[0]["profile"])
+    assert profiled == sorted(m["power_limit_w"] for m in ranks[1]["profile"]) == [150.0, 200.0]
+    assert [r["power_limit_w"] for r in ranks] == [300.0, 200.0]  # each its pre-job limit
+
+
+@pytest.mark.slow
 def test_simulated_gpus_of_two_nodes_are_two_gpus(tmp_path: Path) -> None:
     ranks = _run(tmp_path, [{"local_rank": 0, "node_rank": 0}, {"local_rank": 0, "node_rank": 1}])
     assert ranks[0]["uuid"] != ranks[1]["uuid"]
