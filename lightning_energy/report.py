@@ -52,7 +52,13 @@ from typing import Any
 from carbon.accounting import J_PER_KWH
 from lightning_energy.controller import EnergyController
 from lightning_energy.errors import EnergyError
-from lightning_energy.summary_rows import node_energy_rows, power_limit_rows
+from lightning_energy.summary_rows import (
+    NOT_MEASURED,
+    estimates_measured,
+    mode_rows,
+    node_energy_rows,
+    power_limit_rows,
+)
 
 __all__ = [
     "REPORT_VERSION",
@@ -496,13 +502,14 @@ def format_report(report: Mapping[str, Any]) -> str:
         )
         rows.append(("paused (carbon pacing)", f"{times}, {_duration(paused_s)}{share}"))
     rows.extend(power_limit_rows(summary, chosen_power_limits_w(report)))
-    saved_j = _measured(summary, "energy_saved_j")
+    measured = estimates_measured(summary)
+    saved_j = _measured(summary, "energy_saved_j") if measured else None
     if saved_j is None or energy_j is None:
         saved = NOT_MEASURED
     else:
         saved = f"{_energy(saved_j, kwh)} ({_share(saved_j, energy_j)})"
     rows.append(("energy saved vs. full power", saved))
-    slowdown = _measured(summary, "slowdown")
+    slowdown = _measured(summary, "slowdown") if measured else None
     if slowdown is None:
         rows.append(("slowdown vs. full power", NOT_MEASURED))
     else:
@@ -512,15 +519,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     if pace:
         rows.append(("carbon pace (step time)", pace))
     rows.extend(_carbon_rows(report.get("carbon"), energy_j or 0.0, summary.get("energy_counted")))
-    if summary.get("observe_only"):
-        rows.append(("mode", "observe-only (GPU settings could not be changed)"))
+    rows.extend(mode_rows(summary))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-#: What the summary table shows for a value the report does not hold (null or absent): a
-#: reading that failed or never happened, never a made-up zero.
-NOT_MEASURED = "not measured"
 
 
 def _measured(section: Mapping[str, Any], key: str) -> float | None:

@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["node_energy_rows", "power_limit_rows"]
+__all__ = [
+    "NOT_MEASURED",
+    "estimates_measured",
+    "mode_rows",
+    "node_energy_rows",
+    "power_limit_rows",
+]
+
+#: What a summary shows for a value the run does not hold (null or absent, or a placeholder
+#: after a failed reading): a reading that failed or never happened, never a made-up zero.
+NOT_MEASURED = "not measured"
 
 
 def power_limit_rows(summary: Mapping[str, Any], chosen: Sequence[float]) -> list[tuple[str, str]]:
@@ -84,4 +94,27 @@ def node_energy_rows(
         counted = summary.get("energy_counted")
         total = energy(float(gpu_j) + (node_j or 0.0))
         rows.append(("total energy", f"{total} ({counted})" if counted else total))
+    return rows
+
+
+def estimates_measured(summary: Mapping[str, Any]) -> bool:
+    """Whether the summary's savings and slowdown were measured: a GPU reading that failed
+    mid-run ends every measurement, and they are then only the summary's placeholders."""
+    return summary.get("read_error") is None
+
+
+def mode_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Failed readings and observe-only mode, as summary rows: an observe-only run that had
+    set limits before a GPU failed says they were restored, not that none could be set."""
+    rows: list[tuple[str, str]] = []
+    if summary.get("read_error") is not None:
+        rows.append(
+            ("GPU readings", f"failed mid-run, energy incomplete ({summary['read_error']})")
+        )
+    if summary.get("observe_only"):
+        if summary.get("power_limits_applied"):
+            why = "from mid-run (the settings it had changed were restored)"
+        else:
+            why = "(GPU settings could not be changed)"
+        rows.append(("mode", f"observe-only {why}"))
     return rows

@@ -36,7 +36,13 @@ from lightning_energy.controller import (
     RunSummary,
 )
 from lightning_energy.errors import ConfigError, EnergyError
-from lightning_energy.summary_rows import node_energy_rows, power_limit_rows
+from lightning_energy.summary_rows import (
+    NOT_MEASURED,
+    estimates_measured,
+    mode_rows,
+    node_energy_rows,
+    power_limit_rows,
+)
 
 __all__ = [
     "EnergyAdapter",
@@ -178,14 +184,15 @@ def format_summary(summary: RunSummary) -> str:
     setting = summary.locked_clock_mhz if summary.knob == "locked_clock" else summary.power_limit_w
     chosen = [] if setting is None else [setting]
     rows += power_limit_rows(summary.to_dict(), chosen)
+    measured = estimates_measured(summary.to_dict())
     rows += [
-        ("energy saved (estimate)", f"{summary.energy_saved_j / 1000:.2f} kJ"),
-        ("slowdown", f"{(summary.slowdown - 1) * 100:+.1f} %"),
+        (
+            "energy saved (estimate)",
+            f"{summary.energy_saved_j / 1000:.2f} kJ" if measured else NOT_MEASURED,
+        ),
+        ("slowdown", f"{(summary.slowdown - 1) * 100:+.1f} %" if measured else NOT_MEASURED),
     ]
-    if summary.observe_only:
-        rows.append(("mode", "observe-only (GPU settings unchanged)"))
-    if summary.read_error is not None:
-        rows.append(("GPU readings", f"failed mid-run, energy incomplete ({summary.read_error})"))
+    rows += mode_rows(summary.to_dict())
     carbon = summary.carbon or {}
     if "emissions_g" in carbon:
         factor = carbon.get("emission_factor")

@@ -9,6 +9,7 @@ a test that leaves a GPU changed, a thread running or a signal handler behind.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from lightning_energy.config import EnergyConfig
 from lightning_energy.controller import EnergyController
 from lightning_energy.device import SimulatedGPU, SimulatedSpec, open_devices
 from lightning_energy.errors import DriverError, GPULostError
+from lightning_energy.integrations.adapter import format_summary
+from lightning_energy.report import build_report, format_report
 from tests.lightning_energy.integrations._models import (
     energy_config,
     make_loader,
@@ -104,6 +107,18 @@ def test_a_read_failing_after_the_profile_restores_at_once(tmp_path: Path) -> No
     assert gpu.power_limit_w() == PRE_JOB_W and controller.metrics == {}
     summary = controller.teardown()
     assert summary.read_error is not None and summary.steps == 170
+    # What is printed says so: limits were set and restored, the energy is incomplete and
+    # the savings unknown (not 0), in the logged summary and in the report's table.
+    for table in (format_summary(summary), format_report(build_report(controller))):
+        rows = dict(re.findall(r"^\s*(\S.*?)\s{2,}(.*)$", table, flags=re.M))
+        assert "failed mid-run, energy incomplete" in rows["GPU readings"], table
+        assert "could not be changed" not in table and "settings unchanged" not in table
+        assert "restored" in rows["mode"], table
+        saved = next(v for k, v in rows.items() if k.startswith("energy saved"))
+        slowdown = next(v for k, v in rows.items() if k.startswith("slowdown"))
+        assert saved.strip().startswith("not measured") and slowdown.strip().startswith(
+            "not measured"
+        ), table
 
 
 def test_lightning_fit_survives_a_read_failing_mid_run(tmp_path: Path) -> None:
