@@ -35,7 +35,7 @@ from lightning_energy.controller.events import (
     StepEnd,
     StepStart,
 )
-from lightning_energy.controller.job_plan import node_name
+from lightning_energy.controller.job_plan import launcher_node_rank, node_name
 from lightning_energy.controller.knobs import Knob, KnobDecision, RegisteredKnobs
 from lightning_energy.controller.ledger import RunLedger
 from lightning_energy.controller.locked_clock import FOREIGN_CLOCK_CHECK_STEPS
@@ -92,6 +92,8 @@ class EnergyController(ControllerQueries):
         install_signal_handlers: bool = True,
     ) -> None:
         self.config = config or EnergyConfig()
+        if node_rank is None:  # simulated GPUs of two nodes must differ as real ones do
+            node_rank = launcher_node_rank()
         self._devices = RankDevices(
             self.config.device,
             devices,

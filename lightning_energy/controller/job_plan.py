@@ -43,6 +43,7 @@ __all__ = [
     "agree",
     "describe_shared",
     "job_totals",
+    "launcher_node_rank",
     "measuring_ranks",
     "node_meters",
     "node_name",
@@ -51,6 +52,16 @@ __all__ = [
 
 #: Environment variables launchers set to a node's index (torchrun, Lightning, Slurm).
 _NODE_ENV = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+
+
+def launcher_node_rank() -> int | None:
+    """The node index the launcher gives (``GROUP_RANK``, ``NODE_RANK`` or
+    ``SLURM_NODEID``, the first set to a number), or None."""
+    for name in _NODE_ENV:
+        value = os.environ.get(name, "").strip()
+        if value.isascii() and value.isdigit() and len(value) <= 9:
+            return int(value)
+    return None
 
 
 def node_name(node_rank: int | None = None) -> str:
@@ -64,11 +75,7 @@ def node_name(node_rank: int | None = None) -> str:
             ``SLURM_NODEID``, else none).
     """
     if node_rank is None:
-        for name in _NODE_ENV:
-            value = os.environ.get(name, "").strip()
-            if value.isdigit():
-                node_rank = int(value)
-                break
+        node_rank = launcher_node_rank()
     host = socket.gethostname()
     return host if node_rank is None else f"{host}#{node_rank}"
 

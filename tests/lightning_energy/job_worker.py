@@ -2,17 +2,19 @@
 test_job_plan.py).
 
 Arguments: rank, port, output folder, then a JSON object of options: ``local_rank``,
-``node_rank``, ``strict``, ``state_dir`` and ``lease_dir`` (the simulated GPUs' settings
-and leases live in files, shared by every process, as a real GPU's are), ``steps``,
-``powercap_root`` (a fake powercap tree the node's CPU energy is read from) and
-``node_counter`` (``[energy_uj path, range_uj, joules]``: rank 0 moves that counter on by
-``joules`` after each of its steps, as the node's CPUs would).
+``node_rank``, ``env`` (variables set first, as a launcher would), ``strict``,
+``state_dir`` and ``lease_dir`` (the simulated GPUs' settings and leases live in files,
+shared by every process, as a real GPU's are), ``steps``, ``powercap_root`` (a fake
+powercap tree the node's CPU energy is read from) and ``node_counter`` (``[energy_uj
+path, range_uj, joules]``: rank 0 moves that counter on by ``joules`` after each of its
+steps, as the node's CPUs would).
 Writes ``rank<r>.json`` with the summary, the decisions, the job totals or the error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from tests.lightning_energy.device.fake_powercap import add_energy_j
 def main() -> None:
     rank, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     options: dict[str, Any] = json.loads(sys.argv[4])
+    os.environ.update(options.get("env", {}))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = EnergyConfig.from_mapping(
         {

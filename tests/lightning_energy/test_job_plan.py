@@ -257,8 +257,16 @@ def test_ranks_whose_gpus_allow_different_limits_profile_the_same_candidates(
 
 
 @pytest.mark.slow
-def test_simulated_gpus_of_two_nodes_are_two_gpus(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, [{"local_rank": 0, "node_rank": 0}, {"local_rank": 0, "node_rank": 1}])
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_simulated_gpus_of_two_nodes_are_two_gpus(tmp_path: Path, given: str) -> None:
+    """The node rank given to the controller, or only in the launcher's environment (the
+    adapters of DeepSpeed, Megatron, Accelerate and Transformers pass none)."""
+    options: list[dict[str, Any]]
+    if given == "argument":
+        options = [{"local_rank": 0, "node_rank": n} for n in (0, 1)]
+    else:
+        options = [{"local_rank": 0, "env": {"GROUP_RANK": str(n)}} for n in (0, 1)]
+    ranks = _run(tmp_path, options)
     assert ranks[0]["uuid"] != ranks[1]["uuid"]
     assert not any(r["summary"]["observe_only"] for r in ranks)
     job = ranks[0]["job"]
