@@ -222,7 +222,11 @@ def _check_window(args: argparse.Namespace) -> None:
 
 
 def _power(args: argparse.Namespace) -> tuple[float, str] | None:
-    """The job's mean power and where it comes from, when given."""
+    """The job's mean power while it trains, and where it comes from, when given.
+
+    From a report: the job's energy over the run's time, or, where carbon pacing paused
+    the run (logging intervals without a step, at idle power), over the time it trained,
+    the pauses' energy left out: the window plans a job that runs without a break."""
     if args.power_w is not None:
         return float(args.power_w), "given"
     if args.report is None:
@@ -242,9 +246,20 @@ def _power(args: argparse.Namespace) -> tuple[float, str] | None:
             "from; give --power-w"
         )
     power_w = float(energy_j) / float(duration_s)
+    paused = [e for e in report["timeline"] if not e.get("steps")]
+    training = [e for e in report["timeline"] if e.get("steps")]
+    train_j = sum(float(e.get("energy_j") or 0.0) for e in training)
+    train_s = sum(float(e.get("duration_s") or 0.0) for e in training)
+    own_j = summary.get("energy_j")
+    pauses_out = bool(paused) and train_j > 0 and train_s > 0 and bool(own_j)
+    if pauses_out:  # this rank's training power, scaled to the job's energy
+        power_w = train_j / train_s * float(energy_j) / float(own_j)
     if not (math.isfinite(power_w) and power_w <= _MAX_POWER_W):
         raise _UsageError(f"--report: {args.report} gives an impossible power ({power_w:g} W)")
-    return power_w, f"measured in {args.report}"
+    simulated = any("(simulated)" in str(d.get("name", "")) for d in report["devices"])
+    on = " on simulated GPUs" if simulated else ""
+    out = ", pauses left out" if pauses_out else ""
+    return power_w, f"measured{on} in {args.report}{out}"
 
 
 def _window(

@@ -98,6 +98,36 @@ def test_the_power_of_a_run_report(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "error: --report: " in capsys.readouterr().err
 
 
+def test_the_power_of_a_paced_simulated_run_leaves_its_pauses_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The window plans a job that runs without a break: a carbon pause (a logging
+    interval without a step, at idle power) is no part of the job's power, and a
+    simulated GPU's power is said to be simulated."""
+    # 200 W while training, 30 W while paused
+    timeline = [
+        {"step": 10, "time_s": 1000.0, "steps": 10, "duration_s": 1000.0, "energy_j": 2.0e5},
+        {"step": 10, "time_s": 4000.0, "steps": 0, "duration_s": 3000.0, "energy_j": 9.0e4},
+        {"step": 20, "time_s": 5000.0, "steps": 10, "duration_s": 1000.0, "energy_j": 2.0e5},
+    ]
+    report = {
+        "version": 1,
+        "created": "2023-05-30T00:00:00+00:00",
+        "config": {},
+        "devices": [{"index": 0, "name": "NVIDIA A40 (simulated)", "uuid": "GPU-sim-a40-0"}],
+        "timeline": timeline,
+        "profile": [],
+        "decisions": [{"purpose": "pause", "kind": "power_limit", "value": 100.0}],
+        "summary": {"energy_j": 4.9e5, "duration_s": 5000.0},
+        "job": {"ranks": 2, "energy_j": 9.8e5},  # two such ranks
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(report), encoding="utf-8")
+    body = _window(capsys, "--duration", "2h", *TRACE, "--report", str(path))
+    assert body["power_w"] == pytest.approx(400.0)  # 200 W training on each of 2 ranks
+    assert "simulated" in body["power_from"] and "pauses left out" in body["power_from"]
+
+
 def test_electricitymaps_without_a_forecast_in_the_plan_still_plans_and_says_so(
     tmp_path: Path,
     api_server: ApiServer,
