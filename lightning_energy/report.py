@@ -315,6 +315,7 @@ _SECTION_FIELDS: dict[str, dict[str, str]] = {
         "node_energy": "obj?",
         "job_node_energy_j": "num?",
         "energy_counted": "str?",
+        "read_error": "str?",
     },
     "job": {
         "ranks": "num!",
