@@ -360,7 +360,8 @@ def plot_emissions(report: Mapping[str, Any], path: str | os.PathLike[str]) -> P
     steps after profiling, at the selector's limit or at the highest limit, on the
     intensities observed, each at its own pace (the full-power run ends first). Without
     carbon data the figure shows cumulative energy by step against the full-power
-    estimate (every step at the highest profiled limit's measured energy).
+    estimate (every step at the highest profiled limit's measured energy, this rank's
+    share of the job's).
 
     Args:
         report: a run report.
@@ -464,7 +465,10 @@ def _energy_by_step(
     top = max((profile_setting(m)[0] for m in report.get("profile", [])), default=None)
     full = _energy_per_step_j(report, top)
     if full is not None:
-        series["full power (every step at the highest limit)"] = np.diff(steps) * full
+        # The profile is the whole job's; the run's line is this rank's own energy: set
+        # beside it this rank's share (as the summary's saving is), not the job's.
+        ranks = (report.get("job") or {}).get("ranks") or 1
+        series["full power (every step at the highest limit)"] = np.diff(steps) * full / ranks
     total = max(float(np.sum(v)) for v in series.values())
     unit, div = ("kWh", J_PER_KWH) if total >= 0.1 * J_PER_KWH else ("kJ", 1000.0)
     for (name, values), (color, style) in zip(

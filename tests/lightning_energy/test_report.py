@@ -370,3 +370,37 @@ def test_power_plot_says_so_when_the_pace_never_moved(
         entry["intensity_g_per_kwh"] = 300.0
     plots.plot_power(report, tmp_path / "power.png")
     assert any("never moved" in n for n in notes) == flat
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_the_full_power_line_is_this_ranks_share_of_the_jobs_profile(
+    plain: EnergyController, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int
+) -> None:
+    """The profile's energy per step is the whole job's; the run's line is rank 0's own
+    energy: the full-power line beside it is rank 0's share, or a 4-rank job would
+    look like it saved three quarters of its energy."""
+    import matplotlib.axes
+
+    import lightning_energy.plots as plots
+
+    drawn: dict[str, float] = {}
+    plot = matplotlib.axes.Axes.plot
+
+    def recorded(ax: Any, x: Any, y: Any, *args: Any, **kwargs: Any) -> Any:
+        drawn[str(kwargs.get("label", "")).split(" (")[0]] = float(y[-1])
+        return plot(ax, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    report = build_report(plain)
+    report["profile"] = [
+        {**m, "energy_per_step_j": m["energy_per_step_j"] * ranks} for m in report["profile"]
+    ]
+    report["job"] = {"ranks": ranks, "energy_j": report["summary"]["energy_j"] * ranks}
+    plots.plot_emissions(report, tmp_path / "energy.png")
+    top = max(report["profile"], key=lambda m: m["power_limit_w"])
+    steps = sum(e["steps"] for e in report["timeline"])
+    full = next(v for k, v in drawn.items() if k.startswith("full power"))
+    run_j = sum(e["energy_j"] for e in report["timeline"])
+    # In the figure's unit, whichever: the two lines' ratio is that of their joules.
+    full_j = steps * top["energy_per_step_j"] / ranks
+    assert full / drawn["this run"] == pytest.approx(full_j / run_j, rel=1e-3)
