@@ -70,11 +70,25 @@ def main() -> None:
         sys.exit(3)
     with guard:
         applied_w = guard.set_power_limit_w(args.power_w)
-        worker = os.fork() if args.fork_worker else None
-        if worker == 0:
-            _wait_for_signals()
+        worker = _fork_worker() if args.fork_worker else None
         _report(guard, applied_w, worker=worker)
         _wait_for_signals()
+
+
+def _fork_worker() -> int:
+    """Fork a child that waits for signals; return once it runs Python code (the fork's
+    handlers have run in it), so that the job can be killed at once after."""
+    started, ready = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        os.close(started)
+        os.write(ready, b"1")
+        os.close(ready)
+        _wait_for_signals()
+    os.close(ready)
+    os.read(started, 1)
+    os.close(started)
+    return worker
 
 
 def _report(guard: GPUGuard, applied_w: float, *, worker: int | None = None) -> None:
