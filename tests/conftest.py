@@ -29,6 +29,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 _SIGNALS = [signal.SIGINT, signal.SIGTERM]
 
 
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """Integers of hundreds of digits (bad input past a float's range) named by their size,
+    not spelt out in every test id."""
+    digits = str(val).lstrip("-") if isinstance(val, int | str) else ""
+    if len(digits) > 30 and digits.isdigit():
+        return f"{'-' if str(val).startswith('-') else ''}{len(digits)}-digits"
+    return None
+
+
 def _live_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.is_alive()}
 
